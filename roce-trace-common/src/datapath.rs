@@ -1,0 +1,281 @@
+//! Records that cross the kernel/user line: map keys and values, the sample event, the
+//! load-time configuration and the global counter index. All `#[repr(C)]`, explicit
+//! padding, sizes asserted at compile time.
+
+/// Packets the program saw arriving (XDP).
+pub const DIR_INGRESS: u8 = 0;
+/// Packets the program saw leaving (TC egress).
+pub const DIR_EGRESS: u8 = 1;
+
+/// Map and global names, shared so the loader and the programs cannot disagree.
+pub const MAP_FLOWS: &str = "FLOWS";
+pub const MAP_FLOW_STATE: &str = "FLOW_STATE";
+pub const MAP_GLOBALS: &str = "GLOBALS";
+pub const MAP_SAMPLES: &str = "SAMPLES";
+pub const GLOBAL_CONFIG: &str = "CONFIG";
+pub const PROG_XDP: &str = "roce_xdp";
+pub const PROG_TC: &str = "roce_tc";
+
+pub const DEFAULT_MAX_FLOWS: u32 = 65_536;
+pub const SAMPLE_RING_BYTES: u32 = 4 << 20;
+
+/// One RDMA QP direction as seen at one observation point (interface + direction).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FlowKey {
+    /// IPv6 address, or IPv4 mapped as `::ffff:a.b.c.d`.
+    pub src: [u8; 16],
+    pub dst: [u8; 16],
+    pub ifindex: u32,
+    pub dest_qp: u32,
+    pub udp_sport: u16,
+    pub direction: u8,
+    /// 4 or 6.
+    pub ip_version: u8,
+}
+
+/// Exact per-flow counters, one copy per CPU (summed in userspace).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowCounters {
+    pub packets: u64,
+    pub bytes: u64,
+    /// Indexed by ECN codepoint: Not-ECT, ECT(1), ECT(0), CE.
+    pub ecn: [u64; 4],
+    pub cnp: u64,
+    pub ack: u64,
+    pub nak_psn_seq_err: u64,
+    pub nak_rnr: u64,
+    pub nak_other: u64,
+    /// Request packets whose PSN skipped ahead of the next expected one.
+    pub psn_gaps: u64,
+    /// Packets whose DSCP differs from the first DSCP seen on the flow.
+    pub dscp_changed: u64,
+    pub first_ns: u64,
+    pub last_ns: u64,
+    pub last_dscp: u8,
+    /// PCP of the outermost VLAN tag; [`PCP_NONE`] when untagged.
+    pub last_pcp: u8,
+    pub last_ttl: u8,
+    pub _pad: [u8; 5],
+}
+
+pub const PCP_NONE: u8 = 0xff;
+
+/// Per-flow state shared by all CPUs (not per-CPU, so a flow that moves CPU keeps its
+/// PSN sequence and first class).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowState {
+    pub next_psn: u32,
+    pub first_dscp: u8,
+    /// [`STATE_PSN_VALID`] | [`STATE_AFTER_READ`].
+    pub flags: u8,
+    pub _pad: [u8; 2],
+}
+pub const STATE_PSN_VALID: u8 = 1;
+/// The last request was a READ REQUEST: the next PSN may jump by the response count.
+pub const STATE_AFTER_READ: u8 = 2;
+
+/// Why a packet was emitted as a sample (bit set).
+pub const REASON_HASH: u32 = 1;
+pub const REASON_CNP: u32 = 1 << 1;
+pub const REASON_CE: u32 = 1 << 2;
+pub const REASON_NAK: u32 = 1 << 3;
+pub const REASON_UNEXPECTED_DSCP: u32 = 1 << 4;
+
+/// `Sample::present` bits: which optional fields hold a value.
+pub const HAS_AETH: u8 = 1;
+pub const HAS_RETH: u8 = 1 << 1;
+pub const HAS_DETH: u8 = 1 << 2;
+pub const HAS_ICRC: u8 = 1 << 3;
+pub const HAS_PCP: u8 = 1 << 4;
+
+/// One sampled packet at one observation point, sent through the ring buffer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sample {
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) when the program ran.
+    pub ts_ns: u64,
+    pub key: FlowKey,
+    pub psn: u32,
+    pub frame_len: u32,
+    pub reth_dma_len: u32,
+    pub aeth_msn: u32,
+    pub deth_src_qp: u32,
+    /// ICRC as on the wire (little-endian CRC-32 bytes).
+    pub icrc: [u8; 4],
+    pub pkey: u16,
+    pub udp_dport: u16,
+    pub udp_len: u16,
+    pub opcode: u8,
+    /// BTH byte 1: SE, M, PadCnt, TVer.
+    pub bth_flags: u8,
+    /// BTH byte 4: FECN, BECN, reserved.
+    pub bth_fecn_becn: u8,
+    /// BTH byte 8: AckReq, reserved.
+    pub bth_ack_req: u8,
+    pub dscp: u8,
+    pub ecn: u8,
+    pub ttl: u8,
+    pub pcp: u8,
+    pub aeth_syndrome: u8,
+    pub vlan_depth: u8,
+    /// `HAS_*` bits.
+    pub present: u8,
+    pub _pad: [u8; 3],
+    /// `REASON_*` bits.
+    pub reasons: u32,
+    pub _pad2: u32,
+}
+
+/// Load-time configuration, set with `EbpfLoader::override_global(GLOBAL_CONFIG, …)`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DatapathConfig {
+    pub udp_port: u16,
+    pub _pad: u16,
+    pub seed: u32,
+    /// Sampled when the identity hash is `<=` this (see `sampling::threshold_for_rate`).
+    pub sample_threshold: u32,
+    /// 0: hash sampling off (anomalies are still emitted).
+    pub sample_enabled: u32,
+    /// Bit `d` set: DSCP `d` is expected. 0: no expectation.
+    pub expected_dscp_mask: u64,
+}
+
+impl DatapathConfig {
+    pub const DEFAULT: Self = Self {
+        udp_port: crate::wire::ROCEV2_UDP_PORT,
+        _pad: 0,
+        seed: 0,
+        sample_threshold: u32::MAX / 1000,
+        sample_enabled: 1,
+        expected_dscp_mask: 0,
+    };
+}
+
+/// Global per-CPU counters. The discriminant indexes the `GLOBALS` array; the array holds
+/// one block of [`GLOBAL_COUNTERS_PER_DIR`] per direction.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GlobalCounter {
+    FramesSeen = 0,
+    RoceV2 = 1,
+    NonRoce = 2,
+    RoceV1 = 3,
+    TruncatedL2 = 4,
+    VlanTooDeep = 5,
+    TruncatedIp = 6,
+    BadIpHeader = 7,
+    Fragment = 8,
+    Ipv6ExtTooDeep = 9,
+    TruncatedUdp = 10,
+    BadUdpLength = 11,
+    TruncatedBth = 12,
+    TruncatedExtHeader = 13,
+    IcrcUnreadable = 14,
+    SamplesEmitted = 15,
+    RingbufFull = 16,
+    FlowInsertFailed = 17,
+    PsnRegressions = 18,
+}
+
+pub const GLOBAL_COUNTERS_PER_DIR: u32 = 32;
+pub const GLOBAL_COUNTERS_LEN: u32 = GLOBAL_COUNTERS_PER_DIR * 2;
+
+impl GlobalCounter {
+    pub const ALL: [GlobalCounter; 19] = [
+        Self::FramesSeen,
+        Self::RoceV2,
+        Self::NonRoce,
+        Self::RoceV1,
+        Self::TruncatedL2,
+        Self::VlanTooDeep,
+        Self::TruncatedIp,
+        Self::BadIpHeader,
+        Self::Fragment,
+        Self::Ipv6ExtTooDeep,
+        Self::TruncatedUdp,
+        Self::BadUdpLength,
+        Self::TruncatedBth,
+        Self::TruncatedExtHeader,
+        Self::IcrcUnreadable,
+        Self::SamplesEmitted,
+        Self::RingbufFull,
+        Self::FlowInsertFailed,
+        Self::PsnRegressions,
+    ];
+
+    #[inline(always)]
+    pub const fn index(self, direction: u8) -> u32 {
+        direction as u32 * GLOBAL_COUNTERS_PER_DIR + self as u32
+    }
+
+    /// Stable snake_case name used in JSON and metrics.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::FramesSeen => "frames_seen",
+            Self::RoceV2 => "rocev2",
+            Self::NonRoce => "non_roce",
+            Self::RoceV1 => "rocev1",
+            Self::TruncatedL2 => "truncated_l2",
+            Self::VlanTooDeep => "vlan_too_deep",
+            Self::TruncatedIp => "truncated_ip",
+            Self::BadIpHeader => "bad_ip_header",
+            Self::Fragment => "fragment",
+            Self::Ipv6ExtTooDeep => "ipv6_ext_too_deep",
+            Self::TruncatedUdp => "truncated_udp",
+            Self::BadUdpLength => "bad_udp_length",
+            Self::TruncatedBth => "truncated_bth",
+            Self::TruncatedExtHeader => "truncated_ext_header",
+            Self::IcrcUnreadable => "icrc_unreadable",
+            Self::SamplesEmitted => "samples_emitted",
+            Self::RingbufFull => "ringbuf_full",
+            Self::FlowInsertFailed => "flow_insert_failed",
+            Self::PsnRegressions => "psn_regressions",
+        }
+    }
+
+    /// A frame that could not be parsed (as opposed to one that is simply not RoCEv2).
+    pub const fn is_parse_failure(self) -> bool {
+        matches!(
+            self,
+            Self::TruncatedL2
+                | Self::VlanTooDeep
+                | Self::TruncatedIp
+                | Self::BadIpHeader
+                | Self::Fragment
+                | Self::Ipv6ExtTooDeep
+                | Self::TruncatedUdp
+                | Self::BadUdpLength
+                | Self::TruncatedBth
+                | Self::TruncatedExtHeader
+        )
+    }
+}
+
+const _: () = {
+    assert!(core::mem::size_of::<FlowKey>() == 44);
+    assert!(core::mem::size_of::<FlowCounters>() == 128);
+    assert!(core::mem::size_of::<FlowState>() == 8);
+    assert!(core::mem::size_of::<Sample>() == 104);
+    assert!(core::mem::size_of::<DatapathConfig>() == 24);
+    assert!((GlobalCounter::ALL.len() as u32) < GLOBAL_COUNTERS_PER_DIR);
+};
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY: all are #[repr(C)] plain integers and byte arrays with explicit padding,
+    // so every bit pattern is valid and there are no implicit padding bytes.
+    unsafe impl aya::Pod for FlowKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for FlowCounters {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for FlowState {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for Sample {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for DatapathConfig {}
+}

@@ -1,0 +1,13 @@
+//! Types shared by the roce-trace eBPF datapath and userspace.
+//!
+//! One definition of every header ([`wire`]), of RoCE opcode semantics ([`roce`]), of the
+//! parser that walks a frame ([`parse`]), of the sampling hash ([`sampling`]) and of every
+//! record that crosses the kernel/user line ([`datapath`]). The kernel runs the same
+//! parser over packet memory that host tests and pcap input run over byte slices.
+#![no_std]
+
+pub mod datapath;
+pub mod parse;
+pub mod roce;
+pub mod sampling;
+pub mod wire;

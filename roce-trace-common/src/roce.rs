@@ -1,0 +1,220 @@
+//! RoCE opcode semantics: which extended headers follow the BTH, which packets are
+//! requests, what an AETH syndrome means.
+
+pub const OP_CNP: u8 = 0x81;
+pub const OP_UD_SEND_ONLY: u8 = 0x64;
+pub const OP_UD_SEND_ONLY_IMM: u8 = 0x65;
+
+/// Transport (opcode bits 7:5).
+pub const TRANSPORT_RC: u8 = 0;
+pub const TRANSPORT_UC: u8 = 1;
+pub const TRANSPORT_RD: u8 = 2;
+pub const TRANSPORT_UD: u8 = 3;
+pub const TRANSPORT_CNP: u8 = 4;
+pub const TRANSPORT_XRC: u8 = 5;
+
+/// Operation (opcode bits 4:0), shared by RC, UC and XRC.
+pub mod op {
+    pub const SEND_FIRST: u8 = 0x00;
+    pub const SEND_MIDDLE: u8 = 0x01;
+    pub const SEND_LAST: u8 = 0x02;
+    pub const SEND_LAST_IMM: u8 = 0x03;
+    pub const SEND_ONLY: u8 = 0x04;
+    pub const SEND_ONLY_IMM: u8 = 0x05;
+    pub const WRITE_FIRST: u8 = 0x06;
+    pub const WRITE_MIDDLE: u8 = 0x07;
+    pub const WRITE_LAST: u8 = 0x08;
+    pub const WRITE_LAST_IMM: u8 = 0x09;
+    pub const WRITE_ONLY: u8 = 0x0A;
+    pub const WRITE_ONLY_IMM: u8 = 0x0B;
+    pub const READ_REQUEST: u8 = 0x0C;
+    pub const READ_RESPONSE_FIRST: u8 = 0x0D;
+    pub const READ_RESPONSE_MIDDLE: u8 = 0x0E;
+    pub const READ_RESPONSE_LAST: u8 = 0x0F;
+    pub const READ_RESPONSE_ONLY: u8 = 0x10;
+    pub const ACKNOWLEDGE: u8 = 0x11;
+    pub const ATOMIC_ACKNOWLEDGE: u8 = 0x12;
+    pub const CMP_SWAP: u8 = 0x13;
+    pub const FETCH_ADD: u8 = 0x14;
+    pub const SEND_LAST_INV: u8 = 0x16;
+    pub const SEND_ONLY_INV: u8 = 0x17;
+}
+
+#[inline(always)]
+pub const fn transport(opcode: u8) -> u8 {
+    opcode >> 5
+}
+
+#[inline(always)]
+pub const fn operation(opcode: u8) -> u8 {
+    opcode & 0x1f
+}
+
+/// Where the extended headers we read sit, as offsets from the end of the BTH.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExtLayout {
+    pub reth: Option<u8>,
+    pub aeth: Option<u8>,
+    pub deth: Option<u8>,
+    /// Bytes of fixed extended headers (the CNP's 16 reserved bytes included) that must be
+    /// present for the packet to be well formed.
+    pub min_len: u8,
+}
+
+/// The extended headers that follow the BTH for `opcode`.
+#[inline(always)]
+pub const fn ext_layout(opcode: u8) -> ExtLayout {
+    let t = transport(opcode);
+    let o = operation(opcode);
+    let none = ExtLayout { reth: None, aeth: None, deth: None, min_len: 0 };
+    match t {
+        TRANSPORT_CNP => {
+            if opcode == OP_CNP {
+                ExtLayout { min_len: 16, ..none }
+            } else {
+                none
+            }
+        }
+        TRANSPORT_UD => {
+            if o == op::SEND_ONLY || o == op::SEND_ONLY_IMM {
+                ExtLayout { deth: Some(0), min_len: 8, ..none }
+            } else {
+                none
+            }
+        }
+        TRANSPORT_RC | TRANSPORT_UC | TRANSPORT_XRC => {
+            // XRC requests carry a 4-byte XRCETH ahead of everything else.
+            let base: u8 = if t == TRANSPORT_XRC && is_request_op(o) { 4 } else { 0 };
+            match o {
+                op::WRITE_FIRST | op::WRITE_ONLY | op::WRITE_ONLY_IMM | op::READ_REQUEST => {
+                    ExtLayout { reth: Some(base), min_len: base + 16, ..none }
+                }
+                op::READ_RESPONSE_FIRST
+                | op::READ_RESPONSE_LAST
+                | op::READ_RESPONSE_ONLY
+                | op::ACKNOWLEDGE
+                | op::ATOMIC_ACKNOWLEDGE => ExtLayout { aeth: Some(0), min_len: 4, ..none },
+                _ => ExtLayout { min_len: base, ..none },
+            }
+        }
+        _ => none,
+    }
+}
+
+#[inline(always)]
+const fn is_request_op(o: u8) -> bool {
+    o <= op::READ_REQUEST || o == op::CMP_SWAP || o == op::FETCH_ADD || o == 0x15 || o == op::SEND_LAST_INV || o == op::SEND_ONLY_INV
+}
+
+/// A request packet: consumes requester PSNs (SEND, WRITE, READ REQUEST, atomics, UD SEND).
+#[inline(always)]
+pub const fn is_request(opcode: u8) -> bool {
+    match transport(opcode) {
+        TRANSPORT_RC | TRANSPORT_UC | TRANSPORT_XRC => is_request_op(operation(opcode)),
+        TRANSPORT_UD => {
+            let o = operation(opcode);
+            o == op::SEND_ONLY || o == op::SEND_ONLY_IMM
+        }
+        _ => false,
+    }
+}
+
+/// A READ REQUEST consumes one PSN per response packet, which the requester knows and
+/// the wire does not say (the path MTU is not in the packet).
+#[inline(always)]
+pub const fn is_read_request(opcode: u8) -> bool {
+    let t = transport(opcode);
+    (t == TRANSPORT_RC || t == TRANSPORT_XRC) && operation(opcode) == op::READ_REQUEST
+}
+
+/// An acknowledgement carrying an AETH that answers requests (not a read response).
+#[inline(always)]
+pub const fn is_ack_opcode(opcode: u8) -> bool {
+    let t = transport(opcode);
+    (t == TRANSPORT_RC || t == TRANSPORT_XRC)
+        && (operation(opcode) == op::ACKNOWLEDGE || operation(opcode) == op::ATOMIC_ACKNOWLEDGE)
+}
+
+/// What an AETH syndrome says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum AckKind {
+    Ack = 0,
+    RnrNak = 1,
+    NakPsnSeqErr = 2,
+    NakOther = 3,
+}
+
+pub const SYNDROME_NAK_PSN_SEQ_ERR: u8 = 0x60;
+
+#[inline(always)]
+pub const fn ack_kind(syndrome: u8) -> AckKind {
+    match (syndrome >> 5) & 0x3 {
+        0 => AckKind::Ack,
+        1 => AckKind::RnrNak,
+        3 => {
+            if syndrome == SYNDROME_NAK_PSN_SEQ_ERR {
+                AckKind::NakPsnSeqErr
+            } else {
+                AckKind::NakOther
+            }
+        }
+        _ => AckKind::NakOther,
+    }
+}
+
+/// PSN arithmetic is modulo 2^24.
+pub const PSN_MASK: u32 = 0x00ff_ffff;
+
+/// How far `psn` is ahead of `expected` (0 = in order); `None` when it is behind
+/// (a retransmission or reordering), judged over half the PSN space.
+#[inline(always)]
+pub const fn psn_ahead(expected: u32, psn: u32) -> Option<u32> {
+    let d = psn.wrapping_sub(expected) & PSN_MASK;
+    if d < 0x0080_0000 { Some(d) } else { None }
+}
+
+/// Human name of an opcode, as the IBTA names it.
+pub fn opcode_name(opcode: u8) -> &'static str {
+    if opcode == OP_CNP {
+        return "CNP";
+    }
+    let t = transport(opcode);
+    let o = operation(opcode);
+    if t == TRANSPORT_UD {
+        return match o {
+            op::SEND_ONLY => "UD SEND ONLY",
+            op::SEND_ONLY_IMM => "UD SEND ONLY IMM",
+            _ => "UD reserved",
+        };
+    }
+    if !(t == TRANSPORT_RC || t == TRANSPORT_UC || t == TRANSPORT_XRC) {
+        return "reserved";
+    }
+    match o {
+        op::SEND_FIRST => "SEND FIRST",
+        op::SEND_MIDDLE => "SEND MIDDLE",
+        op::SEND_LAST => "SEND LAST",
+        op::SEND_LAST_IMM => "SEND LAST IMM",
+        op::SEND_ONLY => "SEND ONLY",
+        op::SEND_ONLY_IMM => "SEND ONLY IMM",
+        op::WRITE_FIRST => "WRITE FIRST",
+        op::WRITE_MIDDLE => "WRITE MIDDLE",
+        op::WRITE_LAST => "WRITE LAST",
+        op::WRITE_LAST_IMM => "WRITE LAST IMM",
+        op::WRITE_ONLY => "WRITE ONLY",
+        op::WRITE_ONLY_IMM => "WRITE ONLY IMM",
+        op::READ_REQUEST => "READ REQUEST",
+        op::READ_RESPONSE_FIRST => "READ RESPONSE FIRST",
+        op::READ_RESPONSE_MIDDLE => "READ RESPONSE MIDDLE",
+        op::READ_RESPONSE_LAST => "READ RESPONSE LAST",
+        op::READ_RESPONSE_ONLY => "READ RESPONSE ONLY",
+        op::ACKNOWLEDGE => "ACK",
+        op::ATOMIC_ACKNOWLEDGE => "ATOMIC ACK",
+        op::CMP_SWAP => "CMP SWAP",
+        op::FETCH_ADD => "FETCH ADD",
+        op::SEND_LAST_INV => "SEND LAST INV",
+        op::SEND_ONLY_INV => "SEND ONLY INV",
+        _ => "reserved",
+    }
+}

@@ -1,0 +1,56 @@
+//! Consistent (trajectory) sampling: a hash of the fields the fabric does not change, so
+//! every observation point with the same seed samples the same packets.
+
+/// Identity hash of one packet. Addresses are in the 16-byte form of [`crate::datapath::FlowKey`]
+/// (IPv4 mapped as `::ffff:a.b.c.d`), so v4 and v6 hash the same way everywhere.
+#[inline(always)]
+#[expect(clippy::too_many_arguments, reason = "the identity fields, passed flat for the eBPF verifier")]
+pub fn identity_hash(
+    seed: u32,
+    src: &[u8; 16],
+    dst: &[u8; 16],
+    sport: u16,
+    dport: u16,
+    dest_qp: u32,
+    psn: u32,
+    opcode: u8,
+) -> u32 {
+    let mut h = seed ^ 0x9e37_79b9;
+    let mut i = 0;
+    while i < 16 {
+        h = mix(h, u32::from_ne_bytes([src[i], src[i + 1], src[i + 2], src[i + 3]]));
+        h = mix(h, u32::from_ne_bytes([dst[i], dst[i + 1], dst[i + 2], dst[i + 3]]));
+        i += 4;
+    }
+    h = mix(h, ((sport as u32) << 16) | dport as u32);
+    h = mix(h, dest_qp);
+    h = mix(h, psn);
+    h = mix(h, opcode as u32);
+    fmix(h)
+}
+
+// murmur3's 32-bit block mix and finaliser.
+#[inline(always)]
+const fn mix(h: u32, k: u32) -> u32 {
+    let k = k.wrapping_mul(0xcc9e_2d51).rotate_left(15).wrapping_mul(0x1b87_3593);
+    (h ^ k).rotate_left(13).wrapping_mul(5).wrapping_add(0xe654_6b64)
+}
+
+#[inline(always)]
+const fn fmix(mut h: u32) -> u32 {
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
+}
+
+/// Threshold for "1 in `rate`" sampling: a packet is sampled when its hash is `<=` it.
+/// `rate == 0` disables hash sampling (anomalies are still reported).
+pub const fn threshold_for_rate(rate: u32) -> Option<u32> {
+    match rate {
+        0 => None,
+        1 => Some(u32::MAX),
+        n => Some(((1u64 << 32) / n as u64 - 1) as u32),
+    }
+}

@@ -1,0 +1,6 @@
+// Rebuild when bpf-linker changes (a new LLVM changes the object).
+fn main() {
+    if let Ok(linker) = which::which("bpf-linker") {
+        println!("cargo:rerun-if-changed={}", linker.display());
+    }
+}

@@ -1,0 +1,40 @@
+//! Every map and global of the datapath, each with its purpose.
+
+use aya_ebpf::{
+    Global,
+    macros::map,
+    maps::{LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
+};
+use roce_trace_common::{datapath::*, parse::Parsed};
+
+/// Load-time configuration (port, sampling, expected DSCPs), overridden by the loader.
+#[unsafe(no_mangle)]
+pub static CONFIG: Global<DatapathConfig> = Global::new(DatapathConfig::DEFAULT);
+
+/// Exact per-flow counters, per CPU; LRU so a flood of new flows evicts idle ones.
+#[map]
+pub static FLOWS: LruPerCpuHashMap<FlowKey, FlowCounters> =
+    LruPerCpuHashMap::with_max_entries(DEFAULT_MAX_FLOWS, 0);
+
+/// Per-flow PSN sequence and first DSCP, shared by all CPUs.
+#[map]
+pub static FLOW_STATE: LruHashMap<FlowKey, FlowState> = LruHashMap::with_max_entries(DEFAULT_MAX_FLOWS, 0);
+
+/// Global counters indexed by `GlobalCounter::index(direction)`.
+#[map]
+pub static GLOBALS: PerCpuArray<u64> = PerCpuArray::with_max_entries(GLOBAL_COUNTERS_LEN, 0);
+
+/// Sampled and anomalous packets to userspace.
+#[map]
+pub static SAMPLES: RingBuf = RingBuf::with_byte_size(SAMPLE_RING_BYTES, 0);
+
+/// Working memory for one packet: the parse result and flow key are too big for the
+/// 512-byte BPF stack once the compiler makes its copies.
+pub struct Scratch {
+    pub parsed: Parsed,
+    pub key: FlowKey,
+}
+
+/// One [`Scratch`] per CPU.
+#[map]
+pub static SCRATCH: PerCpuArray<Scratch> = PerCpuArray::with_max_entries(1, 0);

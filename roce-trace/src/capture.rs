@@ -1,0 +1,346 @@
+//! `roce-trace capture`: attach to interfaces, stream samples and flow snapshots, show a
+//! live view, summarise at the end.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    fs::File,
+    future::Future,
+    io::{BufWriter, IsTerminal, Write},
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use aya::maps::{MapData, RingBuf};
+use roce_trace_common::datapath::*;
+use tokio::io::unix::AsyncFd;
+
+use crate::{
+    datapath::{Attachment, Datapath, DatapathOptions, GlobalTotals, XdpModeChoice},
+    record::{FlowRecord, HookRecord, SampleRecord, SummaryRecord},
+    sys::KernelClock,
+};
+
+#[derive(Clone, Debug)]
+pub struct CaptureOptions {
+    pub ifaces: Vec<String>,
+    pub ingress: bool,
+    pub egress: bool,
+    pub xdp_mode: XdpModeChoice,
+    pub duration: Option<Duration>,
+    /// Stop once this many RoCEv2 packets were counted (both directions, all interfaces).
+    pub count: Option<u64>,
+    pub datapath: DatapathOptions,
+    /// JSON Lines on stdout instead of the live view.
+    pub json_stdout: bool,
+    /// JSON Lines to this file as well.
+    pub write: Option<PathBuf>,
+    pub interval: Duration,
+}
+
+/// Where JSON Lines go.
+struct JsonSink {
+    outs: Vec<Box<dyn Write + Send>>,
+}
+
+impl JsonSink {
+    fn emit<T: serde::Serialize>(&mut self, rec: &T) -> anyhow::Result<()> {
+        if self.outs.is_empty() {
+            return Ok(());
+        }
+        let mut line = serde_json::to_vec(rec)?;
+        line.push(b'\n');
+        for o in &mut self.outs {
+            o.write_all(&line).context("writing JSON output")?;
+        }
+        Ok(())
+    }
+    fn flush(&mut self) -> anyhow::Result<()> {
+        for o in &mut self.outs {
+            o.flush().context("flushing JSON output")?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs a capture until `shutdown` resolves, the duration passes or the count is reached.
+/// `ready` is called once every hook is attached (tests start traffic then).
+pub async fn run(
+    opts: CaptureOptions,
+    shutdown: impl Future<Output = ()>,
+    ready: impl FnOnce(&[Attachment]),
+) -> anyhow::Result<SummaryRecord> {
+    anyhow::ensure!(!opts.ifaces.is_empty(), "no interface given (use -i IFACE)");
+    anyhow::ensure!(opts.ingress || opts.egress, "neither ingress nor egress selected");
+    let mut dp = Datapath::load(&opts.datapath)?;
+    let mut hooks = Vec::new();
+    for iface in &opts.ifaces {
+        if opts.ingress {
+            hooks.push(dp.attach_xdp(iface, opts.xdp_mode)?);
+        }
+        if opts.egress {
+            hooks.push(dp.attach_tc_egress(iface)?);
+        }
+    }
+    for h in &hooks {
+        if let Some(w) = &h.warning {
+            tracing::warn!("{w}");
+        }
+    }
+    let names: HashMap<u32, String> = hooks.iter().map(|h| (h.ifindex, h.iface.clone())).collect();
+    let name_of = |idx: u32| names.get(&idx).cloned().unwrap_or_else(|| idx.to_string());
+
+    let mut sink = JsonSink { outs: Vec::new() };
+    if opts.json_stdout {
+        sink.outs.push(Box::new(BufWriter::new(std::io::stdout())));
+    }
+    if let Some(path) = &opts.write {
+        let f = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+        sink.outs.push(Box::new(BufWriter::new(f)));
+    }
+    let live = !opts.json_stdout;
+    let tty = std::io::stdout().is_terminal();
+
+    let clock = KernelClock::now();
+    let ring = dp.take_samples()?;
+    // SAFETY: the RingBuf owns its map fd and keeps it open until it is dropped, which only
+    // happens when this AsyncFd is dropped.
+    let mut ring = unsafe { AsyncFd::register(ring) }
+        .map_err(|e| anyhow::anyhow!("polling the sample ring buffer: {e}"))?;
+    ready(&hooks);
+
+    let started = Instant::now();
+    let mut samples_received = 0u64;
+    let mut prev: HashMap<FlowKey, FlowCounters> = HashMap::new();
+    let mut last_tick = Instant::now();
+    let mut tick = tokio::time::interval(opts.interval);
+    tick.tick().await;
+    let mut poll = tokio::time::interval(Duration::from_millis(50));
+    let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
+    let sleep_until = async {
+        match deadline {
+            Some(d) => tokio::time::sleep_until(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(shutdown, sleep_until);
+
+    let stopped_by = loop {
+        tokio::select! {
+            _ = &mut shutdown => break "signal",
+            _ = &mut sleep_until => break "duration",
+            guard = ring.readable_mut() => {
+                let mut guard = guard.context("waiting for samples")?;
+                samples_received += drain(guard.get_inner_mut(), &clock, &name_of, &mut sink)?;
+                guard.clear_ready();
+            }
+            _ = poll.tick(), if opts.count.is_some() => {
+                let g = dp.globals()?;
+                if g.total(GlobalCounter::RoceV2) >= opts.count.unwrap_or(u64::MAX) {
+                    break "count";
+                }
+            }
+            _ = tick.tick() => {
+                let now = Instant::now();
+                let flows = dp.flows()?;
+                let recs = snapshot(&flows, &prev, now - last_tick, &clock, &name_of, false);
+                // Periodic records only for flows that moved since the last snapshot.
+                for (k, r) in &recs {
+                    if prev.get(k).map(|p| p.packets) != Some(r.packets) {
+                        sink.emit(r)?;
+                    }
+                }
+                sink.flush()?;
+                if live {
+                    let g = dp.globals()?;
+                    let recs: Vec<FlowRecord> = recs.into_iter().map(|(_, r)| r).collect();
+                    print_live(&recs, &g, samples_received, started.elapsed(), tty);
+                }
+                prev = flows;
+                last_tick = now;
+            }
+        }
+    };
+
+    // Whatever the kernel queued before we stopped still counts.
+    samples_received += drain(ring.get_mut(), &clock, &name_of, &mut sink)?;
+    let flows = dp.flows()?;
+    let globals = dp.globals()?;
+    let recs: Vec<FlowRecord> = snapshot(&flows, &prev, Instant::now() - last_tick, &clock, &name_of, true)
+        .into_iter()
+        .map(|(_, r)| r)
+        .collect();
+    for r in &recs {
+        sink.emit(r)?;
+    }
+    let summary = summarize(&hooks, &recs, &globals, samples_received, started.elapsed(), stopped_by, &clock);
+    sink.emit(&summary)?;
+    sink.flush()?;
+    if live {
+        print_live(&recs, &globals, samples_received, started.elapsed(), false);
+        print_summary(&summary);
+    }
+    Ok(summary)
+}
+
+fn drain(
+    ring: &mut RingBuf<MapData>,
+    clock: &KernelClock,
+    name_of: &impl Fn(u32) -> String,
+    sink: &mut JsonSink,
+) -> anyhow::Result<u64> {
+    let mut n = 0;
+    while let Some(item) = ring.next() {
+        if item.len() < std::mem::size_of::<Sample>() {
+            tracing::warn!("short sample of {} bytes ignored", item.len());
+            continue;
+        }
+        // SAFETY: the kernel wrote a whole `Sample` (size checked); read_unaligned copes
+        // with the ring's 8-byte alignment guarantees or lack of them.
+        let s: Sample = unsafe { std::ptr::read_unaligned(item.as_ptr() as *const Sample) };
+        drop(item);
+        sink.emit(&SampleRecord::from_sample(&s, clock, &name_of(s.key.ifindex)))?;
+        n += 1;
+    }
+    Ok(n)
+}
+
+fn snapshot(
+    flows: &HashMap<FlowKey, FlowCounters>,
+    prev: &HashMap<FlowKey, FlowCounters>,
+    elapsed: Duration,
+    clock: &KernelClock,
+    name_of: &impl Fn(u32) -> String,
+    is_final: bool,
+) -> Vec<(FlowKey, FlowRecord)> {
+    let now_ns = clock.to_unix_ns(KernelClock::mono_now_ns());
+    let secs = elapsed.as_secs_f64().max(1e-3);
+    let mut keys: Vec<&FlowKey> = flows.keys().collect();
+    keys.sort();
+    keys.into_iter()
+        .map(|k| {
+            let c = &flows[k];
+            let mut r = FlowRecord::new(k, c, clock, &name_of(k.ifindex), now_ns);
+            let (pp, pb) = prev.get(k).map(|p| (p.packets, p.bytes)).unwrap_or((0, 0));
+            r.pps = c.packets.saturating_sub(pp) as f64 / secs;
+            r.gbps = c.bytes.saturating_sub(pb) as f64 * 8.0 / secs / 1e9;
+            r.is_final = is_final;
+            (*k, r)
+        })
+        .collect()
+}
+
+fn summarize(
+    hooks: &[Attachment],
+    recs: &[FlowRecord],
+    g: &GlobalTotals,
+    samples_received: u64,
+    elapsed: Duration,
+    stopped_by: &str,
+    clock: &KernelClock,
+) -> SummaryRecord {
+    let mut parse_failures = BTreeMap::new();
+    let mut counters = BTreeMap::new();
+    for (dir, name) in [(DIR_INGRESS, "ingress"), (DIR_EGRESS, "egress")] {
+        let mut m = BTreeMap::new();
+        for c in GlobalCounter::ALL {
+            m.insert(c.name().to_owned(), g.get(c, dir));
+        }
+        counters.insert(name.to_owned(), m);
+    }
+    for c in GlobalCounter::ALL.into_iter().filter(|c| c.is_parse_failure()) {
+        parse_failures.insert(c.name().to_owned(), g.total(c));
+    }
+    SummaryRecord {
+        kind: "summary".into(),
+        time_ns: clock.to_unix_ns(KernelClock::mono_now_ns()),
+        duration_s: elapsed.as_secs_f64(),
+        stopped_by: stopped_by.into(),
+        hooks: hooks
+            .iter()
+            .map(|h| HookRecord { iface: h.iface.clone(), hook: h.hook.into(), mode: h.mode.into() })
+            .collect(),
+        flows: recs.len() as u64,
+        packets: recs.iter().map(|r| r.packets).sum(),
+        bytes: recs.iter().map(|r| r.bytes).sum(),
+        samples_received,
+        ringbuf_drops: g.total(GlobalCounter::RingbufFull),
+        parse_failures,
+        counters,
+    }
+}
+
+/// The flow table as a network engineer reads it.
+pub fn render_flows(recs: &[FlowRecord]) -> String {
+    let mut s = String::new();
+    s.push_str(&format!(
+        "{:<10} {:<3} {:>39} {:>39} {:>5} {:>8} {:>4} {:>23} {:>6} {:>6} {:>6} {:>5} {:>9} {:>7}\n",
+        "IFACE", "DIR", "SRC", "DST", "SPORT", "QP", "DSCP", "ECN not/ect1/ect0/ce", "CE%", "CNP", "NAK",
+        "GAPS", "PPS", "GBIT/S"
+    ));
+    for r in recs {
+        let dscp = if r.dscp_changed > 0 { format!("{}*", r.dscp) } else { r.dscp.to_string() };
+        s.push_str(&format!(
+            "{:<10} {:<3} {:>39} {:>39} {:>5} {:>#8x} {:>4} {:>23} {:>6.2} {:>6} {:>6} {:>5} {:>9.0} {:>7.3}\n",
+            r.iface,
+            if r.direction == "ingress" { "in" } else { "out" },
+            r.src_ip.to_string(),
+            r.dst_ip.to_string(),
+            r.udp_sport,
+            r.dst_qp,
+            dscp,
+            format!("{}/{}/{}/{}", r.ecn.not_ect, r.ecn.ect1, r.ecn.ect0, r.ecn.ce),
+            r.ce_percent(),
+            r.cnp,
+            r.nak.psn_seq_err + r.nak.rnr + r.nak.other,
+            r.psn_gaps,
+            r.pps,
+            r.gbps
+        ));
+    }
+    s
+}
+
+fn print_live(recs: &[FlowRecord], g: &GlobalTotals, samples: u64, elapsed: Duration, clear: bool) {
+    let mut out = String::new();
+    if clear {
+        out.push_str("\x1b[H\x1b[2J");
+    }
+    out.push_str(&format!(
+        "roce-trace capture — {:.0}s, {} flows, {} RoCEv2 frames, {} samples, {} ring drops, {} parse failures{}\n",
+        elapsed.as_secs_f64(),
+        recs.len(),
+        g.total(GlobalCounter::RoceV2),
+        samples,
+        g.total(GlobalCounter::RingbufFull),
+        GlobalCounter::ALL.iter().filter(|c| c.is_parse_failure()).map(|&c| g.total(c)).sum::<u64>(),
+        if clear { "   (Ctrl-C to stop; * = DSCP changed within the flow)" } else { "" },
+    ));
+    out.push_str(&render_flows(recs));
+    let mut stdout = std::io::stdout().lock();
+    let _ = stdout.write_all(out.as_bytes());
+    let _ = stdout.flush();
+}
+
+fn print_summary(s: &SummaryRecord) {
+    let mut out = format!(
+        "\nsummary: stopped by {} after {:.1}s — {} flows, {} packets, {} bytes; {} samples received, {} lost to a full ring buffer\n",
+        s.stopped_by, s.duration_s, s.flows, s.packets, s.bytes, s.samples_received, s.ringbuf_drops
+    );
+    for h in &s.hooks {
+        out.push_str(&format!("  hook: {} {} ({})\n", h.iface, h.hook, h.mode));
+    }
+    let failures: Vec<String> =
+        s.parse_failures.iter().filter(|(_, v)| **v > 0).map(|(k, v)| format!("{k}={v}")).collect();
+    out.push_str(&format!(
+        "  parse failures: {}\n",
+        if failures.is_empty() { "none".to_owned() } else { failures.join(", ") }
+    ));
+    for (dir, m) in &s.counters {
+        out.push_str(&format!(
+            "  {dir}: frames {} rocev2 {} rocev1 {} non-roce {}\n",
+            m["frames_seen"], m["rocev2"], m["rocev1"], m["non_roce"]
+        ));
+    }
+    print!("{out}");
+}

@@ -1,0 +1,337 @@
+//! Loads the embedded eBPF object, attaches it (XDP ingress, TC egress) and reads its maps.
+//! This is the kernel boundary: everything above works on the types it returns.
+
+use std::collections::HashMap;
+
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{MapData, PerCpuArray, PerCpuHashMap, RingBuf},
+    programs::{SchedClassifier, TcAttachType, Xdp, XdpMode, tc},
+};
+use roce_trace_common::{datapath::*, sampling::threshold_for_rate};
+use thiserror::Error;
+
+use crate::sys;
+
+/// The datapath object, built by build.rs and embedded in the binary.
+pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/roce-trace"));
+
+#[derive(Debug, Error)]
+pub enum DatapathError {
+    #[error(transparent)]
+    Sys(#[from] sys::SysError),
+    #[error("loading the eBPF object failed")]
+    Load(#[source] aya::EbpfError),
+    #[error("the kernel rejected program `{name}`")]
+    Program {
+        name: &'static str,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+    #[error("attaching {hook} to `{iface}` failed")]
+    Attach {
+        hook: &'static str,
+        iface: String,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+    #[error("map `{0}` missing from the eBPF object")]
+    MissingMap(&'static str),
+    #[error("reading map `{name}` failed")]
+    Map {
+        name: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error("invalid option: {0}")]
+    InvalidOption(String),
+}
+
+/// Load-time settings of the datapath.
+#[derive(Clone, Debug)]
+pub struct DatapathOptions {
+    pub udp_port: u16,
+    /// 1 in N packets by identity hash; 0 = anomalies only.
+    pub sample_rate: u32,
+    /// Shared by every host so all sample the same packets.
+    pub seed: u32,
+    /// Packets with a DSCP outside this set are always reported; empty = no expectation.
+    pub expected_dscp: Vec<u8>,
+    pub max_flows: u32,
+}
+
+impl Default for DatapathOptions {
+    fn default() -> Self {
+        Self {
+            udp_port: roce_trace_common::wire::ROCEV2_UDP_PORT,
+            sample_rate: 1000,
+            seed: 0,
+            expected_dscp: Vec::new(),
+            max_flows: DEFAULT_MAX_FLOWS,
+        }
+    }
+}
+
+impl DatapathOptions {
+    pub fn config(&self) -> Result<DatapathConfig, DatapathError> {
+        let mut mask = 0u64;
+        for &d in &self.expected_dscp {
+            if d > 63 {
+                return Err(DatapathError::InvalidOption(format!("DSCP {d} is out of range 0..=63")));
+            }
+            mask |= 1 << d;
+        }
+        if self.max_flows == 0 {
+            return Err(DatapathError::InvalidOption("max flows must be at least 1".into()));
+        }
+        let threshold = threshold_for_rate(self.sample_rate);
+        Ok(DatapathConfig {
+            udp_port: self.udp_port,
+            _pad: 0,
+            seed: self.seed,
+            sample_threshold: threshold.unwrap_or(0),
+            sample_enabled: threshold.is_some() as u32,
+            expected_dscp_mask: mask,
+        })
+    }
+}
+
+/// Which XDP attachment to ask for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum XdpModeChoice {
+    /// Native (driver) mode, falling back to generic with a warning.
+    Auto,
+    Native,
+    Generic,
+}
+
+/// How a hook ended up attached, for the user and the summary.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attachment {
+    pub iface: String,
+    pub ifindex: u32,
+    pub hook: &'static str,
+    pub mode: &'static str,
+    /// Set when the requested mode was not available and another was used.
+    pub warning: Option<String>,
+}
+
+pub struct Datapath {
+    ebpf: Ebpf,
+    xdp_loaded: bool,
+    tc_loaded: bool,
+}
+
+impl Datapath {
+    /// Loads (verifies) the programs with `opts` baked in. Needs CAP_BPF.
+    pub fn load(opts: &DatapathOptions) -> Result<Self, DatapathError> {
+        sys::check_kernel()?;
+        sys::check_privileges()?;
+        let cfg = opts.config()?;
+        let ebpf = EbpfLoader::new()
+            .override_global(GLOBAL_CONFIG, &cfg, true)
+            .map_max_entries(MAP_FLOWS, opts.max_flows)
+            .map_max_entries(MAP_FLOW_STATE, opts.max_flows)
+            .load(EBPF_OBJECT)
+            .map_err(DatapathError::Load)?;
+        Ok(Self { ebpf, xdp_loaded: false, tc_loaded: false })
+    }
+
+    pub fn xdp(&mut self) -> Result<&mut Xdp, DatapathError> {
+        let prog: &mut Xdp = self
+            .ebpf
+            .program_mut(PROG_XDP)
+            .ok_or(DatapathError::MissingMap(PROG_XDP))?
+            .try_into()
+            .map_err(|source| DatapathError::Program { name: PROG_XDP, source })?;
+        if !self.xdp_loaded {
+            prog.load().map_err(|source| DatapathError::Program { name: PROG_XDP, source })?;
+            self.xdp_loaded = true;
+        }
+        Ok(prog)
+    }
+
+    pub fn tc(&mut self) -> Result<&mut SchedClassifier, DatapathError> {
+        let prog: &mut SchedClassifier = self
+            .ebpf
+            .program_mut(PROG_TC)
+            .ok_or(DatapathError::MissingMap(PROG_TC))?
+            .try_into()
+            .map_err(|source| DatapathError::Program { name: PROG_TC, source })?;
+        if !self.tc_loaded {
+            prog.load().map_err(|source| DatapathError::Program { name: PROG_TC, source })?;
+            self.tc_loaded = true;
+        }
+        Ok(prog)
+    }
+
+    /// Attaches the XDP program to `iface` through a BPF link, so it detaches when this
+    /// process exits, however it exits.
+    pub fn attach_xdp(&mut self, iface: &str, mode: XdpModeChoice) -> Result<Attachment, DatapathError> {
+        let ifindex = sys::ifindex(iface)?;
+        let prog = self.xdp()?;
+        let attach = |prog: &mut Xdp, m: XdpMode| prog.attach_to_if_index(ifindex, m);
+        let (mode_name, warning) = match mode {
+            XdpModeChoice::Native => {
+                attach(prog, XdpMode::Driver).map_err(|source| attach_err("XDP (native)", iface, source))?;
+                ("native", None)
+            }
+            XdpModeChoice::Generic => {
+                attach(prog, XdpMode::Skb).map_err(|source| attach_err("XDP (generic)", iface, source))?;
+                ("generic", None)
+            }
+            XdpModeChoice::Auto => match attach(prog, XdpMode::Driver) {
+                Ok(_) => ("native", None),
+                Err(native_err) => {
+                    attach(prog, XdpMode::Skb).map_err(|source| attach_err("XDP (generic)", iface, source))?;
+                    (
+                        "generic",
+                        Some(format!(
+                            "native XDP is not available on {iface} ({native_err}); using generic XDP, \
+                             which sees the same packets at a higher cost per packet"
+                        )),
+                    )
+                }
+            },
+        };
+        Ok(Attachment { iface: iface.to_owned(), ifindex, hook: "xdp", mode: mode_name, warning })
+    }
+
+    /// Attaches the TC program on egress: a tcx link (Linux 6.6+, detaches on exit), else
+    /// a clsact filter.
+    pub fn attach_tc_egress(&mut self, iface: &str) -> Result<Attachment, DatapathError> {
+        let ifindex = sys::ifindex(iface)?;
+        let tcx = sys::kernel_version() >= (6, 6);
+        if !tcx {
+            // Already present is fine; any real failure shows up in attach below.
+            let _ = tc::qdisc_add_clsact(iface);
+        }
+        let prog = self.tc()?;
+        prog.attach(iface, TcAttachType::Egress).map_err(|source| attach_err("TC egress", iface, source))?;
+        let warning = (!tcx).then(|| {
+            format!(
+                "kernel has no tcx: the egress program on {iface} is a clsact filter, which stays \
+                 if roce-trace is killed (remove with `tc qdisc del dev {iface} clsact`)"
+            )
+        });
+        Ok(Attachment {
+            iface: iface.to_owned(),
+            ifindex,
+            hook: "tc-egress",
+            mode: if tcx { "tcx" } else { "clsact" },
+            warning,
+        })
+    }
+
+    /// Every flow in the kernel, per-CPU copies merged.
+    pub fn flows(&self) -> Result<HashMap<FlowKey, FlowCounters>, DatapathError> {
+        let map = self.ebpf.map(MAP_FLOWS).ok_or(DatapathError::MissingMap(MAP_FLOWS))?;
+        let map: PerCpuHashMap<&MapData, FlowKey, FlowCounters> =
+            PerCpuHashMap::try_from(map).map_err(|source| DatapathError::Map { name: MAP_FLOWS, source })?;
+        let mut out = HashMap::new();
+        for item in map.iter() {
+            let (k, values) = item.map_err(|source| DatapathError::Map { name: MAP_FLOWS, source })?;
+            out.insert(k, merge_percpu(&values));
+        }
+        Ok(out)
+    }
+
+    /// Global counters summed over CPUs, indexed by `GlobalCounter::index(direction)`.
+    pub fn globals(&self) -> Result<GlobalTotals, DatapathError> {
+        let map = self.ebpf.map(MAP_GLOBALS).ok_or(DatapathError::MissingMap(MAP_GLOBALS))?;
+        let map: PerCpuArray<&MapData, u64> =
+            PerCpuArray::try_from(map).map_err(|source| DatapathError::Map { name: MAP_GLOBALS, source })?;
+        let mut totals = GlobalTotals::default();
+        for (i, slot) in totals.0.iter_mut().enumerate() {
+            let v = map.get(&(i as u32), 0).map_err(|source| DatapathError::Map { name: MAP_GLOBALS, source })?;
+            *slot = v.iter().sum();
+        }
+        Ok(totals)
+    }
+
+    /// The sample ring buffer (can be taken once).
+    pub fn take_samples(&mut self) -> Result<RingBuf<MapData>, DatapathError> {
+        let map = self.ebpf.take_map(MAP_SAMPLES).ok_or(DatapathError::MissingMap(MAP_SAMPLES))?;
+        RingBuf::try_from(map).map_err(|source| DatapathError::Map { name: MAP_SAMPLES, source })
+    }
+}
+
+fn attach_err(hook: &'static str, iface: &str, source: aya::programs::ProgramError) -> DatapathError {
+    DatapathError::Attach { hook, iface: iface.to_owned(), source }
+}
+
+/// Global counters of both directions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GlobalTotals(pub [u64; GLOBAL_COUNTERS_LEN as usize]);
+
+impl Default for GlobalTotals {
+    fn default() -> Self {
+        Self([0; GLOBAL_COUNTERS_LEN as usize])
+    }
+}
+
+impl GlobalTotals {
+    pub fn get(&self, c: GlobalCounter, direction: u8) -> u64 {
+        self.0[c.index(direction) as usize]
+    }
+    /// Both directions added.
+    pub fn total(&self, c: GlobalCounter) -> u64 {
+        self.get(c, DIR_INGRESS) + self.get(c, DIR_EGRESS)
+    }
+}
+
+/// Merges per-CPU copies of one flow: sums, earliest first, newest last-seen fields.
+pub fn merge_percpu(values: &[FlowCounters]) -> FlowCounters {
+    let mut m = FlowCounters { last_pcp: PCP_NONE, ..FlowCounters::default() };
+    for v in values.iter().filter(|v| v.packets > 0) {
+        m.packets += v.packets;
+        m.bytes += v.bytes;
+        for i in 0..4 {
+            m.ecn[i] += v.ecn[i];
+        }
+        m.cnp += v.cnp;
+        m.ack += v.ack;
+        m.nak_psn_seq_err += v.nak_psn_seq_err;
+        m.nak_rnr += v.nak_rnr;
+        m.nak_other += v.nak_other;
+        m.psn_gaps += v.psn_gaps;
+        m.dscp_changed += v.dscp_changed;
+        if m.first_ns == 0 || v.first_ns < m.first_ns {
+            m.first_ns = v.first_ns;
+        }
+        if v.last_ns >= m.last_ns {
+            m.last_ns = v.last_ns;
+            m.last_dscp = v.last_dscp;
+            m.last_pcp = v.last_pcp;
+            m.last_ttl = v.last_ttl;
+        }
+    }
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_reject_bad_dscp_and_build_mask() {
+        let mut o = DatapathOptions { expected_dscp: vec![26, 48], ..Default::default() };
+        let c = o.config().unwrap();
+        assert_eq!(c.expected_dscp_mask, (1 << 26) | (1 << 48));
+        assert_eq!(c.sample_enabled, 1);
+        o.expected_dscp = vec![64];
+        assert!(o.config().unwrap_err().to_string().contains("DSCP 64"));
+        o.expected_dscp.clear();
+        o.sample_rate = 0;
+        assert_eq!(o.config().unwrap().sample_enabled, 0);
+    }
+
+    #[test]
+    fn merge_takes_newest_class_and_sums_counts() {
+        let a = FlowCounters { packets: 2, bytes: 200, first_ns: 10, last_ns: 50, last_dscp: 26, ..Default::default() };
+        let b = FlowCounters { packets: 3, bytes: 300, first_ns: 5, last_ns: 40, last_dscp: 0, ..Default::default() };
+        let idle = FlowCounters::default();
+        let m = merge_percpu(&[a, idle, b]);
+        assert_eq!((m.packets, m.bytes, m.first_ns, m.last_ns, m.last_dscp), (5, 500, 5, 50, 26));
+    }
+}

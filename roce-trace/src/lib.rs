@@ -1,0 +1,10 @@
+//! roce-trace: what a RoCE fabric does to RDMA traffic.
+//!
+//! Stages, one direction: parse + count/sample in the kernel (`roce-trace-ebpf`, loaded by
+//! [`datapath`]) → observe ([`record`], [`capture`]) → report.
+
+pub mod capture;
+pub mod datapath;
+pub mod frame;
+pub mod record;
+pub mod sys;

@@ -1,0 +1,136 @@
+//! What the host must offer before the datapath loads: privileges, kernel version,
+//! interfaces; and the clock that turns kernel timestamps into wall-clock time.
+
+use std::ffi::CString;
+
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum SysError {
+    #[error(
+        "missing privileges: loading eBPF programs needs CAP_BPF and CAP_NET_ADMIN (or CAP_SYS_ADMIN); \
+         run as root or grant them, e.g. `sudo setcap cap_bpf,cap_net_admin,cap_perfmon+ep $(which roce-trace)`"
+    )]
+    MissingCapabilities,
+    #[error("unknown interface `{0}` (see `ip link`)")]
+    UnknownInterface(String),
+    #[error(
+        "kernel {0}.{1} is too old: roce-trace needs Linux 5.8 or newer (BPF ring buffer, BPF links)"
+    )]
+    KernelTooOld(u32, u32),
+}
+
+const CAP_NET_ADMIN: u32 = 12;
+const CAP_SYS_ADMIN: u32 = 21;
+const CAP_BPF: u32 = 39;
+
+/// Effective capability bits of this process, from /proc/self/status.
+pub fn effective_caps() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .unwrap_or(0)
+}
+
+pub fn check_privileges() -> Result<(), SysError> {
+    let caps = effective_caps();
+    let has = |c: u32| caps & (1u64 << c) != 0;
+    if (has(CAP_BPF) || has(CAP_SYS_ADMIN)) && (has(CAP_NET_ADMIN) || has(CAP_SYS_ADMIN)) {
+        Ok(())
+    } else {
+        Err(SysError::MissingCapabilities)
+    }
+}
+
+/// (major, minor) of the running kernel.
+pub fn kernel_version() -> (u32, u32) {
+    // SAFETY: uname fills the zeroed struct; the release field is NUL-terminated.
+    let release = unsafe {
+        let mut u: libc::utsname = std::mem::zeroed();
+        if libc::uname(&mut u) != 0 {
+            return (0, 0);
+        }
+        std::ffi::CStr::from_ptr(u.release.as_ptr()).to_string_lossy().into_owned()
+    };
+    parse_kernel_release(&release)
+}
+
+pub fn parse_kernel_release(release: &str) -> (u32, u32) {
+    let mut it = release.split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty());
+    let major = it.next().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let minor = it.next().and_then(|s| s.parse().ok()).unwrap_or(0);
+    (major, minor)
+}
+
+pub fn check_kernel() -> Result<(u32, u32), SysError> {
+    let (maj, min) = kernel_version();
+    if (maj, min) < (5, 8) { Err(SysError::KernelTooOld(maj, min)) } else { Ok((maj, min)) }
+}
+
+pub fn ifindex(name: &str) -> Result<u32, SysError> {
+    let c = CString::new(name).map_err(|_| SysError::UnknownInterface(name.to_owned()))?;
+    // SAFETY: `c` is a valid NUL-terminated string.
+    let idx = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    if idx == 0 { Err(SysError::UnknownInterface(name.to_owned())) } else { Ok(idx) }
+}
+
+pub fn ifname(index: u32) -> Option<String> {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: buf holds IF_NAMESIZE bytes as if_indextoname requires.
+    let p = unsafe { libc::if_indextoname(index, buf.as_mut_ptr()) };
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: on success buf holds a NUL-terminated name.
+    Some(unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+}
+
+fn clock_ns(clock: libc::clockid_t) -> i128 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: ts is a valid timespec to fill.
+    unsafe { libc::clock_gettime(clock, &mut ts) };
+    ts.tv_sec as i128 * 1_000_000_000 + ts.tv_nsec as i128
+}
+
+/// Converts `bpf_ktime_get_ns` (CLOCK_MONOTONIC) readings to Unix time in nanoseconds.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelClock {
+    offset_ns: i128,
+}
+
+impl KernelClock {
+    pub fn now() -> Self {
+        let mono = clock_ns(libc::CLOCK_MONOTONIC);
+        let real = clock_ns(libc::CLOCK_REALTIME);
+        Self { offset_ns: real - mono }
+    }
+    pub fn to_unix_ns(&self, mono_ns: u64) -> u64 {
+        (mono_ns as i128 + self.offset_ns).max(0) as u64
+    }
+    pub fn mono_now_ns() -> u64 {
+        clock_ns(libc::CLOCK_MONOTONIC) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_release_strings() {
+        assert_eq!(parse_kernel_release("6.18.44-fc-v857"), (6, 18));
+        assert_eq!(parse_kernel_release("5.4.0-150-generic"), (5, 4));
+        assert_eq!(parse_kernel_release("garbage"), (0, 0));
+    }
+
+    #[test]
+    fn unknown_interface_is_a_clear_error() {
+        let e = ifindex("no-such-if0").unwrap_err();
+        assert_eq!(e.to_string(), "unknown interface `no-such-if0` (see `ip link`)");
+        assert!(ifindex("lo").is_ok());
+    }
+}
