@@ -1,0 +1,476 @@
+//! The real eBPF object under BPF_PROG_TEST_RUN, as a table: description, frames,
+//! expected verdict (always pass), counters and sample fields. Every row runs through
+//! both the XDP (ingress) and the TC (egress) program.
+
+use std::net::IpAddr;
+
+use roce_trace::{
+    datapath::DatapathOptions,
+    frame::{RoceFrame, ethernet, ext, icrc},
+};
+use roce_trace_common::{datapath::*, roce::op, wire::*};
+use roce_trace_tests::*;
+
+/// What the table expects of a row.
+enum Want {
+    /// Parsed as RoCEv2: the flow's counters after all frames (timestamps ignored), and
+    /// extended-header fields of the last sample.
+    Roce { counters: FlowCounters, ext: ExtWant },
+    /// Not a parsed RoCEv2 packet: the global counter every frame bumps.
+    Skip(GlobalCounter),
+}
+
+#[derive(Default, Clone, Copy)]
+struct ExtWant {
+    aeth: Option<(u8, u32)>,
+    reth_len: Option<u32>,
+    deth_src_qp: Option<u32>,
+    reasons: u32,
+}
+
+struct Row {
+    desc: &'static str,
+    specs: Vec<RoceFrame>,
+    /// Frames to feed; built from `specs` unless given raw.
+    frames: Vec<Vec<u8>>,
+    want: Want,
+}
+
+fn raw(desc: &'static str, frames: Vec<Vec<u8>>, skip: GlobalCounter) -> Row {
+    Row { desc, specs: Vec::new(), frames, want: Want::Skip(skip) }
+}
+
+fn f(opcode: u8) -> RoceFrame {
+    RoceFrame { opcode, ..Default::default() }
+}
+
+/// Counters of a flow of `n` packets, all ECT(0) unless changed by the caller.
+fn counts(specs: &[RoceFrame], frames: &[Vec<u8>]) -> FlowCounters {
+    let last = specs.last().unwrap();
+    let mut c = FlowCounters {
+        packets: specs.len() as u64,
+        bytes: frames.iter().map(|f| f.len() as u64).sum(),
+        last_dscp: last.dscp,
+        last_ttl: last.ttl,
+        last_pcp: last.vlans.first().map(|v| pcp_of_tci(v.1)).unwrap_or(PCP_NONE),
+        ..Default::default()
+    };
+    for s in specs {
+        c.ecn[s.ecn as usize] += 1;
+    }
+    c
+}
+
+const EXPECT_DSCP: [u8; 2] = [26, 48];
+
+fn table() -> Vec<Row> {
+    let v6 = |mut s: RoceFrame| {
+        s.src = "fd00::1".parse().unwrap();
+        s.dst = "fd00::2".parse().unwrap();
+        s
+    };
+    let roce = |desc, specs: Vec<RoceFrame>, tweak: &dyn Fn(&mut FlowCounters), ext: ExtWant| {
+        let frames: Vec<Vec<u8>> = specs.iter().map(RoceFrame::build).collect();
+        let mut counters = counts(&specs, &frames);
+        tweak(&mut counters);
+        Row { desc, specs, frames, want: Want::Roce { counters, ext } }
+    };
+    let none = &|_: &mut FlowCounters| {};
+    let hash = ExtWant { reasons: REASON_HASH, ..Default::default() };
+    let mut rows = vec![
+        roce(
+            "RC WRITE FIRST with RETH",
+            vec![RoceFrame { psn: 100, ext: ext::reth(0x7f00_0000_1000, 0x1234, 4096), payload: vec![0xab; 1024], ..f(op::WRITE_FIRST) }],
+            none,
+            ExtWant { reth_len: Some(4096), ..hash },
+        ),
+        roce("RC WRITE MIDDLE", vec![RoceFrame { psn: 101, payload: vec![1; 1024], ..f(op::WRITE_MIDDLE) }], none, hash),
+        roce(
+            "RC WRITE LAST with AckReq",
+            vec![RoceFrame { psn: 102, ack_req: true, payload: vec![2; 1024], ..f(op::WRITE_LAST) }],
+            none,
+            hash,
+        ),
+        roce(
+            "RC WRITE ONLY",
+            vec![RoceFrame { psn: 7, ext: ext::reth(0x1000, 9, 64), payload: vec![3; 64], ..f(op::WRITE_ONLY) }],
+            none,
+            ExtWant { reth_len: Some(64), ..hash },
+        ),
+        roce(
+            "RC SEND ONLY with PadCnt 3",
+            vec![RoceFrame { pad_cnt: 3, solicited: true, payload: vec![9; 5], ..f(op::SEND_ONLY) }],
+            none,
+            hash,
+        ),
+        roce(
+            "RC READ REQUEST",
+            vec![RoceFrame { psn: 20, ext: ext::reth(0x2000, 7, 8192), ..f(op::READ_REQUEST) }],
+            none,
+            ExtWant { reth_len: Some(8192), ..hash },
+        ),
+        roce(
+            "RC READ RESPONSE FIRST with AETH (not an ACK)",
+            vec![RoceFrame { psn: 20, ext: ext::aeth(0x1f, 5), payload: vec![4; 1024], ..f(op::READ_RESPONSE_FIRST) }],
+            none,
+            ExtWant { aeth: Some((0x1f, 5)), ..hash },
+        ),
+        roce(
+            "RC READ RESPONSE MIDDLE",
+            vec![RoceFrame { psn: 21, payload: vec![4; 1024], ..f(op::READ_RESPONSE_MIDDLE) }],
+            none,
+            hash,
+        ),
+        roce(
+            "RC ACK",
+            vec![RoceFrame { psn: 102, ext: ext::aeth(0x1f, 3), ..f(op::ACKNOWLEDGE) }],
+            &|c| c.ack = 1,
+            ExtWant { aeth: Some((0x1f, 3)), ..hash },
+        ),
+        roce(
+            "RC NAK PSN sequence error",
+            vec![RoceFrame { psn: 50, ext: ext::aeth(0x60, 3), ..f(op::ACKNOWLEDGE) }],
+            &|c| c.nak_psn_seq_err = 1,
+            ExtWant { aeth: Some((0x60, 3)), reasons: REASON_HASH | REASON_NAK, ..Default::default() },
+        ),
+        roce(
+            "RC RNR NAK",
+            vec![RoceFrame { psn: 51, ext: ext::aeth(0x2e, 3), ..f(op::ACKNOWLEDGE) }],
+            &|c| c.nak_rnr = 1,
+            ExtWant { aeth: Some((0x2e, 3)), reasons: REASON_HASH | REASON_NAK, ..Default::default() },
+        ),
+        roce(
+            "RC NAK remote access error",
+            vec![RoceFrame { psn: 52, ext: ext::aeth(0x62, 3), ..f(op::ACKNOWLEDGE) }],
+            &|c| c.nak_other = 1,
+            ExtWant { aeth: Some((0x62, 3)), reasons: REASON_HASH | REASON_NAK, ..Default::default() },
+        ),
+        roce(
+            "CNP (ConnectX-4 Lx layout: DSCP 48, sport 0, BECN)",
+            vec![RoceFrame {
+                opcode: 0x81,
+                dscp: 48,
+                udp_sport: 0,
+                becn: true,
+                mig_req: false,
+                dest_qp: 0x118,
+                ext: ext::cnp(),
+                ..Default::default()
+            }],
+            &|c| c.cnp = 1,
+            ExtWant { reasons: REASON_HASH | REASON_CNP, ..Default::default() },
+        ),
+        roce(
+            "UD SEND ONLY with DETH",
+            vec![RoceFrame { ext: ext::deth(0x1111_1111, 0x42), payload: vec![5; 256], ..f(0x64) }],
+            none,
+            ExtWant { deth_src_qp: Some(0x42), ..hash },
+        ),
+        roce(
+            "CE-marked RC WRITE ONLY",
+            vec![RoceFrame { ecn: 3, psn: 9, ext: ext::reth(0, 1, 32), payload: vec![6; 32], ..f(op::WRITE_ONLY) }],
+            none,
+            ExtWant { reth_len: Some(32), reasons: REASON_HASH | REASON_CE, ..Default::default() },
+        ),
+        roce(
+            "IPv6 RC SEND ONLY, hop limit 63",
+            vec![v6(RoceFrame { ttl: 63, payload: vec![7; 100], ..f(op::SEND_ONLY) })],
+            none,
+            hash,
+        ),
+        roce(
+            "802.1Q tag, PCP 3",
+            vec![RoceFrame { vlans: vec![(ETH_P_8021Q, (3 << 13) | 100)], ..f(op::SEND_ONLY) }],
+            none,
+            hash,
+        ),
+        roce(
+            "QinQ: 802.1ad PCP 5 outside 802.1Q PCP 3",
+            vec![RoceFrame {
+                vlans: vec![(ETH_P_8021AD, (5 << 13) | 10), (ETH_P_8021Q, (3 << 13) | 100)],
+                ..f(op::SEND_ONLY)
+            }],
+            none,
+            hash,
+        ),
+        roce(
+            "IPv4 with options (IHL 7)",
+            vec![RoceFrame { ipv4_options: vec![0x94, 0x04, 0, 0, 1, 1, 1, 1], ..f(op::SEND_ONLY) }],
+            none,
+            hash,
+        ),
+        roce(
+            "DSCP 0 from an untuned host is outside the expected set",
+            vec![RoceFrame { dscp: 0, ..f(op::SEND_ONLY) }],
+            none,
+            ExtWant { reasons: REASON_HASH | REASON_UNEXPECTED_DSCP, ..Default::default() },
+        ),
+        roce(
+            "PSN gap on requests is counted once",
+            [10, 11, 13].map(|psn| RoceFrame { psn, ..f(op::SEND_ONLY) }).to_vec(),
+            &|c| c.psn_gaps = 1,
+            hash,
+        ),
+        roce(
+            "PSN wrap-around is no gap",
+            [0xff_fffe, 0xff_ffff, 0].map(|psn| RoceFrame { psn, ..f(op::SEND_ONLY) }).to_vec(),
+            none,
+            hash,
+        ),
+        roce(
+            "retransmission (PSN goes back) is no gap",
+            [5, 6, 5, 6, 7].map(|psn| RoceFrame { psn, ..f(op::SEND_ONLY) }).to_vec(),
+            none,
+            hash,
+        ),
+        roce(
+            "PSN jump after READ REQUEST is no gap",
+            vec![
+                RoceFrame { psn: 20, ext: ext::reth(0, 1, 4096), ..f(op::READ_REQUEST) },
+                RoceFrame { psn: 24, ..f(op::SEND_ONLY) },
+            ],
+            none,
+            hash,
+        ),
+        roce(
+            "DSCP change within a flow is counted",
+            [26, 26, 0]
+                .map(|dscp| RoceFrame { dscp, ..f(op::SEND_ONLY) })
+                .to_vec()
+                .into_iter()
+                .enumerate()
+                .map(|(i, s)| RoceFrame { psn: i as u32, ..s })
+                .collect(),
+            &|c| c.dscp_changed = 1,
+            ExtWant { reasons: REASON_HASH | REASON_UNEXPECTED_DSCP, ..Default::default() },
+        ),
+        roce(
+            "three VLAN tags still parse",
+            vec![RoceFrame {
+                vlans: vec![(ETH_P_8021AD, 1 << 13 | 1), (ETH_P_8021Q, 2 << 13 | 2), (ETH_P_8021Q, 3 << 13 | 3)],
+                ..f(op::SEND_ONLY)
+            }],
+            none,
+            hash,
+        ),
+    ];
+
+    // IPv6 with a hop-by-hop extension header: spliced into a built frame.
+    let mut spec = v6(f(op::SEND_ONLY));
+    spec.payload = vec![1; 8];
+    let ip = spec.ip_packet();
+    let mut with_ext = ip[..40].to_vec();
+    with_ext[6] = 0; // next header: hop-by-hop
+    let plen = u16::from_be_bytes([ip[4], ip[5]]) + 8;
+    with_ext[4..6].copy_from_slice(&plen.to_be_bytes());
+    with_ext.extend_from_slice(&[IPPROTO_UDP, 0, 1, 4, 0, 0, 0, 0]); // PadN option
+    with_ext.extend_from_slice(&ip[40..]);
+    let frame = ethernet(spec.dst_mac, spec.src_mac, &[], ETH_P_IPV6, &with_ext);
+    let counters = counts(std::slice::from_ref(&spec), std::slice::from_ref(&frame));
+    rows.push(Row {
+        desc: "IPv6 with a hop-by-hop header",
+        specs: vec![spec],
+        frames: vec![frame],
+        want: Want::Roce { counters, ext: hash },
+    });
+
+    // Frames that are not parsed RoCEv2.
+    let send = f(op::SEND_ONLY).build();
+    let l3 = 14 + 20 + 8;
+    rows.push(raw("truncated BTH", vec![send[..l3 + 6].to_vec()], GlobalCounter::TruncatedBth));
+    let mut short_udp = RoceFrame { payload: vec![], ..f(op::SEND_ONLY) }.build();
+    short_udp[14 + 20 + 4..14 + 20 + 6].copy_from_slice(&20u16.to_be_bytes());
+    rows.push(raw("UDP length shorter than BTH + ICRC", vec![short_udp], GlobalCounter::BadUdpLength));
+    let ack_no_aeth = RoceFrame { ..f(op::ACKNOWLEDGE) }.build(); // 0x11 without its AETH
+    rows.push(raw("ACK without its AETH", vec![ack_no_aeth], GlobalCounter::TruncatedExtHeader));
+    rows.push(raw(
+        "UDP to another port",
+        vec![RoceFrame { udp_dport: 4792, ..f(op::SEND_ONLY) }.build()],
+        GlobalCounter::NonRoce,
+    ));
+    let mut frag = f(op::SEND_ONLY).build();
+    frag[14 + 6] = 0x20; // MF set
+    rows.push(raw("IPv4 fragment", vec![frag], GlobalCounter::Fragment));
+    let mut tcp = f(op::SEND_ONLY).build();
+    tcp[14 + 9] = 6;
+    rows.push(raw("TCP", vec![tcp], GlobalCounter::NonRoce));
+    let arp = ethernet([0xff; 6], [2, 0, 0, 0, 0, 1], &[], 0x0806, &[0, 1, 8, 0, 6, 4, 0, 1]);
+    rows.push(raw("ARP", vec![arp], GlobalCounter::NonRoce));
+    let mut v1 = vec![0x60, 0, 0, 0, 0, 28, 0x1b, 64];
+    v1.extend_from_slice(&[0; 32]);
+    v1.extend_from_slice(f(op::SEND_ONLY).bth().as_bytes());
+    v1.extend_from_slice(&[0; 4]);
+    rows.push(raw("RoCEv1 (EtherType 0x8915)", vec![ethernet([2; 6], [3; 6], &[], ETH_P_ROCEV1, &v1)], GlobalCounter::RoceV1));
+    let deep: Vec<(u16, u16)> = (0..5).map(|i| (ETH_P_8021Q, i)).collect();
+    rows.push(raw(
+        "five VLAN tags are too deep",
+        vec![RoceFrame { vlans: deep, ..f(op::SEND_ONLY) }.build()],
+        GlobalCounter::VlanTooDeep,
+    ));
+    rows.push(raw("runt frame", vec![vec![0u8; 14]], GlobalCounter::NonRoce));
+    rows
+}
+
+fn mapped(ip: IpAddr) -> [u8; 16] {
+    match ip {
+        IpAddr::V4(a) => a.to_ipv6_mapped().octets(),
+        IpAddr::V6(a) => a.octets(),
+    }
+}
+
+fn check_row(t: &mut ProgTest, r: &Row, dir: u8) {
+    let hook = if dir == DIR_INGRESS { "xdp" } else { "tc" };
+    let ctx = format!("[{hook}] {}", r.desc);
+    for fr in &r.frames {
+        let verdict = if dir == DIR_INGRESS { t.run_xdp(fr) } else { t.run_tc(fr) };
+        let pass = if dir == DIR_INGRESS { XDP_PASS } else { TC_ACT_UNSPEC };
+        assert_eq!(verdict, pass, "{ctx}: verdict");
+    }
+    let g = t.globals();
+    let n = r.frames.len() as u64;
+    assert_eq!(g.get(GlobalCounter::FramesSeen, dir), n, "{ctx}: frames seen");
+    let flows: Vec<_> = t.flows().into_iter().filter(|(k, _)| k.direction == dir).collect();
+    let samples: Vec<_> = t.samples().into_iter().filter(|s| s.key.direction == dir).collect();
+    match &r.want {
+        Want::Skip(reason) => {
+            assert_eq!(g.get(*reason, dir), n, "{ctx}: {} counter", reason.name());
+            assert_eq!(g.get(GlobalCounter::RoceV2, dir), 0, "{ctx}: not RoCEv2");
+            assert!(flows.is_empty(), "{ctx}: no flow expected, got {flows:?}");
+            assert!(samples.is_empty(), "{ctx}: no sample expected");
+        }
+        Want::Roce { counters, ext } => {
+            assert_eq!(g.get(GlobalCounter::RoceV2, dir), n, "{ctx}: RoCEv2 frames");
+            assert_eq!(flows.len(), 1, "{ctx}: one flow, got {flows:?}");
+            let (k, c) = flows[0];
+            let last = r.specs.last().unwrap();
+            assert_eq!(k.src, mapped(last.src), "{ctx}: src");
+            assert_eq!(k.dst, mapped(last.dst), "{ctx}: dst");
+            assert_eq!(k.ip_version, if last.src.is_ipv4() { 4 } else { 6 }, "{ctx}: ip version");
+            assert_eq!(k.udp_sport, last.udp_sport, "{ctx}: udp sport");
+            assert_eq!(k.dest_qp, last.dest_qp, "{ctx}: dest qp");
+            assert_eq!(k.ifindex, 1, "{ctx}: test runs on lo");
+            assert!(c.first_ns > 0 && c.last_ns >= c.first_ns, "{ctx}: timestamps");
+            let got = FlowCounters { first_ns: 0, last_ns: 0, ..c };
+            assert_eq!(&got, counters, "{ctx}: counters");
+            assert_eq!(samples.len() as u64, n, "{ctx}: one sample per packet at rate 1");
+            assert_eq!(g.get(GlobalCounter::SamplesEmitted, dir), n, "{ctx}: samples emitted");
+            let s = samples.last().unwrap();
+            let fr = r.frames.last().unwrap();
+            assert_eq!(s.key, k, "{ctx}: sample key");
+            assert_eq!(s.opcode, last.opcode, "{ctx}: opcode");
+            assert_eq!(s.psn, last.psn, "{ctx}: psn");
+            assert_eq!(s.dscp, last.dscp, "{ctx}: dscp");
+            assert_eq!(s.ecn, last.ecn, "{ctx}: ecn");
+            assert_eq!(s.ttl, last.ttl, "{ctx}: ttl");
+            assert_eq!(s.pkey, last.pkey, "{ctx}: pkey");
+            assert_eq!(s.udp_dport, ROCEV2_UDP_PORT, "{ctx}: dport");
+            assert_eq!(s.frame_len as usize, fr.len(), "{ctx}: frame length");
+            assert_eq!(s.bth_flags, last.bth().flags, "{ctx}: SE/M/PadCnt");
+            assert_eq!(s.bth_fecn_becn, last.bth().fecn_becn, "{ctx}: FECN/BECN");
+            assert_eq!(s.bth_ack_req >> 7, last.ack_req as u8, "{ctx}: AckReq");
+            assert_eq!(s.vlan_depth as usize, last.vlans.len(), "{ctx}: vlan depth");
+            let want_pcp = last.vlans.first().map(|v| pcp_of_tci(v.1));
+            assert_eq!((s.present & HAS_PCP != 0).then_some(s.pcp), want_pcp, "{ctx}: pcp");
+            // The ICRC is found from the UDP length: it must equal the one the builder
+            // computed over the IP packet.
+            let l3_start = 14 + 4 * last.vlans.len();
+            let ip_len = if last.src.is_ipv4() {
+                u16::from_be_bytes([fr[l3_start + 2], fr[l3_start + 3]]) as usize
+            } else {
+                40 + u16::from_be_bytes([fr[l3_start + 4], fr[l3_start + 5]]) as usize
+            };
+            let l3 = &fr[l3_start..l3_start + ip_len];
+            assert!(s.present & HAS_ICRC != 0, "{ctx}: icrc read");
+            if r.desc.contains("hop-by-hop") {
+                assert_eq!(&s.icrc[..], &l3[l3.len() - 4..], "{ctx}: icrc bytes");
+            } else {
+                assert_eq!(Some(s.icrc), icrc(l3), "{ctx}: icrc");
+            }
+            let aeth = (s.present & HAS_AETH != 0).then_some((s.aeth_syndrome, s.aeth_msn));
+            assert_eq!(aeth, ext.aeth, "{ctx}: aeth");
+            assert_eq!((s.present & HAS_RETH != 0).then_some(s.reth_dma_len), ext.reth_len, "{ctx}: reth");
+            assert_eq!((s.present & HAS_DETH != 0).then_some(s.deth_src_qp), ext.deth_src_qp, "{ctx}: deth");
+            assert_eq!(s.reasons, ext.reasons, "{ctx}: reasons");
+        }
+    }
+}
+
+#[test]
+fn every_frame_kind_through_xdp_and_tc() {
+    if !require_root() {
+        return;
+    }
+    let opts = DatapathOptions { sample_rate: 1, expected_dscp: EXPECT_DSCP.to_vec(), ..Default::default() };
+    let rows = table();
+    assert!(rows.len() >= 30, "the table covers every case of the issue");
+    for r in &rows {
+        for dir in [DIR_INGRESS, DIR_EGRESS] {
+            let mut t = ProgTest::new(&opts);
+            check_row(&mut t, r, dir);
+        }
+    }
+}
+
+#[test]
+fn retransmission_counts_a_psn_regression() {
+    if !require_root() {
+        return;
+    }
+    let mut t = ProgTest::new(&DatapathOptions::default());
+    for psn in [5, 6, 5, 6, 7] {
+        t.run_xdp(&RoceFrame { psn, ..f(op::SEND_ONLY) }.build());
+    }
+    // The second 5 and 6 are both behind the newest PSN (7 expected next).
+    assert_eq!(t.globals().get(GlobalCounter::PsnRegressions, DIR_INGRESS), 2);
+}
+
+/// Anomalies are reported whatever the rate; ordinary packets are not when hash sampling
+/// is off.
+#[test]
+fn anomalies_are_always_emitted() {
+    if !require_root() {
+        return;
+    }
+    let opts = DatapathOptions { sample_rate: 0, expected_dscp: EXPECT_DSCP.to_vec(), ..Default::default() };
+    let mut t = ProgTest::new(&opts);
+    let frames = [
+        (f(op::SEND_ONLY), 0),
+        (RoceFrame { ecn: 3, ..f(op::SEND_ONLY) }, REASON_CE),
+        (RoceFrame { opcode: 0x81, dscp: 48, ext: ext::cnp(), ..Default::default() }, REASON_CNP),
+        (RoceFrame { ext: ext::aeth(0x60, 1), ..f(op::ACKNOWLEDGE) }, REASON_NAK),
+        (RoceFrame { ext: ext::aeth(0x1f, 1), ..f(op::ACKNOWLEDGE) }, 0),
+        (RoceFrame { dscp: 0, ..f(op::SEND_ONLY) }, REASON_UNEXPECTED_DSCP),
+    ];
+    for (fr, _) in &frames {
+        t.run_xdp(&fr.build());
+    }
+    let got: Vec<u32> = t.samples().iter().map(|s| s.reasons).collect();
+    let want: Vec<u32> = frames.iter().map(|(_, r)| *r).filter(|r| *r != 0).collect();
+    assert_eq!(got, want);
+}
+
+/// The kernel's sampling decision is the shared hash under the shared seed: a host
+/// computes which packets every other host samples.
+#[test]
+fn kernel_samples_exactly_the_packets_the_shared_hash_selects() {
+    if !require_root() {
+        return;
+    }
+    use roce_trace_common::sampling::{identity_hash, threshold_for_rate};
+    let (rate, seed) = (8, 0xdecafbad);
+    let mut t = ProgTest::new(&DatapathOptions { sample_rate: rate, seed, ..Default::default() });
+    let th = threshold_for_rate(rate).unwrap();
+    let mut want = Vec::new();
+    for psn in 0..400u32 {
+        let s = RoceFrame { psn, dest_qp: 0x33, ..f(op::WRITE_MIDDLE) };
+        t.run_xdp(&s.build());
+        let h = identity_hash(seed, &mapped(s.src), &mapped(s.dst), s.udp_sport, s.udp_dport, 0x33, psn, s.opcode);
+        if h <= th {
+            want.push(psn);
+        }
+    }
+    let got: Vec<u32> = t.samples().iter().map(|s| s.psn).collect();
+    assert_eq!(got, want);
+    // 1 in 8 of 400, give or take the hash's spread.
+    assert!((25..=75).contains(&got.len()), "sampled {}", got.len());
+}
