@@ -184,3 +184,162 @@ pub fn sh(args: &[&str]) -> String {
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// The roce-trace binary of this build (the README's test command builds it first).
+pub fn roce_trace_bin() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap();
+    let bin = dir.join("roce-trace");
+    assert!(bin.exists(), "{} is missing: run `cargo build --bins` before the tests", bin.display());
+    bin
+}
+
+/// A network namespace this test created; deleted (with its veths) on drop.
+pub struct Netns {
+    pub name: String,
+}
+
+impl Netns {
+    pub fn new(name: &str) -> Self {
+        let name = format!("{name}-{}", std::process::id());
+        let _ = Command::new("ip").args(["netns", "del", &name]).output();
+        sh(&["ip", "netns", "add", &name]);
+        let ns = Self { name };
+        ns.exec(&["ip", "link", "set", "lo", "up"]);
+        ns
+    }
+
+    pub fn exec(&self, args: &[&str]) -> String {
+        let mut full = vec!["ip", "netns", "exec", &self.name];
+        full.extend_from_slice(args);
+        sh(&full)
+    }
+
+    /// Runs `f` on a thread that has entered this namespace (sockets opened there stay
+    /// in it).
+    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let path = format!("/var/run/netns/{}", self.name);
+        std::thread::spawn(move || {
+            let fd = std::fs::File::open(&path).unwrap();
+            use std::os::fd::AsRawFd;
+            // SAFETY: fd is an open netns file; setns affects only this thread.
+            let r = unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) };
+            assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+            f()
+        })
+        .join()
+        .unwrap()
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
+    }
+}
+
+/// Two namespaces joined by a veth pair: `a` (10.99.0.1, fd99::1) and `b` (.2, ::2).
+pub struct VethPair {
+    pub a: Netns,
+    pub b: Netns,
+    pub a_if: String,
+    pub b_if: String,
+}
+
+impl VethPair {
+    pub fn new(tag: &str) -> Self {
+        let a = Netns::new(&format!("rt{tag}a"));
+        let b = Netns::new(&format!("rt{tag}b"));
+        let (a_if, b_if) = ("rtv0".to_owned(), "rtv1".to_owned());
+        sh(&["ip", "link", "add", "rtvtmp0", "netns", &a.name, "type", "veth", "peer", "name", "rtvtmp1", "netns", &b.name]);
+        a.exec(&["ip", "link", "set", "rtvtmp0", "name", &a_if]);
+        b.exec(&["ip", "link", "set", "rtvtmp1", "name", &b_if]);
+        for (ns, ifn, v4, v6) in [(&a, &a_if, "10.99.0.1/24", "fd99::1/64"), (&b, &b_if, "10.99.0.2/24", "fd99::2/64")] {
+            ns.exec(&["sysctl", "-qw", "net.ipv6.conf.all.accept_dad=0", "net.ipv6.conf.default.accept_dad=0"]);
+            ns.exec(&["ip", "addr", "add", v4, "dev", ifn]);
+            ns.exec(&["ip", "-6", "addr", "add", v6, "dev", ifn, "nodad"]);
+            ns.exec(&["ip", "link", "set", ifn, "up"]);
+        }
+        Self { a, b, a_if, b_if }
+    }
+}
+
+/// Sends raw Ethernet frames out of `ifname` in the calling thread's namespace through an
+/// AF_PACKET socket (they cross the interface's TC egress like any transmitted packet).
+pub fn send_frames(ifname: &str, frames: &[Vec<u8>]) {
+    let idx = roce_trace::sys::ifindex(ifname).unwrap();
+    // SAFETY: plain socket syscalls on a fd we own; addresses are valid sockaddr_ll.
+    unsafe {
+        let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0);
+        assert!(fd >= 0, "AF_PACKET socket: {}", std::io::Error::last_os_error());
+        let mut addr: libc::sockaddr_ll = std::mem::zeroed();
+        addr.sll_family = libc::AF_PACKET as u16;
+        addr.sll_ifindex = idx as i32;
+        addr.sll_halen = 6;
+        for f in frames {
+            let n = libc::sendto(
+                fd,
+                f.as_ptr() as *const libc::c_void,
+                f.len(),
+                0,
+                &addr as *const libc::sockaddr_ll as *const libc::sockaddr,
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            );
+            assert_eq!(n as usize, f.len(), "sendto: {}", std::io::Error::last_os_error());
+        }
+        libc::close(fd);
+    }
+}
+
+/// A running `roce-trace capture`, its JSON Lines collected from stdout.
+pub struct CaptureProc {
+    pub child: std::process::Child,
+    stderr_lines: std::sync::mpsc::Receiver<String>,
+    pub stderr: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl CaptureProc {
+    /// Starts `roce-trace capture ARGS` in `ns` and waits until its hooks are attached.
+    pub fn start(ns: &Netns, args: &[&str]) -> Self {
+        use std::io::BufRead;
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &ns.name])
+            .arg(roce_trace_bin())
+            .arg("capture")
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let all = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let all2 = all.clone();
+        let err = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+                all2.lock().unwrap().push_str(&format!("{line}\n"));
+                let _ = tx.send(line);
+            }
+        });
+        let p = Self { child, stderr_lines: rx, stderr: all };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match p.stderr_lines.recv_timeout(left) {
+                Ok(l) if l.contains("capturing on") => return p,
+                Ok(_) => {}
+                Err(_) => panic!("capture did not start: {}", p.stderr.lock().unwrap()),
+            }
+        }
+    }
+
+    /// Waits for exit; returns the parsed JSON records.
+    pub fn finish(mut self) -> Vec<serde_json::Value> {
+        use std::io::Read;
+        let mut out = String::new();
+        self.child.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "capture failed: {}", self.stderr.lock().unwrap());
+        out.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l:?}: {e}"))).collect()
+    }
+}

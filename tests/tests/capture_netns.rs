@@ -1,0 +1,218 @@
+//! Real traffic between two network namespaces: `roce-trace capture` on each side (TC
+//! egress where it leaves, XDP ingress where it arrives) reports exact per-flow counts.
+
+use std::{collections::BTreeMap, net::IpAddr, sync::Mutex, time::Duration};
+
+use roce_trace::frame::{RoceFrame, ethernet, ext};
+use roce_trace_common::roce::op;
+use roce_trace_tests::*;
+use serde_json::Value;
+
+/// These tests attach to interfaces and look at loaded programs: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Expected per-flow totals.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct Want {
+    packets: u64,
+    bytes: u64,
+    ecn: [u64; 4],
+    cnp: u64,
+    ack: u64,
+    nak: [u64; 3],
+    psn_gaps: u64,
+    dscp: u64,
+}
+
+struct Traffic {
+    frames: Vec<Vec<u8>>,
+    flows: BTreeMap<(String, u16, u32), Want>,
+    roce_packets: u64,
+    noise: u64,
+}
+
+/// A known mix: several QPs, DSCP/ECN combinations, CNPs, ACK/NAKs, a PSN gap, IPv6, and
+/// non-RoCE noise, interleaved.
+fn traffic(src_mac: [u8; 6], dst_mac: [u8; 6]) -> Traffic {
+    let a4: IpAddr = "10.99.0.1".parse().unwrap();
+    let b4: IpAddr = "10.99.0.2".parse().unwrap();
+    let a6: IpAddr = "fd99::1".parse().unwrap();
+    let b6: IpAddr = "fd99::2".parse().unwrap();
+    let base = RoceFrame { src_mac, dst_mac, src: a4, dst: b4, ..Default::default() };
+    let mut specs: Vec<RoceFrame> = Vec::new();
+    for psn in 0..50 {
+        specs.push(RoceFrame { udp_sport: 49152, dest_qp: 0x100, psn, payload: vec![1; 1024], opcode: op::WRITE_MIDDLE, ..base.clone() });
+    }
+    for psn in 0..30 {
+        let ecn = if psn % 3 == 0 { 3 } else { 2 };
+        specs.push(RoceFrame { udp_sport: 49153, dest_qp: 0x101, psn, ecn, payload: vec![2; 512], ..base.clone() });
+    }
+    for psn in 0..20 {
+        specs.push(RoceFrame { udp_sport: 49154, dest_qp: 0x102, psn, dscp: 0, ecn: 0, ..base.clone() });
+    }
+    for psn in 0..25 {
+        specs.push(RoceFrame { udp_sport: 49155, dest_qp: 0x103, psn, src: a6, dst: b6, payload: vec![3; 256], ..base.clone() });
+    }
+    for _ in 0..7 {
+        specs.push(RoceFrame { opcode: 0x81, udp_sport: 0, dest_qp: 0x200, dscp: 48, becn: true, ext: ext::cnp(), ..base.clone() });
+    }
+    for (i, syn) in [0x1f, 0x1f, 0x60, 0x1f, 0x2e, 0x1f, 0x60, 0x1f].into_iter().enumerate() {
+        specs.push(RoceFrame { opcode: op::ACKNOWLEDGE, udp_sport: 49160, dest_qp: 0x201, psn: i as u32, ext: ext::aeth(syn, i as u32), ..base.clone() });
+    }
+    for psn in (0..10).filter(|p| *p != 5) {
+        specs.push(RoceFrame { udp_sport: 49161, dest_qp: 0x202, psn, ..base.clone() });
+    }
+
+    let mut flows: BTreeMap<(String, u16, u32), Want> = BTreeMap::new();
+    let mut frames = Vec::new();
+    for s in &specs {
+        let fr = s.build();
+        let w = flows.entry((s.src.to_string(), s.udp_sport, s.dest_qp)).or_default();
+        w.packets += 1;
+        w.bytes += fr.len() as u64;
+        w.ecn[s.ecn as usize] += 1;
+        w.dscp = s.dscp as u64;
+        if s.opcode == 0x81 {
+            w.cnp += 1;
+        }
+        if s.opcode == op::ACKNOWLEDGE {
+            match s.ext[0] {
+                0x1f => w.ack += 1,
+                0x60 => w.nak[0] += 1,
+                0x2e => w.nak[1] += 1,
+                _ => w.nak[2] += 1,
+            }
+        }
+        frames.push(fr);
+    }
+    flows.get_mut(&(a4.to_string(), 49161, 0x202)).unwrap().psn_gaps = 1;
+    let roce_packets = frames.len() as u64;
+
+    // Noise: UDP to another port, TCP, ARP — interleaved with the RoCE frames.
+    let mut noise = Vec::new();
+    for i in 0..10 {
+        noise.push(RoceFrame { udp_dport: 5000 + i, ..base.clone() }.build());
+    }
+    for _ in 0..5 {
+        let mut tcp = base.build();
+        tcp[14 + 9] = 6;
+        noise.push(tcp);
+    }
+    for _ in 0..3 {
+        noise.push(ethernet([0xff; 6], src_mac, &[], 0x0806, &[0, 1, 8, 0, 6, 4, 0, 1, 0, 0, 0, 0, 0, 0]));
+    }
+    let n_noise = noise.len() as u64;
+    let mut mixed = Vec::new();
+    let stride = frames.len() / noise.len();
+    for (i, f) in frames.into_iter().enumerate() {
+        if i % stride == 0 && !noise.is_empty() {
+            mixed.push(noise.pop().unwrap());
+        }
+        mixed.push(f);
+    }
+    mixed.extend(noise);
+    Traffic { frames: mixed, flows, roce_packets, noise: n_noise }
+}
+
+fn mac_of(ns: &Netns, ifname: &str) -> [u8; 6] {
+    let out = ns.exec(&["cat", &format!("/sys/class/net/{ifname}/address")]);
+    let v: Vec<u8> = out.trim().split(':').map(|h| u8::from_str_radix(h, 16).unwrap()).collect();
+    v.try_into().unwrap()
+}
+
+fn final_flows(recs: &[Value], direction: &str) -> BTreeMap<(String, u16, u32), Want> {
+    recs.iter()
+        .filter(|r| r["type"] == "flow" && r["final"] == true && r["direction"] == direction)
+        .map(|r| {
+            let n = |v: &Value| v.as_u64().unwrap();
+            (
+                (r["src_ip"].as_str().unwrap().to_owned(), n(&r["udp_sport"]) as u16, n(&r["dst_qp"]) as u32),
+                Want {
+                    packets: n(&r["packets"]),
+                    bytes: n(&r["bytes"]),
+                    ecn: [n(&r["ecn"]["not_ect"]), n(&r["ecn"]["ect1"]), n(&r["ecn"]["ect0"]), n(&r["ecn"]["ce"])],
+                    cnp: n(&r["cnp"]),
+                    ack: n(&r["ack"]),
+                    nak: [n(&r["nak"]["psn_seq_err"]), n(&r["nak"]["rnr"]), n(&r["nak"]["other"])],
+                    psn_gaps: n(&r["psn_gaps"]),
+                    dscp: n(&r["dscp"]),
+                },
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn capture_reports_exact_per_flow_counts_on_xdp_and_tc() {
+    if !require_root() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let pair = VethPair::new("cap");
+    let t = traffic(mac_of(&pair.a, &pair.a_if), mac_of(&pair.b, &pair.b_if));
+    let count = t.roce_packets.to_string();
+    let common = ["--json", "--sample-rate", "1", "--expect-dscp", "26,48", "-c", &count, "--duration", "60s"];
+    let mut rx_args = vec!["-i", &pair.b_if, "--direction", "ingress"];
+    rx_args.extend_from_slice(&common);
+    let mut tx_args = vec!["-i", &pair.a_if, "--direction", "egress"];
+    tx_args.extend_from_slice(&common);
+    let rx = CaptureProc::start(&pair.b, &rx_args);
+    let tx = CaptureProc::start(&pair.a, &tx_args);
+
+    let frames = t.frames.clone();
+    let a_if = pair.a_if.clone();
+    pair.a.run(move || send_frames(&a_if, &frames));
+
+    for (side, proc_, dir) in [("XDP", rx, "ingress"), ("TC", tx, "egress")] {
+        let recs = proc_.finish();
+        let got = final_flows(&recs, dir);
+        assert_eq!(got, t.flows, "{side}: exact per-flow counts");
+        let samples = recs.iter().filter(|r| r["type"] == "sample").count() as u64;
+        assert_eq!(samples, t.roce_packets, "{side}: one sample per packet at rate 1");
+        let summary = recs.iter().find(|r| r["type"] == "summary").expect("summary record");
+        assert_eq!(summary["stopped_by"], "count");
+        assert_eq!(summary["packets"], t.roce_packets);
+        assert_eq!(summary["ringbuf_drops"], 0);
+        let non_roce = summary["counters"][dir]["non_roce"].as_u64().unwrap();
+        // The kernel may add its own frames (IPv6 neighbour discovery) to our noise.
+        assert!(non_roce >= t.noise, "{side}: non-RoCE {non_roce} < {}", t.noise);
+        // Samples carry the class: the DSCP 0 flow's are flagged unexpected.
+        let flagged = recs
+            .iter()
+            .filter(|r| r["type"] == "sample" && r["dst_qp"] == 0x102)
+            .all(|r| r["reasons"].as_array().unwrap().iter().any(|x| x == "unexpected_dscp"));
+        assert!(flagged, "{side}: DSCP 0 samples flagged");
+    }
+}
+
+fn roce_programs_loaded() -> usize {
+    aya::programs::loaded_programs()
+        .filter_map(Result::ok)
+        .filter(|p| matches!(p.name_as_str(), Some("roce_xdp" | "roce_tc")))
+        .count()
+}
+
+/// Programs hang off BPF links owned by the process: SIGKILL must not leave them behind.
+#[test]
+fn programs_detach_when_capture_is_killed() {
+    if !require_root() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let pair = VethPair::new("kill");
+    assert_eq!(roce_programs_loaded(), 0, "nothing loaded before");
+    let mut p = CaptureProc::start(&pair.b, &["-i", &pair.b_if, "--json"]);
+    assert_eq!(roce_programs_loaded(), 2, "XDP and TC loaded while capturing");
+    let link = pair.b.exec(&["ip", "link", "show", "dev", &pair.b_if]);
+    assert!(link.contains("xdp"), "XDP attached: {link}");
+    p.child.kill().unwrap(); // SIGKILL
+    p.child.wait().unwrap();
+    // `ip netns exec` is the direct child; give the kernel a moment to release the links.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while roce_programs_loaded() > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(roce_programs_loaded(), 0, "programs gone after SIGKILL");
+    let link = pair.b.exec(&["ip", "link", "show", "dev", &pair.b_if]);
+    assert!(!link.contains("xdp"), "XDP detached: {link}");
+}

@@ -1,0 +1,47 @@
+//! What a user sees when something is wrong: a clear error and a non-zero exit.
+
+use std::process::Command;
+
+use roce_trace_tests::*;
+
+fn run(args: &[&str]) -> (i32, String) {
+    let out = Command::new(roce_trace_bin()).args(args).output().unwrap();
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn unknown_interface_is_named() {
+    if !require_root() {
+        return;
+    }
+    let (code, err) = run(&["capture", "-i", "nosuch0", "--duration", "1s"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("unknown interface `nosuch0`"), "{err}");
+}
+
+#[test]
+fn bad_flags_are_rejected_before_anything_loads() {
+    let (code, err) = run(&["capture", "-i", "lo", "--expect-dscp", "26,99"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("99"), "{err}");
+    let (code, err) = run(&["capture", "-i", "lo", "--duration", "soon"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--duration"), "{err}");
+    let (code, err) = run(&["capture"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--interface"), "{err}");
+}
+
+#[test]
+fn missing_privileges_say_what_is_needed() {
+    // Drop every capability, staying uid 0 (so the binary stays reachable under /root).
+    let out = Command::new("setpriv")
+        .args(["--inh-caps=-all", "--bounding-set=-all"])
+        .arg(roce_trace_bin())
+        .args(["capture", "-i", "lo", "--duration", "1s"])
+        .output()
+        .expect("setpriv (util-linux)");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("missing privileges") && err.contains("CAP_BPF"), "{err}");
+}
