@@ -144,7 +144,7 @@ pub fn parse_into<P: Packet>(p: &P, udp_port: u16, out: &mut Parsed) -> Result<(
                 match next {
                     IPV6_EXT_HOP_BY_HOP | IPV6_EXT_ROUTING | IPV6_EXT_DEST_OPTS | IPV6_EXT_AUTH => {
                         let ext: &Ipv6ExtHdr = p.header(off).ok_or(Skip::TruncatedIp)?;
-                        let len = ext.len(next);
+                        let len = ext.length(next);
                         if len > remaining {
                             return Err(Skip::BadIpHeader);
                         }
@@ -175,7 +175,7 @@ pub fn parse_into<P: Packet>(p: &P, udp_port: u16, out: &mut Parsed) -> Result<(
     if udp_dport != udp_port {
         return Err(Skip::NonRoce);
     }
-    let udp_len = udp.len();
+    let udp_len = udp.length();
     let udp_off = off;
     // A RoCEv2 datagram holds at least a BTH and an ICRC, and fits its IP payload.
     if (udp_len as usize) < UdpHdr::LEN + Bth::LEN + ICRC_LEN || udp_len as usize > l4_len {
@@ -192,15 +192,23 @@ pub fn parse_into<P: Packet>(p: &P, udp_port: u16, out: &mut Parsed) -> Result<(
         return Err(Skip::TruncatedExtHeader);
     }
     if let Some(at) = layout.aeth {
-        out.aeth = *p.header::<Aeth>(off + at as usize).ok_or(Skip::TruncatedExtHeader)?;
+        out.aeth = *p
+            .header::<Aeth>(off + at as usize)
+            .ok_or(Skip::TruncatedExtHeader)?;
         out.present |= HAS_AETH;
     }
     if let Some(at) = layout.reth {
-        out.reth_dma_len = p.header::<Reth>(off + at as usize).ok_or(Skip::TruncatedExtHeader)?.dma_len();
+        out.reth_dma_len = p
+            .header::<Reth>(off + at as usize)
+            .ok_or(Skip::TruncatedExtHeader)?
+            .dma_len();
         out.present |= HAS_RETH;
     }
     if let Some(at) = layout.deth {
-        out.deth_src_qp = p.header::<Deth>(off + at as usize).ok_or(Skip::TruncatedExtHeader)?.src_qp();
+        out.deth_src_qp = p
+            .header::<Deth>(off + at as usize)
+            .ok_or(Skip::TruncatedExtHeader)?
+            .src_qp();
         out.present |= HAS_DETH;
     }
     if let Some(icrc) = p.load4(udp_off + udp_len as usize - ICRC_LEN) {

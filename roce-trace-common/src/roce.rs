@@ -66,7 +66,12 @@ pub struct ExtLayout {
 pub const fn ext_layout(opcode: u8) -> ExtLayout {
     let t = transport(opcode);
     let o = operation(opcode);
-    let none = ExtLayout { reth: None, aeth: None, deth: None, min_len: 0 };
+    let none = ExtLayout {
+        reth: None,
+        aeth: None,
+        deth: None,
+        min_len: 0,
+    };
     match t {
         TRANSPORT_CNP => {
             if opcode == OP_CNP {
@@ -77,24 +82,41 @@ pub const fn ext_layout(opcode: u8) -> ExtLayout {
         }
         TRANSPORT_UD => {
             if o == op::SEND_ONLY || o == op::SEND_ONLY_IMM {
-                ExtLayout { deth: Some(0), min_len: 8, ..none }
+                ExtLayout {
+                    deth: Some(0),
+                    min_len: 8,
+                    ..none
+                }
             } else {
                 none
             }
         }
         TRANSPORT_RC | TRANSPORT_UC | TRANSPORT_XRC => {
             // XRC requests carry a 4-byte XRCETH ahead of everything else.
-            let base: u8 = if t == TRANSPORT_XRC && is_request_op(o) { 4 } else { 0 };
+            let base: u8 = if t == TRANSPORT_XRC && is_request_op(o) {
+                4
+            } else {
+                0
+            };
             match o {
-                op::WRITE_FIRST | op::WRITE_ONLY | op::WRITE_ONLY_IMM | op::READ_REQUEST => {
-                    ExtLayout { reth: Some(base), min_len: base + 16, ..none }
-                }
+                op::WRITE_FIRST | op::WRITE_ONLY | op::WRITE_ONLY_IMM | op::READ_REQUEST => ExtLayout {
+                    reth: Some(base),
+                    min_len: base + 16,
+                    ..none
+                },
                 op::READ_RESPONSE_FIRST
                 | op::READ_RESPONSE_LAST
                 | op::READ_RESPONSE_ONLY
                 | op::ACKNOWLEDGE
-                | op::ATOMIC_ACKNOWLEDGE => ExtLayout { aeth: Some(0), min_len: 4, ..none },
-                _ => ExtLayout { min_len: base, ..none },
+                | op::ATOMIC_ACKNOWLEDGE => ExtLayout {
+                    aeth: Some(0),
+                    min_len: 4,
+                    ..none
+                },
+                _ => ExtLayout {
+                    min_len: base,
+                    ..none
+                },
             }
         }
         _ => none,
@@ -103,7 +125,12 @@ pub const fn ext_layout(opcode: u8) -> ExtLayout {
 
 #[inline(always)]
 const fn is_request_op(o: u8) -> bool {
-    o <= op::READ_REQUEST || o == op::CMP_SWAP || o == op::FETCH_ADD || o == 0x15 || o == op::SEND_LAST_INV || o == op::SEND_ONLY_INV
+    o <= op::READ_REQUEST
+        || o == op::CMP_SWAP
+        || o == op::FETCH_ADD
+        || o == 0x15
+        || o == op::SEND_LAST_INV
+        || o == op::SEND_ONLY_INV
 }
 
 /// A request packet: consumes requester PSNs (SEND, WRITE, READ REQUEST, atomics, UD SEND).

@@ -4,7 +4,10 @@
 /// Identity hash of one packet. Addresses are in the 16-byte form of [`crate::datapath::FlowKey`]
 /// (IPv4 mapped as `::ffff:a.b.c.d`), so v4 and v6 hash the same way everywhere.
 #[inline(always)]
-#[expect(clippy::too_many_arguments, reason = "the identity fields, passed flat for the eBPF verifier")]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the identity fields, passed flat for the eBPF verifier"
+)]
 pub fn identity_hash(
     seed: u32,
     src: &[u8; 16],
@@ -18,8 +21,14 @@ pub fn identity_hash(
     let mut h = seed ^ 0x9e37_79b9;
     let mut i = 0;
     while i < 16 {
-        h = mix(h, u32::from_ne_bytes([src[i], src[i + 1], src[i + 2], src[i + 3]]));
-        h = mix(h, u32::from_ne_bytes([dst[i], dst[i + 1], dst[i + 2], dst[i + 3]]));
+        h = mix(
+            h,
+            u32::from_ne_bytes([src[i], src[i + 1], src[i + 2], src[i + 3]]),
+        );
+        h = mix(
+            h,
+            u32::from_ne_bytes([dst[i], dst[i + 1], dst[i + 2], dst[i + 3]]),
+        );
         i += 4;
     }
     h = mix(h, ((sport as u32) << 16) | dport as u32);
@@ -32,7 +41,10 @@ pub fn identity_hash(
 // murmur3's 32-bit block mix and finaliser.
 #[inline(always)]
 const fn mix(h: u32, k: u32) -> u32 {
-    let k = k.wrapping_mul(0xcc9e_2d51).rotate_left(15).wrapping_mul(0x1b87_3593);
+    let k = k
+        .wrapping_mul(0xcc9e_2d51)
+        .rotate_left(15)
+        .wrapping_mul(0x1b87_3593);
     (h ^ k).rotate_left(13).wrapping_mul(5).wrapping_add(0xe654_6b64)
 }
 

@@ -170,7 +170,7 @@ unsafe impl Header for Ipv6ExtHdr {}
 impl Ipv6ExtHdr {
     /// Length of this extension header in bytes (`kind` is the header's own type).
     #[inline(always)]
-    pub fn len(&self, kind: u8) -> usize {
+    pub fn length(&self, kind: u8) -> usize {
         if kind == IPV6_EXT_AUTH {
             (self.hdr_ext_len as usize + 2) * 4
         } else {
@@ -198,8 +198,9 @@ impl UdpHdr {
     pub fn dst_port(&self) -> u16 {
         u16::from_be_bytes(self.dst_port)
     }
+    /// UDP header plus payload, in bytes.
     #[inline(always)]
-    pub fn len(&self) -> u16 {
+    pub fn length(&self) -> u16 {
         u16::from_be_bytes(self.len)
     }
 }

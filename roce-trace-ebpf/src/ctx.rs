@@ -28,7 +28,11 @@ pub struct XdpPacket<'a> {
 impl<'a> XdpPacket<'a> {
     #[inline(always)]
     pub fn new(ctx: &'a XdpContext) -> Self {
-        Self { ctx, start: ctx.data(), end: ctx.data_end() }
+        Self {
+            ctx,
+            start: ctx.data(),
+            end: ctx.data_end(),
+        }
     }
     #[inline(always)]
     pub fn ifindex(&self) -> u32 {
@@ -53,7 +57,12 @@ impl Packet for XdpPacket<'_> {
         // SAFETY: the helper bounds-checks `off` against the frame and writes 4 bytes
         // into `buf`, which is 4 bytes long.
         let r = unsafe {
-            bpf_xdp_load_bytes(self.ctx.ctx as *mut _, off as u32, buf.as_mut_ptr() as *mut c_void, 4)
+            bpf_xdp_load_bytes(
+                self.ctx.ctx as *mut _,
+                off as u32,
+                buf.as_mut_ptr() as *mut c_void,
+                4,
+            )
         };
         if r == 0 { Some(buf) } else { None }
     }
@@ -85,7 +94,11 @@ impl<'a> TcPacket<'a> {
             // it invalidates packet pointers, so they are read after it.
             let _ = ctx.pull_data(want);
         }
-        Self { ctx, start: ctx.data(), end: ctx.data_end() }
+        Self {
+            ctx,
+            start: ctx.data(),
+            end: ctx.data_end(),
+        }
     }
     #[inline(always)]
     pub fn ifindex(&self) -> u32 {
@@ -110,7 +123,12 @@ impl Packet for TcPacket<'_> {
         // SAFETY: the helper bounds-checks `off` against the skb (fragments included) and
         // writes 4 bytes into `buf`.
         let r = unsafe {
-            bpf_skb_load_bytes(self.ctx.skb.skb as *const c_void, off as u32, buf.as_mut_ptr() as *mut c_void, 4)
+            bpf_skb_load_bytes(
+                self.ctx.skb.skb as *const c_void,
+                off as u32,
+                buf.as_mut_ptr() as *mut c_void,
+                4,
+            )
         };
         if r == 0 { Some(buf) } else { None }
     }
@@ -119,6 +137,10 @@ impl Packet for TcPacket<'_> {
     fn offload_vlan_tci(&self) -> Option<u16> {
         // SAFETY: the context pointer is valid for the program's lifetime.
         let skb = unsafe { &*self.ctx.skb.skb };
-        if skb.vlan_present != 0 { Some(skb.vlan_tci as u16) } else { None }
+        if skb.vlan_present != 0 {
+            Some(skb.vlan_tci as u16)
+        } else {
+            None
+        }
     }
 }

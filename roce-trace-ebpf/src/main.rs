@@ -104,7 +104,10 @@ fn account(scratch: &mut Scratch, cfg: &DatapathConfig, dir: u8, ifindex: u32, f
     let opcode = p.bth.opcode;
     let psn = p.bth.psn();
     let ack_kind = p.ack_kind();
-    let is_nak = matches!(ack_kind, Some(AckKind::RnrNak | AckKind::NakPsnSeqErr | AckKind::NakOther));
+    let is_nak = matches!(
+        ack_kind,
+        Some(AckKind::RnrNak | AckKind::NakPsnSeqErr | AckKind::NakOther)
+    );
 
     // Shared per-flow state: PSN sequence and the first DSCP.
     let mut psn_gap = false;
@@ -127,7 +130,12 @@ fn account(scratch: &mut Scratch, cfg: &DatapathConfig, dir: u8, ifindex: u32, f
                 if st.flags & STATE_PSN_VALID == 0 || roce::psn_ahead(st.next_psn, psn).is_some() {
                     st.next_psn = (psn + 1) & roce::PSN_MASK;
                 }
-                st.flags = STATE_PSN_VALID | if roce::is_read_request(opcode) { STATE_AFTER_READ } else { 0 };
+                st.flags = STATE_PSN_VALID
+                    | if roce::is_read_request(opcode) {
+                        STATE_AFTER_READ
+                    } else {
+                        0
+                    };
             }
         }
         None => {
@@ -136,20 +144,30 @@ fn account(scratch: &mut Scratch, cfg: &DatapathConfig, dir: u8, ifindex: u32, f
                 next_psn: (psn + 1) & roce::PSN_MASK,
                 first_dscp: p.dscp,
                 flags: if request {
-                    STATE_PSN_VALID | if roce::is_read_request(opcode) { STATE_AFTER_READ } else { 0 }
+                    STATE_PSN_VALID
+                        | if roce::is_read_request(opcode) {
+                            STATE_AFTER_READ
+                        } else {
+                            0
+                        }
                 } else {
                     0
                 },
                 _pad: [0; 2],
             };
-            let _ = FLOW_STATE.insert(key, &st, 0);
+            let _ = FLOW_STATE.insert(key, st, 0);
         }
     }
 
     let counters = match FLOWS.get_ptr_mut(key) {
         Some(c) => Some(c),
         None => {
-            if FLOWS.insert(key, &ZERO_COUNTERS, 0).is_err() {
+            #[expect(
+                clippy::needless_borrows_for_generic_args,
+                reason = "by value would copy 128 bytes onto the 512-byte BPF stack"
+            )]
+            let inserted = FLOWS.insert(key, &ZERO_COUNTERS, 0);
+            if inserted.is_err() {
                 bump(GlobalCounter::FlowInsertFailed, dir);
             }
             FLOWS.get_ptr_mut(key)
@@ -200,8 +218,16 @@ fn account(scratch: &mut Scratch, cfg: &DatapathConfig, dir: u8, ifindex: u32, f
         reasons |= REASON_UNEXPECTED_DSCP;
     }
     if cfg.sample_enabled != 0
-        && identity_hash(cfg.seed, &p.src, &p.dst, p.udp_sport, p.udp_dport, key.dest_qp, psn, opcode)
-            <= cfg.sample_threshold
+        && identity_hash(
+            cfg.seed,
+            &p.src,
+            &p.dst,
+            p.udp_sport,
+            p.udp_dport,
+            key.dest_qp,
+            psn,
+            opcode,
+        ) <= cfg.sample_threshold
     {
         reasons |= REASON_HASH;
     }

@@ -173,7 +173,15 @@ pub async fn run(
     for r in &recs {
         sink.emit(r)?;
     }
-    let summary = summarize(&hooks, &recs, &globals, samples_received, started.elapsed(), stopped_by, &clock);
+    let summary = summarize(
+        &hooks,
+        &recs,
+        &globals,
+        samples_received,
+        started.elapsed(),
+        stopped_by,
+        &clock,
+    );
     sink.emit(&summary)?;
     sink.flush()?;
     if live {
@@ -258,7 +266,11 @@ fn summarize(
         stopped_by: stopped_by.into(),
         hooks: hooks
             .iter()
-            .map(|h| HookRecord { iface: h.iface.clone(), hook: h.hook.into(), mode: h.mode.into() })
+            .map(|h| HookRecord {
+                iface: h.iface.clone(),
+                hook: h.hook.into(),
+                mode: h.mode.into(),
+            })
             .collect(),
         flows: recs.len() as u64,
         packets: recs.iter().map(|r| r.packets).sum(),
@@ -275,11 +287,27 @@ pub fn render_flows(recs: &[FlowRecord]) -> String {
     let mut s = String::new();
     s.push_str(&format!(
         "{:<10} {:<3} {:>39} {:>39} {:>5} {:>8} {:>4} {:>23} {:>6} {:>6} {:>6} {:>5} {:>9} {:>7}\n",
-        "IFACE", "DIR", "SRC", "DST", "SPORT", "QP", "DSCP", "ECN not/ect1/ect0/ce", "CE%", "CNP", "NAK",
-        "GAPS", "PPS", "GBIT/S"
+        "IFACE",
+        "DIR",
+        "SRC",
+        "DST",
+        "SPORT",
+        "QP",
+        "DSCP",
+        "ECN not/ect1/ect0/ce",
+        "CE%",
+        "CNP",
+        "NAK",
+        "GAPS",
+        "PPS",
+        "GBIT/S"
     ));
     for r in recs {
-        let dscp = if r.dscp_changed > 0 { format!("{}*", r.dscp) } else { r.dscp.to_string() };
+        let dscp = if r.dscp_changed > 0 {
+            format!("{}*", r.dscp)
+        } else {
+            r.dscp.to_string()
+        };
         s.push_str(&format!(
             "{:<10} {:<3} {:>39} {:>39} {:>5} {:>#8x} {:>4} {:>23} {:>6.2} {:>6} {:>6} {:>5} {:>9.0} {:>7.3}\n",
             r.iface,
@@ -330,11 +358,19 @@ fn print_summary(s: &SummaryRecord) {
     for h in &s.hooks {
         out.push_str(&format!("  hook: {} {} ({})\n", h.iface, h.hook, h.mode));
     }
-    let failures: Vec<String> =
-        s.parse_failures.iter().filter(|(_, v)| **v > 0).map(|(k, v)| format!("{k}={v}")).collect();
+    let failures: Vec<String> = s
+        .parse_failures
+        .iter()
+        .filter(|(_, v)| **v > 0)
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
     out.push_str(&format!(
         "  parse failures: {}\n",
-        if failures.is_empty() { "none".to_owned() } else { failures.join(", ") }
+        if failures.is_empty() {
+            "none".to_owned()
+        } else {
+            failures.join(", ")
+        }
     ));
     for (dir, m) in &s.counters {
         out.push_str(&format!(

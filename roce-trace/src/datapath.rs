@@ -77,12 +77,16 @@ impl DatapathOptions {
         let mut mask = 0u64;
         for &d in &self.expected_dscp {
             if d > 63 {
-                return Err(DatapathError::InvalidOption(format!("DSCP {d} is out of range 0..=63")));
+                return Err(DatapathError::InvalidOption(format!(
+                    "DSCP {d} is out of range 0..=63"
+                )));
             }
             mask |= 1 << d;
         }
         if self.max_flows == 0 {
-            return Err(DatapathError::InvalidOption("max flows must be at least 1".into()));
+            return Err(DatapathError::InvalidOption(
+                "max flows must be at least 1".into(),
+            ));
         }
         let threshold = threshold_for_rate(self.sample_rate);
         Ok(DatapathConfig {
@@ -134,7 +138,11 @@ impl Datapath {
             .map_max_entries(MAP_FLOW_STATE, opts.max_flows)
             .load(EBPF_OBJECT)
             .map_err(DatapathError::Load)?;
-        Ok(Self { ebpf, xdp_loaded: false, tc_loaded: false })
+        Ok(Self {
+            ebpf,
+            xdp_loaded: false,
+            tc_loaded: false,
+        })
     }
 
     pub fn xdp(&mut self) -> Result<&mut Xdp, DatapathError> {
@@ -143,9 +151,15 @@ impl Datapath {
             .program_mut(PROG_XDP)
             .ok_or(DatapathError::MissingMap(PROG_XDP))?
             .try_into()
-            .map_err(|source| DatapathError::Program { name: PROG_XDP, source })?;
+            .map_err(|source| DatapathError::Program {
+                name: PROG_XDP,
+                source,
+            })?;
         if !self.xdp_loaded {
-            prog.load().map_err(|source| DatapathError::Program { name: PROG_XDP, source })?;
+            prog.load().map_err(|source| DatapathError::Program {
+                name: PROG_XDP,
+                source,
+            })?;
             self.xdp_loaded = true;
         }
         Ok(prog)
@@ -157,9 +171,15 @@ impl Datapath {
             .program_mut(PROG_TC)
             .ok_or(DatapathError::MissingMap(PROG_TC))?
             .try_into()
-            .map_err(|source| DatapathError::Program { name: PROG_TC, source })?;
+            .map_err(|source| DatapathError::Program {
+                name: PROG_TC,
+                source,
+            })?;
         if !self.tc_loaded {
-            prog.load().map_err(|source| DatapathError::Program { name: PROG_TC, source })?;
+            prog.load().map_err(|source| DatapathError::Program {
+                name: PROG_TC,
+                source,
+            })?;
             self.tc_loaded = true;
         }
         Ok(prog)
@@ -183,7 +203,8 @@ impl Datapath {
             XdpModeChoice::Auto => match attach(prog, XdpMode::Driver) {
                 Ok(_) => ("native", None),
                 Err(native_err) => {
-                    attach(prog, XdpMode::Skb).map_err(|source| attach_err("XDP (generic)", iface, source))?;
+                    attach(prog, XdpMode::Skb)
+                        .map_err(|source| attach_err("XDP (generic)", iface, source))?;
                     (
                         "generic",
                         Some(format!(
@@ -194,7 +215,13 @@ impl Datapath {
                 }
             },
         };
-        Ok(Attachment { iface: iface.to_owned(), ifindex, hook: "xdp", mode: mode_name, warning })
+        Ok(Attachment {
+            iface: iface.to_owned(),
+            ifindex,
+            hook: "xdp",
+            mode: mode_name,
+            warning,
+        })
     }
 
     /// Attaches the TC program on egress: a tcx link (Linux 6.6+, detaches on exit), else
@@ -207,7 +234,8 @@ impl Datapath {
             let _ = tc::qdisc_add_clsact(iface);
         }
         let prog = self.tc()?;
-        prog.attach(iface, TcAttachType::Egress).map_err(|source| attach_err("TC egress", iface, source))?;
+        prog.attach(iface, TcAttachType::Egress)
+            .map_err(|source| attach_err("TC egress", iface, source))?;
         let warning = (!tcx).then(|| {
             format!(
                 "kernel has no tcx: the egress program on {iface} is a clsact filter, which stays \
@@ -225,12 +253,21 @@ impl Datapath {
 
     /// Every flow in the kernel, per-CPU copies merged.
     pub fn flows(&self) -> Result<HashMap<FlowKey, FlowCounters>, DatapathError> {
-        let map = self.ebpf.map(MAP_FLOWS).ok_or(DatapathError::MissingMap(MAP_FLOWS))?;
+        let map = self
+            .ebpf
+            .map(MAP_FLOWS)
+            .ok_or(DatapathError::MissingMap(MAP_FLOWS))?;
         let map: PerCpuHashMap<&MapData, FlowKey, FlowCounters> =
-            PerCpuHashMap::try_from(map).map_err(|source| DatapathError::Map { name: MAP_FLOWS, source })?;
+            PerCpuHashMap::try_from(map).map_err(|source| DatapathError::Map {
+                name: MAP_FLOWS,
+                source,
+            })?;
         let mut out = HashMap::new();
         for item in map.iter() {
-            let (k, values) = item.map_err(|source| DatapathError::Map { name: MAP_FLOWS, source })?;
+            let (k, values) = item.map_err(|source| DatapathError::Map {
+                name: MAP_FLOWS,
+                source,
+            })?;
             out.insert(k, merge_percpu(&values));
         }
         Ok(out)
@@ -238,12 +275,21 @@ impl Datapath {
 
     /// Global counters summed over CPUs, indexed by `GlobalCounter::index(direction)`.
     pub fn globals(&self) -> Result<GlobalTotals, DatapathError> {
-        let map = self.ebpf.map(MAP_GLOBALS).ok_or(DatapathError::MissingMap(MAP_GLOBALS))?;
+        let map = self
+            .ebpf
+            .map(MAP_GLOBALS)
+            .ok_or(DatapathError::MissingMap(MAP_GLOBALS))?;
         let map: PerCpuArray<&MapData, u64> =
-            PerCpuArray::try_from(map).map_err(|source| DatapathError::Map { name: MAP_GLOBALS, source })?;
+            PerCpuArray::try_from(map).map_err(|source| DatapathError::Map {
+                name: MAP_GLOBALS,
+                source,
+            })?;
         let mut totals = GlobalTotals::default();
         for (i, slot) in totals.0.iter_mut().enumerate() {
-            let v = map.get(&(i as u32), 0).map_err(|source| DatapathError::Map { name: MAP_GLOBALS, source })?;
+            let v = map.get(&(i as u32), 0).map_err(|source| DatapathError::Map {
+                name: MAP_GLOBALS,
+                source,
+            })?;
             *slot = v.iter().sum();
         }
         Ok(totals)
@@ -251,13 +297,23 @@ impl Datapath {
 
     /// The sample ring buffer (can be taken once).
     pub fn take_samples(&mut self) -> Result<RingBuf<MapData>, DatapathError> {
-        let map = self.ebpf.take_map(MAP_SAMPLES).ok_or(DatapathError::MissingMap(MAP_SAMPLES))?;
-        RingBuf::try_from(map).map_err(|source| DatapathError::Map { name: MAP_SAMPLES, source })
+        let map = self
+            .ebpf
+            .take_map(MAP_SAMPLES)
+            .ok_or(DatapathError::MissingMap(MAP_SAMPLES))?;
+        RingBuf::try_from(map).map_err(|source| DatapathError::Map {
+            name: MAP_SAMPLES,
+            source,
+        })
     }
 }
 
 fn attach_err(hook: &'static str, iface: &str, source: aya::programs::ProgramError) -> DatapathError {
-    DatapathError::Attach { hook, iface: iface.to_owned(), source }
+    DatapathError::Attach {
+        hook,
+        iface: iface.to_owned(),
+        source,
+    }
 }
 
 /// Global counters of both directions.
@@ -282,7 +338,10 @@ impl GlobalTotals {
 
 /// Merges per-CPU copies of one flow: sums, earliest first, newest last-seen fields.
 pub fn merge_percpu(values: &[FlowCounters]) -> FlowCounters {
-    let mut m = FlowCounters { last_pcp: PCP_NONE, ..FlowCounters::default() };
+    let mut m = FlowCounters {
+        last_pcp: PCP_NONE,
+        ..FlowCounters::default()
+    };
     for v in values.iter().filter(|v| v.packets > 0) {
         m.packets += v.packets;
         m.bytes += v.bytes;
@@ -315,7 +374,10 @@ mod tests {
 
     #[test]
     fn options_reject_bad_dscp_and_build_mask() {
-        let mut o = DatapathOptions { expected_dscp: vec![26, 48], ..Default::default() };
+        let mut o = DatapathOptions {
+            expected_dscp: vec![26, 48],
+            ..Default::default()
+        };
         let c = o.config().unwrap();
         assert_eq!(c.expected_dscp_mask, (1 << 26) | (1 << 48));
         assert_eq!(c.sample_enabled, 1);
@@ -328,10 +390,27 @@ mod tests {
 
     #[test]
     fn merge_takes_newest_class_and_sums_counts() {
-        let a = FlowCounters { packets: 2, bytes: 200, first_ns: 10, last_ns: 50, last_dscp: 26, ..Default::default() };
-        let b = FlowCounters { packets: 3, bytes: 300, first_ns: 5, last_ns: 40, last_dscp: 0, ..Default::default() };
+        let a = FlowCounters {
+            packets: 2,
+            bytes: 200,
+            first_ns: 10,
+            last_ns: 50,
+            last_dscp: 26,
+            ..Default::default()
+        };
+        let b = FlowCounters {
+            packets: 3,
+            bytes: 300,
+            first_ns: 5,
+            last_ns: 40,
+            last_dscp: 0,
+            ..Default::default()
+        };
         let idle = FlowCounters::default();
         let m = merge_percpu(&[a, idle, b]);
-        assert_eq!((m.packets, m.bytes, m.first_ns, m.last_ns, m.last_dscp), (5, 500, 5, 50, 26));
+        assert_eq!(
+            (m.packets, m.bytes, m.first_ns, m.last_ns, m.last_dscp),
+            (5, 500, 5, 50, 26)
+        );
     }
 }

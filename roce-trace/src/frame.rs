@@ -51,15 +51,30 @@ pub mod ext {
     use super::*;
 
     pub fn reth(va: u64, rkey: u32, dma_len: u32) -> Vec<u8> {
-        Reth { va: va.to_be_bytes(), rkey: rkey.to_be_bytes(), dma_len: dma_len.to_be_bytes() }
-            .as_bytes()
-            .to_vec()
+        Reth {
+            va: va.to_be_bytes(),
+            rkey: rkey.to_be_bytes(),
+            dma_len: dma_len.to_be_bytes(),
+        }
+        .as_bytes()
+        .to_vec()
     }
     pub fn aeth(syndrome: u8, msn: u32) -> Vec<u8> {
-        Aeth { syndrome, msn: be24(msn) }.as_bytes().to_vec()
+        Aeth {
+            syndrome,
+            msn: be24(msn),
+        }
+        .as_bytes()
+        .to_vec()
     }
     pub fn deth(qkey: u32, src_qp: u32) -> Vec<u8> {
-        Deth { qkey: qkey.to_be_bytes(), reserved: 0, src_qp: be24(src_qp) }.as_bytes().to_vec()
+        Deth {
+            qkey: qkey.to_be_bytes(),
+            reserved: 0,
+            src_qp: be24(src_qp),
+        }
+        .as_bytes()
+        .to_vec()
     }
     /// The 16 reserved bytes after a CNP's BTH.
     pub fn cnp() -> Vec<u8> {
@@ -174,7 +189,7 @@ impl RoceFrame {
         let mut out = match (self.src, self.dst) {
             (IpAddr::V4(s), IpAddr::V4(d)) => {
                 let mut opts = self.ipv4_options.clone();
-                while opts.len() % 4 != 0 {
+                while !opts.len().is_multiple_of(4) {
                     opts.push(0);
                 }
                 let ihl = (Ipv4Hdr::LEN + opts.len()) / 4;
@@ -247,7 +262,11 @@ impl RoceFrame {
     /// The whole Ethernet frame, padded to the 60-byte minimum.
     pub fn build(&self) -> Vec<u8> {
         let ip = self.ip_packet();
-        let ethertype = if self.src.is_ipv4() { ETH_P_IPV4 } else { ETH_P_IPV6 };
+        let ethertype = if self.src.is_ipv4() {
+            ETH_P_IPV4
+        } else {
+            ETH_P_IPV6
+        };
         ethernet(self.dst_mac, self.src_mac, &self.vlans, ethertype, &ip)
     }
 }
@@ -255,10 +274,22 @@ impl RoceFrame {
 /// Ethernet framing around `payload`, tags outermost first, padded to 60 bytes.
 pub fn ethernet(dst: [u8; 6], src: [u8; 6], vlans: &[(u16, u16)], ethertype: u16, payload: &[u8]) -> Vec<u8> {
     let first_type = vlans.first().map(|v| v.0).unwrap_or(ethertype);
-    let mut f = EthHdr { dst, src, ether_type: first_type.to_be_bytes() }.as_bytes().to_vec();
+    let mut f = EthHdr {
+        dst,
+        src,
+        ether_type: first_type.to_be_bytes(),
+    }
+    .as_bytes()
+    .to_vec();
     for (i, &(_, tci)) in vlans.iter().enumerate() {
         let next = vlans.get(i + 1).map(|v| v.0).unwrap_or(ethertype);
-        f.extend_from_slice(VlanHdr { tci: tci.to_be_bytes(), ether_type: next.to_be_bytes() }.as_bytes());
+        f.extend_from_slice(
+            VlanHdr {
+                tci: tci.to_be_bytes(),
+                ether_type: next.to_be_bytes(),
+            }
+            .as_bytes(),
+        );
     }
     f.extend_from_slice(payload);
     if f.len() < 60 {
@@ -270,7 +301,11 @@ pub fn ethernet(dst: [u8; 6], src: [u8; 6], vlans: &[(u16, u16)], ethertype: u16
 fn ones_sum(data: &[u8], init: u32) -> u32 {
     let mut sum = init;
     for chunk in data.chunks(2) {
-        let w = if chunk.len() == 2 { u16::from_be_bytes([chunk[0], chunk[1]]) } else { (chunk[0] as u16) << 8 };
+        let w = if chunk.len() == 2 {
+            u16::from_be_bytes([chunk[0], chunk[1]])
+        } else {
+            (chunk[0] as u16) << 8
+        };
         sum += w as u32;
     }
     sum
@@ -293,7 +328,13 @@ mod tests {
     /// The ICRC is a packet identity because it ignores exactly what the fabric may change.
     #[test]
     fn icrc_masks_exactly_the_variant_fields() {
-        let f = RoceFrame { opcode: 0x81, becn: true, dest_qp: 0x118, ext: ext::cnp(), ..Default::default() };
+        let f = RoceFrame {
+            opcode: 0x81,
+            becn: true,
+            dest_qp: 0x118,
+            ext: ext::cnp(),
+            ..Default::default()
+        };
         let a = f.ip_packet();
         // Changing a variant field (TOS, TTL, UDP checksum, BTH byte 4) keeps the ICRC...
         let mut b = a.clone();
@@ -330,7 +371,11 @@ mod tests {
 
     #[test]
     fn ipv4_header_checksum_is_valid() {
-        let ip = RoceFrame { ipv4_options: vec![1, 1, 1, 0], ..Default::default() }.ip_packet();
+        let ip = RoceFrame {
+            ipv4_options: vec![1, 1, 1, 0],
+            ..Default::default()
+        }
+        .ip_packet();
         assert_eq!(ip[0] & 0x0f, 6);
         assert_eq!(inet_checksum(&ip[..24], 0), 0);
     }

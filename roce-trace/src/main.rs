@@ -10,7 +10,11 @@ use roce_trace_common::datapath::DEFAULT_MAX_FLOWS;
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
-#[command(name = "roce-trace", version, about = "See what a RoCE fabric does to RDMA traffic")]
+#[command(
+    name = "roce-trace",
+    version,
+    about = "See what a RoCE fabric does to RDMA traffic"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Command,
@@ -96,7 +100,10 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting runtime")?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting runtime")?;
     match cli.cmd {
         Command::Capture(a) => {
             let opts = CaptureOptions {
@@ -123,8 +130,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             rt.block_on(async {
                 capture::run(opts, shutdown_signal(), |hooks| {
-                    let list: Vec<String> =
-                        hooks.iter().map(|h| format!("{} {} ({})", h.iface, h.hook, h.mode)).collect();
+                    let list: Vec<String> = hooks
+                        .iter()
+                        .map(|h| format!("{} {} ({})", h.iface, h.hook, h.mode))
+                        .collect();
                     tracing::info!("capturing on {}", list.join(", "));
                 })
                 .await

@@ -211,10 +211,19 @@ impl FlowRecord {
             dscp_changed: c.dscp_changed,
             pcp: (c.last_pcp != PCP_NONE).then_some(c.last_pcp),
             ttl: c.last_ttl,
-            ecn: EcnCounts { not_ect: c.ecn[0], ect1: c.ecn[1], ect0: c.ecn[2], ce: c.ecn[3] },
+            ecn: EcnCounts {
+                not_ect: c.ecn[0],
+                ect1: c.ecn[1],
+                ect0: c.ecn[2],
+                ce: c.ecn[3],
+            },
             cnp: c.cnp,
             ack: c.ack,
-            nak: NakCounts { psn_seq_err: c.nak_psn_seq_err, rnr: c.nak_rnr, other: c.nak_other },
+            nak: NakCounts {
+                psn_seq_err: c.nak_psn_seq_err,
+                rnr: c.nak_rnr,
+                other: c.nak_other,
+            },
             psn_gaps: c.psn_gaps,
             first_seen_ns: clock.to_unix_ns(c.first_ns),
             last_seen_ns: clock.to_unix_ns(c.last_ns),
@@ -224,7 +233,11 @@ impl FlowRecord {
     }
 
     pub fn ce_percent(&self) -> f64 {
-        if self.packets == 0 { 0.0 } else { 100.0 * self.ecn.ce as f64 / self.packets as f64 }
+        if self.packets == 0 {
+            0.0
+        } else {
+            100.0 * self.ecn.ce as f64 / self.packets as f64
+        }
     }
 }
 

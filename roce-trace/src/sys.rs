@@ -14,9 +14,7 @@ pub enum SysError {
     MissingCapabilities,
     #[error("unknown interface `{0}` (see `ip link`)")]
     UnknownInterface(String),
-    #[error(
-        "kernel {0}.{1} is too old: roce-trace needs Linux 5.8 or newer (BPF ring buffer, BPF links)"
-    )]
+    #[error("kernel {0}.{1} is too old: roce-trace needs Linux 5.8 or newer (BPF ring buffer, BPF links)")]
     KernelTooOld(u32, u32),
 }
 
@@ -54,13 +52,17 @@ pub fn kernel_version() -> (u32, u32) {
         if libc::uname(&mut u) != 0 {
             return (0, 0);
         }
-        std::ffi::CStr::from_ptr(u.release.as_ptr()).to_string_lossy().into_owned()
+        std::ffi::CStr::from_ptr(u.release.as_ptr())
+            .to_string_lossy()
+            .into_owned()
     };
     parse_kernel_release(&release)
 }
 
 pub fn parse_kernel_release(release: &str) -> (u32, u32) {
-    let mut it = release.split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty());
+    let mut it = release
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|s| !s.is_empty());
     let major = it.next().and_then(|s| s.parse().ok()).unwrap_or(0);
     let minor = it.next().and_then(|s| s.parse().ok()).unwrap_or(0);
     (major, minor)
@@ -68,14 +70,22 @@ pub fn parse_kernel_release(release: &str) -> (u32, u32) {
 
 pub fn check_kernel() -> Result<(u32, u32), SysError> {
     let (maj, min) = kernel_version();
-    if (maj, min) < (5, 8) { Err(SysError::KernelTooOld(maj, min)) } else { Ok((maj, min)) }
+    if (maj, min) < (5, 8) {
+        Err(SysError::KernelTooOld(maj, min))
+    } else {
+        Ok((maj, min))
+    }
 }
 
 pub fn ifindex(name: &str) -> Result<u32, SysError> {
     let c = CString::new(name).map_err(|_| SysError::UnknownInterface(name.to_owned()))?;
     // SAFETY: `c` is a valid NUL-terminated string.
     let idx = unsafe { libc::if_nametoindex(c.as_ptr()) };
-    if idx == 0 { Err(SysError::UnknownInterface(name.to_owned())) } else { Ok(idx) }
+    if idx == 0 {
+        Err(SysError::UnknownInterface(name.to_owned()))
+    } else {
+        Ok(idx)
+    }
 }
 
 pub fn ifname(index: u32) -> Option<String> {
@@ -86,11 +96,18 @@ pub fn ifname(index: u32) -> Option<String> {
         return None;
     }
     // SAFETY: on success buf holds a NUL-terminated name.
-    Some(unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+    Some(
+        unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .into_owned(),
+    )
 }
 
 fn clock_ns(clock: libc::clockid_t) -> i128 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: ts is a valid timespec to fill.
     unsafe { libc::clock_gettime(clock, &mut ts) };
     ts.tv_sec as i128 * 1_000_000_000 + ts.tv_nsec as i128
@@ -106,7 +123,9 @@ impl KernelClock {
     pub fn now() -> Self {
         let mono = clock_ns(libc::CLOCK_MONOTONIC);
         let real = clock_ns(libc::CLOCK_REALTIME);
-        Self { offset_ns: real - mono }
+        Self {
+            offset_ns: real - mono,
+        }
     }
     pub fn to_unix_ns(&self, mono_ns: u64) -> u64 {
         (mono_ns as i128 + self.offset_ns).max(0) as u64

@@ -48,9 +48,17 @@ impl ProgTest {
         let mut out = vec![0u8; frame.len() + 256];
         let prog = self.dp.xdp().unwrap();
         let r = prog
-            .test_run(TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), ..TestRunOptions::new() })
+            .test_run(TestRunOptions {
+                data_in: Some(frame),
+                data_out: Some(&mut out),
+                ..TestRunOptions::new()
+            })
             .expect("xdp test run");
-        assert_eq!(&out[..r.data_size_out as usize], frame, "XDP must not modify the packet");
+        assert_eq!(
+            &out[..r.data_size_out as usize],
+            frame,
+            "XDP must not modify the packet"
+        );
         r.return_value
     }
 
@@ -59,9 +67,17 @@ impl ProgTest {
         let mut out = vec![0u8; frame.len() + 256];
         let prog = self.dp.tc().unwrap();
         let r = prog
-            .test_run(TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), ..TestRunOptions::new() })
+            .test_run(TestRunOptions {
+                data_in: Some(frame),
+                data_out: Some(&mut out),
+                ..TestRunOptions::new()
+            })
             .expect("tc test run");
-        assert_eq!(&out[..r.data_size_out as usize], frame, "TC must not modify the packet");
+        assert_eq!(
+            &out[..r.data_size_out as usize],
+            frame,
+            "TC must not modify the packet"
+        );
         r.return_value
     }
 
@@ -69,7 +85,11 @@ impl ProgTest {
     pub fn time_xdp(&mut self, frame: &[u8], repeat: u32) -> std::time::Duration {
         let prog = self.dp.xdp().unwrap();
         let r = prog
-            .test_run(TestRunOptions { data_in: Some(frame), repeat, ..TestRunOptions::new() })
+            .test_run(TestRunOptions {
+                data_in: Some(frame),
+                repeat,
+                ..TestRunOptions::new()
+            })
             .expect("xdp test run");
         r.duration
     }
@@ -99,7 +119,14 @@ impl ProgTest {
 pub fn write_pcap(path: &Path, frames: &[Vec<u8>]) {
     use pcap_file::pcap::{PcapHeader, PcapPacket, PcapWriter};
     let f = std::fs::File::create(path).unwrap();
-    let mut w = PcapWriter::with_header(f, PcapHeader { snaplen: 65535, ..Default::default() }).unwrap();
+    let mut w = PcapWriter::with_header(
+        f,
+        PcapHeader {
+            snaplen: 65535,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     for (i, fr) in frames.iter().enumerate() {
         let ts = std::time::Duration::from_millis(i as u64);
         w.write_packet(&PcapPacket::new(ts, fr.len() as u32, fr)).unwrap();
@@ -138,7 +165,11 @@ pub fn tshark_fields(pcap: &Path, fields: &[&str]) -> Vec<Vec<String>> {
         cmd.args(["-e", f]);
     }
     let out = cmd.output().expect("tshark is installed (scripts/setup)");
-    assert!(out.status.success(), "tshark failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "tshark failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout)
         .unwrap()
         .lines()
@@ -175,7 +206,10 @@ pub fn shared_dir() -> Option<PathBuf> {
 
 /// Runs a command, panicking with its output when it fails.
 pub fn sh(args: &[&str]) -> String {
-    let out = Command::new(args[0]).args(&args[1..]).output().unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"));
     assert!(
         out.status.success(),
         "{args:?} failed: {}{}",
@@ -190,7 +224,11 @@ pub fn roce_trace_bin() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().unwrap().parent().unwrap();
     let bin = dir.join("roce-trace");
-    assert!(bin.exists(), "{} is missing: run `cargo build --bins` before the tests", bin.display());
+    assert!(
+        bin.exists(),
+        "{} is missing: run `cargo build --bins` before the tests",
+        bin.display()
+    );
     bin
 }
 
@@ -251,11 +289,22 @@ impl VethPair {
         let a = Netns::new(&format!("rt{tag}a"));
         let b = Netns::new(&format!("rt{tag}b"));
         let (a_if, b_if) = ("rtv0".to_owned(), "rtv1".to_owned());
-        sh(&["ip", "link", "add", "rtvtmp0", "netns", &a.name, "type", "veth", "peer", "name", "rtvtmp1", "netns", &b.name]);
+        sh(&[
+            "ip", "link", "add", "rtvtmp0", "netns", &a.name, "type", "veth", "peer", "name", "rtvtmp1",
+            "netns", &b.name,
+        ]);
         a.exec(&["ip", "link", "set", "rtvtmp0", "name", &a_if]);
         b.exec(&["ip", "link", "set", "rtvtmp1", "name", &b_if]);
-        for (ns, ifn, v4, v6) in [(&a, &a_if, "10.99.0.1/24", "fd99::1/64"), (&b, &b_if, "10.99.0.2/24", "fd99::2/64")] {
-            ns.exec(&["sysctl", "-qw", "net.ipv6.conf.all.accept_dad=0", "net.ipv6.conf.default.accept_dad=0"]);
+        for (ns, ifn, v4, v6) in [
+            (&a, &a_if, "10.99.0.1/24", "fd99::1/64"),
+            (&b, &b_if, "10.99.0.2/24", "fd99::2/64"),
+        ] {
+            ns.exec(&[
+                "sysctl",
+                "-qw",
+                "net.ipv6.conf.all.accept_dad=0",
+                "net.ipv6.conf.default.accept_dad=0",
+            ]);
             ns.exec(&["ip", "addr", "add", v4, "dev", ifn]);
             ns.exec(&["ip", "-6", "addr", "add", v6, "dev", ifn, "nodad"]);
             ns.exec(&["ip", "link", "set", ifn, "up"]);
@@ -321,7 +370,11 @@ impl CaptureProc {
                 let _ = tx.send(line);
             }
         });
-        let p = Self { child, stderr_lines: rx, stderr: all };
+        let p = Self {
+            child,
+            stderr_lines: rx,
+            stderr: all,
+        };
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
@@ -337,9 +390,20 @@ impl CaptureProc {
     pub fn finish(mut self) -> Vec<serde_json::Value> {
         use std::io::Read;
         let mut out = String::new();
-        self.child.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+        self.child
+            .stdout
+            .take()
+            .unwrap()
+            .read_to_string(&mut out)
+            .unwrap();
         let status = self.child.wait().unwrap();
-        assert!(status.success(), "capture failed: {}", self.stderr.lock().unwrap());
-        out.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l:?}: {e}"))).collect()
+        assert!(
+            status.success(),
+            "capture failed: {}",
+            self.stderr.lock().unwrap()
+        );
+        out.lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l:?}: {e}")))
+            .collect()
     }
 }

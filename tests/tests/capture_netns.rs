@@ -38,36 +38,96 @@ fn traffic(src_mac: [u8; 6], dst_mac: [u8; 6]) -> Traffic {
     let b4: IpAddr = "10.99.0.2".parse().unwrap();
     let a6: IpAddr = "fd99::1".parse().unwrap();
     let b6: IpAddr = "fd99::2".parse().unwrap();
-    let base = RoceFrame { src_mac, dst_mac, src: a4, dst: b4, ..Default::default() };
+    let base = RoceFrame {
+        src_mac,
+        dst_mac,
+        src: a4,
+        dst: b4,
+        ..Default::default()
+    };
     let mut specs: Vec<RoceFrame> = Vec::new();
     for psn in 0..50 {
-        specs.push(RoceFrame { udp_sport: 49152, dest_qp: 0x100, psn, payload: vec![1; 1024], opcode: op::WRITE_MIDDLE, ..base.clone() });
+        specs.push(RoceFrame {
+            udp_sport: 49152,
+            dest_qp: 0x100,
+            psn,
+            payload: vec![1; 1024],
+            opcode: op::WRITE_MIDDLE,
+            ..base.clone()
+        });
     }
     for psn in 0..30 {
         let ecn = if psn % 3 == 0 { 3 } else { 2 };
-        specs.push(RoceFrame { udp_sport: 49153, dest_qp: 0x101, psn, ecn, payload: vec![2; 512], ..base.clone() });
+        specs.push(RoceFrame {
+            udp_sport: 49153,
+            dest_qp: 0x101,
+            psn,
+            ecn,
+            payload: vec![2; 512],
+            ..base.clone()
+        });
     }
     for psn in 0..20 {
-        specs.push(RoceFrame { udp_sport: 49154, dest_qp: 0x102, psn, dscp: 0, ecn: 0, ..base.clone() });
+        specs.push(RoceFrame {
+            udp_sport: 49154,
+            dest_qp: 0x102,
+            psn,
+            dscp: 0,
+            ecn: 0,
+            ..base.clone()
+        });
     }
     for psn in 0..25 {
-        specs.push(RoceFrame { udp_sport: 49155, dest_qp: 0x103, psn, src: a6, dst: b6, payload: vec![3; 256], ..base.clone() });
+        specs.push(RoceFrame {
+            udp_sport: 49155,
+            dest_qp: 0x103,
+            psn,
+            src: a6,
+            dst: b6,
+            payload: vec![3; 256],
+            ..base.clone()
+        });
     }
     for _ in 0..7 {
-        specs.push(RoceFrame { opcode: 0x81, udp_sport: 0, dest_qp: 0x200, dscp: 48, becn: true, ext: ext::cnp(), ..base.clone() });
+        specs.push(RoceFrame {
+            opcode: 0x81,
+            udp_sport: 0,
+            dest_qp: 0x200,
+            dscp: 48,
+            becn: true,
+            ext: ext::cnp(),
+            ..base.clone()
+        });
     }
-    for (i, syn) in [0x1f, 0x1f, 0x60, 0x1f, 0x2e, 0x1f, 0x60, 0x1f].into_iter().enumerate() {
-        specs.push(RoceFrame { opcode: op::ACKNOWLEDGE, udp_sport: 49160, dest_qp: 0x201, psn: i as u32, ext: ext::aeth(syn, i as u32), ..base.clone() });
+    for (i, syn) in [0x1f, 0x1f, 0x60, 0x1f, 0x2e, 0x1f, 0x60, 0x1f]
+        .into_iter()
+        .enumerate()
+    {
+        specs.push(RoceFrame {
+            opcode: op::ACKNOWLEDGE,
+            udp_sport: 49160,
+            dest_qp: 0x201,
+            psn: i as u32,
+            ext: ext::aeth(syn, i as u32),
+            ..base.clone()
+        });
     }
     for psn in (0..10).filter(|p| *p != 5) {
-        specs.push(RoceFrame { udp_sport: 49161, dest_qp: 0x202, psn, ..base.clone() });
+        specs.push(RoceFrame {
+            udp_sport: 49161,
+            dest_qp: 0x202,
+            psn,
+            ..base.clone()
+        });
     }
 
     let mut flows: BTreeMap<(String, u16, u32), Want> = BTreeMap::new();
     let mut frames = Vec::new();
     for s in &specs {
         let fr = s.build();
-        let w = flows.entry((s.src.to_string(), s.udp_sport, s.dest_qp)).or_default();
+        let w = flows
+            .entry((s.src.to_string(), s.udp_sport, s.dest_qp))
+            .or_default();
         w.packets += 1;
         w.bytes += fr.len() as u64;
         w.ecn[s.ecn as usize] += 1;
@@ -91,7 +151,13 @@ fn traffic(src_mac: [u8; 6], dst_mac: [u8; 6]) -> Traffic {
     // Noise: UDP to another port, TCP, ARP — interleaved with the RoCE frames.
     let mut noise = Vec::new();
     for i in 0..10 {
-        noise.push(RoceFrame { udp_dport: 5000 + i, ..base.clone() }.build());
+        noise.push(
+            RoceFrame {
+                udp_dport: 5000 + i,
+                ..base.clone()
+            }
+            .build(),
+        );
     }
     for _ in 0..5 {
         let mut tcp = base.build();
@@ -99,7 +165,13 @@ fn traffic(src_mac: [u8; 6], dst_mac: [u8; 6]) -> Traffic {
         noise.push(tcp);
     }
     for _ in 0..3 {
-        noise.push(ethernet([0xff; 6], src_mac, &[], 0x0806, &[0, 1, 8, 0, 6, 4, 0, 1, 0, 0, 0, 0, 0, 0]));
+        noise.push(ethernet(
+            [0xff; 6],
+            src_mac,
+            &[],
+            0x0806,
+            &[0, 1, 8, 0, 6, 4, 0, 1, 0, 0, 0, 0, 0, 0],
+        ));
     }
     let n_noise = noise.len() as u64;
     let mut mixed = Vec::new();
@@ -111,12 +183,21 @@ fn traffic(src_mac: [u8; 6], dst_mac: [u8; 6]) -> Traffic {
         mixed.push(f);
     }
     mixed.extend(noise);
-    Traffic { frames: mixed, flows, roce_packets, noise: n_noise }
+    Traffic {
+        frames: mixed,
+        flows,
+        roce_packets,
+        noise: n_noise,
+    }
 }
 
 fn mac_of(ns: &Netns, ifname: &str) -> [u8; 6] {
     let out = ns.exec(&["cat", &format!("/sys/class/net/{ifname}/address")]);
-    let v: Vec<u8> = out.trim().split(':').map(|h| u8::from_str_radix(h, 16).unwrap()).collect();
+    let v: Vec<u8> = out
+        .trim()
+        .split(':')
+        .map(|h| u8::from_str_radix(h, 16).unwrap())
+        .collect();
     v.try_into().unwrap()
 }
 
@@ -126,14 +207,27 @@ fn final_flows(recs: &[Value], direction: &str) -> BTreeMap<(String, u16, u32), 
         .map(|r| {
             let n = |v: &Value| v.as_u64().unwrap();
             (
-                (r["src_ip"].as_str().unwrap().to_owned(), n(&r["udp_sport"]) as u16, n(&r["dst_qp"]) as u32),
+                (
+                    r["src_ip"].as_str().unwrap().to_owned(),
+                    n(&r["udp_sport"]) as u16,
+                    n(&r["dst_qp"]) as u32,
+                ),
                 Want {
                     packets: n(&r["packets"]),
                     bytes: n(&r["bytes"]),
-                    ecn: [n(&r["ecn"]["not_ect"]), n(&r["ecn"]["ect1"]), n(&r["ecn"]["ect0"]), n(&r["ecn"]["ce"])],
+                    ecn: [
+                        n(&r["ecn"]["not_ect"]),
+                        n(&r["ecn"]["ect1"]),
+                        n(&r["ecn"]["ect0"]),
+                        n(&r["ecn"]["ce"]),
+                    ],
                     cnp: n(&r["cnp"]),
                     ack: n(&r["ack"]),
-                    nak: [n(&r["nak"]["psn_seq_err"]), n(&r["nak"]["rnr"]), n(&r["nak"]["other"])],
+                    nak: [
+                        n(&r["nak"]["psn_seq_err"]),
+                        n(&r["nak"]["rnr"]),
+                        n(&r["nak"]["other"]),
+                    ],
                     psn_gaps: n(&r["psn_gaps"]),
                     dscp: n(&r["dscp"]),
                 },
@@ -151,7 +245,17 @@ fn capture_reports_exact_per_flow_counts_on_xdp_and_tc() {
     let pair = VethPair::new("cap");
     let t = traffic(mac_of(&pair.a, &pair.a_if), mac_of(&pair.b, &pair.b_if));
     let count = t.roce_packets.to_string();
-    let common = ["--json", "--sample-rate", "1", "--expect-dscp", "26,48", "-c", &count, "--duration", "60s"];
+    let common = [
+        "--json",
+        "--sample-rate",
+        "1",
+        "--expect-dscp",
+        "26,48",
+        "-c",
+        &count,
+        "--duration",
+        "60s",
+    ];
     let mut rx_args = vec!["-i", &pair.b_if, "--direction", "ingress"];
     rx_args.extend_from_slice(&common);
     let mut tx_args = vec!["-i", &pair.a_if, "--direction", "egress"];
@@ -169,7 +273,10 @@ fn capture_reports_exact_per_flow_counts_on_xdp_and_tc() {
         assert_eq!(got, t.flows, "{side}: exact per-flow counts");
         let samples = recs.iter().filter(|r| r["type"] == "sample").count() as u64;
         assert_eq!(samples, t.roce_packets, "{side}: one sample per packet at rate 1");
-        let summary = recs.iter().find(|r| r["type"] == "summary").expect("summary record");
+        let summary = recs
+            .iter()
+            .find(|r| r["type"] == "summary")
+            .expect("summary record");
         assert_eq!(summary["stopped_by"], "count");
         assert_eq!(summary["packets"], t.roce_packets);
         assert_eq!(summary["ringbuf_drops"], 0);
@@ -180,7 +287,13 @@ fn capture_reports_exact_per_flow_counts_on_xdp_and_tc() {
         let flagged = recs
             .iter()
             .filter(|r| r["type"] == "sample" && r["dst_qp"] == 0x102)
-            .all(|r| r["reasons"].as_array().unwrap().iter().any(|x| x == "unexpected_dscp"));
+            .all(|r| {
+                r["reasons"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|x| x == "unexpected_dscp")
+            });
         assert!(flagged, "{side}: DSCP 0 samples flagged");
     }
 }

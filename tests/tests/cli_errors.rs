@@ -6,7 +6,10 @@ use roce_trace_tests::*;
 
 fn run(args: &[&str]) -> (i32, String) {
     let out = Command::new(roce_trace_bin()).args(args).output().unwrap();
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 #[test]
@@ -43,5 +46,8 @@ fn missing_privileges_say_what_is_needed() {
         .expect("setpriv (util-linux)");
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("missing privileges") && err.contains("CAP_BPF"), "{err}");
+    assert!(
+        err.contains("missing privileges") && err.contains("CAP_BPF"),
+        "{err}"
+    );
 }

@@ -37,11 +37,19 @@ struct Row {
 }
 
 fn raw(desc: &'static str, frames: Vec<Vec<u8>>, skip: GlobalCounter) -> Row {
-    Row { desc, specs: Vec::new(), frames, want: Want::Skip(skip) }
+    Row {
+        desc,
+        specs: Vec::new(),
+        frames,
+        want: Want::Skip(skip),
+    }
 }
 
 fn f(opcode: u8) -> RoceFrame {
-    RoceFrame { opcode, ..Default::default() }
+    RoceFrame {
+        opcode,
+        ..Default::default()
+    }
 }
 
 /// Counters of a flow of `n` packets, all ECT(0) unless changed by the caller.
@@ -73,77 +81,170 @@ fn table() -> Vec<Row> {
         let frames: Vec<Vec<u8>> = specs.iter().map(RoceFrame::build).collect();
         let mut counters = counts(&specs, &frames);
         tweak(&mut counters);
-        Row { desc, specs, frames, want: Want::Roce { counters, ext } }
+        Row {
+            desc,
+            specs,
+            frames,
+            want: Want::Roce { counters, ext },
+        }
     };
     let none = &|_: &mut FlowCounters| {};
-    let hash = ExtWant { reasons: REASON_HASH, ..Default::default() };
+    let hash = ExtWant {
+        reasons: REASON_HASH,
+        ..Default::default()
+    };
     let mut rows = vec![
         roce(
             "RC WRITE FIRST with RETH",
-            vec![RoceFrame { psn: 100, ext: ext::reth(0x7f00_0000_1000, 0x1234, 4096), payload: vec![0xab; 1024], ..f(op::WRITE_FIRST) }],
+            vec![RoceFrame {
+                psn: 100,
+                ext: ext::reth(0x7f00_0000_1000, 0x1234, 4096),
+                payload: vec![0xab; 1024],
+                ..f(op::WRITE_FIRST)
+            }],
             none,
-            ExtWant { reth_len: Some(4096), ..hash },
+            ExtWant {
+                reth_len: Some(4096),
+                ..hash
+            },
         ),
-        roce("RC WRITE MIDDLE", vec![RoceFrame { psn: 101, payload: vec![1; 1024], ..f(op::WRITE_MIDDLE) }], none, hash),
+        roce(
+            "RC WRITE MIDDLE",
+            vec![RoceFrame {
+                psn: 101,
+                payload: vec![1; 1024],
+                ..f(op::WRITE_MIDDLE)
+            }],
+            none,
+            hash,
+        ),
         roce(
             "RC WRITE LAST with AckReq",
-            vec![RoceFrame { psn: 102, ack_req: true, payload: vec![2; 1024], ..f(op::WRITE_LAST) }],
+            vec![RoceFrame {
+                psn: 102,
+                ack_req: true,
+                payload: vec![2; 1024],
+                ..f(op::WRITE_LAST)
+            }],
             none,
             hash,
         ),
         roce(
             "RC WRITE ONLY",
-            vec![RoceFrame { psn: 7, ext: ext::reth(0x1000, 9, 64), payload: vec![3; 64], ..f(op::WRITE_ONLY) }],
+            vec![RoceFrame {
+                psn: 7,
+                ext: ext::reth(0x1000, 9, 64),
+                payload: vec![3; 64],
+                ..f(op::WRITE_ONLY)
+            }],
             none,
-            ExtWant { reth_len: Some(64), ..hash },
+            ExtWant {
+                reth_len: Some(64),
+                ..hash
+            },
         ),
         roce(
             "RC SEND ONLY with PadCnt 3",
-            vec![RoceFrame { pad_cnt: 3, solicited: true, payload: vec![9; 5], ..f(op::SEND_ONLY) }],
+            vec![RoceFrame {
+                pad_cnt: 3,
+                solicited: true,
+                payload: vec![9; 5],
+                ..f(op::SEND_ONLY)
+            }],
             none,
             hash,
         ),
         roce(
             "RC READ REQUEST",
-            vec![RoceFrame { psn: 20, ext: ext::reth(0x2000, 7, 8192), ..f(op::READ_REQUEST) }],
+            vec![RoceFrame {
+                psn: 20,
+                ext: ext::reth(0x2000, 7, 8192),
+                ..f(op::READ_REQUEST)
+            }],
             none,
-            ExtWant { reth_len: Some(8192), ..hash },
+            ExtWant {
+                reth_len: Some(8192),
+                ..hash
+            },
         ),
         roce(
             "RC READ RESPONSE FIRST with AETH (not an ACK)",
-            vec![RoceFrame { psn: 20, ext: ext::aeth(0x1f, 5), payload: vec![4; 1024], ..f(op::READ_RESPONSE_FIRST) }],
+            vec![RoceFrame {
+                psn: 20,
+                ext: ext::aeth(0x1f, 5),
+                payload: vec![4; 1024],
+                ..f(op::READ_RESPONSE_FIRST)
+            }],
             none,
-            ExtWant { aeth: Some((0x1f, 5)), ..hash },
+            ExtWant {
+                aeth: Some((0x1f, 5)),
+                ..hash
+            },
         ),
         roce(
             "RC READ RESPONSE MIDDLE",
-            vec![RoceFrame { psn: 21, payload: vec![4; 1024], ..f(op::READ_RESPONSE_MIDDLE) }],
+            vec![RoceFrame {
+                psn: 21,
+                payload: vec![4; 1024],
+                ..f(op::READ_RESPONSE_MIDDLE)
+            }],
             none,
             hash,
         ),
         roce(
             "RC ACK",
-            vec![RoceFrame { psn: 102, ext: ext::aeth(0x1f, 3), ..f(op::ACKNOWLEDGE) }],
+            vec![RoceFrame {
+                psn: 102,
+                ext: ext::aeth(0x1f, 3),
+                ..f(op::ACKNOWLEDGE)
+            }],
             &|c| c.ack = 1,
-            ExtWant { aeth: Some((0x1f, 3)), ..hash },
+            ExtWant {
+                aeth: Some((0x1f, 3)),
+                ..hash
+            },
         ),
         roce(
             "RC NAK PSN sequence error",
-            vec![RoceFrame { psn: 50, ext: ext::aeth(0x60, 3), ..f(op::ACKNOWLEDGE) }],
+            vec![RoceFrame {
+                psn: 50,
+                ext: ext::aeth(0x60, 3),
+                ..f(op::ACKNOWLEDGE)
+            }],
             &|c| c.nak_psn_seq_err = 1,
-            ExtWant { aeth: Some((0x60, 3)), reasons: REASON_HASH | REASON_NAK, ..Default::default() },
+            ExtWant {
+                aeth: Some((0x60, 3)),
+                reasons: REASON_HASH | REASON_NAK,
+                ..Default::default()
+            },
         ),
         roce(
             "RC RNR NAK",
-            vec![RoceFrame { psn: 51, ext: ext::aeth(0x2e, 3), ..f(op::ACKNOWLEDGE) }],
+            vec![RoceFrame {
+                psn: 51,
+                ext: ext::aeth(0x2e, 3),
+                ..f(op::ACKNOWLEDGE)
+            }],
             &|c| c.nak_rnr = 1,
-            ExtWant { aeth: Some((0x2e, 3)), reasons: REASON_HASH | REASON_NAK, ..Default::default() },
+            ExtWant {
+                aeth: Some((0x2e, 3)),
+                reasons: REASON_HASH | REASON_NAK,
+                ..Default::default()
+            },
         ),
         roce(
             "RC NAK remote access error",
-            vec![RoceFrame { psn: 52, ext: ext::aeth(0x62, 3), ..f(op::ACKNOWLEDGE) }],
+            vec![RoceFrame {
+                psn: 52,
+                ext: ext::aeth(0x62, 3),
+                ..f(op::ACKNOWLEDGE)
+            }],
             &|c| c.nak_other = 1,
-            ExtWant { aeth: Some((0x62, 3)), reasons: REASON_HASH | REASON_NAK, ..Default::default() },
+            ExtWant {
+                aeth: Some((0x62, 3)),
+                reasons: REASON_HASH | REASON_NAK,
+                ..Default::default()
+            },
         ),
         roce(
             "CNP (ConnectX-4 Lx layout: DSCP 48, sport 0, BECN)",
@@ -158,29 +259,56 @@ fn table() -> Vec<Row> {
                 ..Default::default()
             }],
             &|c| c.cnp = 1,
-            ExtWant { reasons: REASON_HASH | REASON_CNP, ..Default::default() },
+            ExtWant {
+                reasons: REASON_HASH | REASON_CNP,
+                ..Default::default()
+            },
         ),
         roce(
             "UD SEND ONLY with DETH",
-            vec![RoceFrame { ext: ext::deth(0x1111_1111, 0x42), payload: vec![5; 256], ..f(0x64) }],
+            vec![RoceFrame {
+                ext: ext::deth(0x1111_1111, 0x42),
+                payload: vec![5; 256],
+                ..f(0x64)
+            }],
             none,
-            ExtWant { deth_src_qp: Some(0x42), ..hash },
+            ExtWant {
+                deth_src_qp: Some(0x42),
+                ..hash
+            },
         ),
         roce(
             "CE-marked RC WRITE ONLY",
-            vec![RoceFrame { ecn: 3, psn: 9, ext: ext::reth(0, 1, 32), payload: vec![6; 32], ..f(op::WRITE_ONLY) }],
+            vec![RoceFrame {
+                ecn: 3,
+                psn: 9,
+                ext: ext::reth(0, 1, 32),
+                payload: vec![6; 32],
+                ..f(op::WRITE_ONLY)
+            }],
             none,
-            ExtWant { reth_len: Some(32), reasons: REASON_HASH | REASON_CE, ..Default::default() },
+            ExtWant {
+                reth_len: Some(32),
+                reasons: REASON_HASH | REASON_CE,
+                ..Default::default()
+            },
         ),
         roce(
             "IPv6 RC SEND ONLY, hop limit 63",
-            vec![v6(RoceFrame { ttl: 63, payload: vec![7; 100], ..f(op::SEND_ONLY) })],
+            vec![v6(RoceFrame {
+                ttl: 63,
+                payload: vec![7; 100],
+                ..f(op::SEND_ONLY)
+            })],
             none,
             hash,
         ),
         roce(
             "802.1Q tag, PCP 3",
-            vec![RoceFrame { vlans: vec![(ETH_P_8021Q, (3 << 13) | 100)], ..f(op::SEND_ONLY) }],
+            vec![RoceFrame {
+                vlans: vec![(ETH_P_8021Q, (3 << 13) | 100)],
+                ..f(op::SEND_ONLY)
+            }],
             none,
             hash,
         ),
@@ -195,39 +323,70 @@ fn table() -> Vec<Row> {
         ),
         roce(
             "IPv4 with options (IHL 7)",
-            vec![RoceFrame { ipv4_options: vec![0x94, 0x04, 0, 0, 1, 1, 1, 1], ..f(op::SEND_ONLY) }],
+            vec![RoceFrame {
+                ipv4_options: vec![0x94, 0x04, 0, 0, 1, 1, 1, 1],
+                ..f(op::SEND_ONLY)
+            }],
             none,
             hash,
         ),
         roce(
             "DSCP 0 from an untuned host is outside the expected set",
-            vec![RoceFrame { dscp: 0, ..f(op::SEND_ONLY) }],
+            vec![RoceFrame {
+                dscp: 0,
+                ..f(op::SEND_ONLY)
+            }],
             none,
-            ExtWant { reasons: REASON_HASH | REASON_UNEXPECTED_DSCP, ..Default::default() },
+            ExtWant {
+                reasons: REASON_HASH | REASON_UNEXPECTED_DSCP,
+                ..Default::default()
+            },
         ),
         roce(
             "PSN gap on requests is counted once",
-            [10, 11, 13].map(|psn| RoceFrame { psn, ..f(op::SEND_ONLY) }).to_vec(),
+            [10, 11, 13]
+                .map(|psn| RoceFrame {
+                    psn,
+                    ..f(op::SEND_ONLY)
+                })
+                .to_vec(),
             &|c| c.psn_gaps = 1,
             hash,
         ),
         roce(
             "PSN wrap-around is no gap",
-            [0xff_fffe, 0xff_ffff, 0].map(|psn| RoceFrame { psn, ..f(op::SEND_ONLY) }).to_vec(),
+            [0xff_fffe, 0xff_ffff, 0]
+                .map(|psn| RoceFrame {
+                    psn,
+                    ..f(op::SEND_ONLY)
+                })
+                .to_vec(),
             none,
             hash,
         ),
         roce(
             "retransmission (PSN goes back) is no gap",
-            [5, 6, 5, 6, 7].map(|psn| RoceFrame { psn, ..f(op::SEND_ONLY) }).to_vec(),
+            [5, 6, 5, 6, 7]
+                .map(|psn| RoceFrame {
+                    psn,
+                    ..f(op::SEND_ONLY)
+                })
+                .to_vec(),
             none,
             hash,
         ),
         roce(
             "PSN jump after READ REQUEST is no gap",
             vec![
-                RoceFrame { psn: 20, ext: ext::reth(0, 1, 4096), ..f(op::READ_REQUEST) },
-                RoceFrame { psn: 24, ..f(op::SEND_ONLY) },
+                RoceFrame {
+                    psn: 20,
+                    ext: ext::reth(0, 1, 4096),
+                    ..f(op::READ_REQUEST)
+                },
+                RoceFrame {
+                    psn: 24,
+                    ..f(op::SEND_ONLY)
+                },
             ],
             none,
             hash,
@@ -235,19 +394,29 @@ fn table() -> Vec<Row> {
         roce(
             "DSCP change within a flow is counted",
             [26, 26, 0]
-                .map(|dscp| RoceFrame { dscp, ..f(op::SEND_ONLY) })
+                .map(|dscp| RoceFrame {
+                    dscp,
+                    ..f(op::SEND_ONLY)
+                })
                 .to_vec()
                 .into_iter()
                 .enumerate()
                 .map(|(i, s)| RoceFrame { psn: i as u32, ..s })
                 .collect(),
             &|c| c.dscp_changed = 1,
-            ExtWant { reasons: REASON_HASH | REASON_UNEXPECTED_DSCP, ..Default::default() },
+            ExtWant {
+                reasons: REASON_HASH | REASON_UNEXPECTED_DSCP,
+                ..Default::default()
+            },
         ),
         roce(
             "three VLAN tags still parse",
             vec![RoceFrame {
-                vlans: vec![(ETH_P_8021AD, 1 << 13 | 1), (ETH_P_8021Q, 2 << 13 | 2), (ETH_P_8021Q, 3 << 13 | 3)],
+                vlans: vec![
+                    (ETH_P_8021AD, 1 << 13 | 1),
+                    (ETH_P_8021Q, 2 << 13 | 2),
+                    (ETH_P_8021Q, 3 << 13 | 3),
+                ],
                 ..f(op::SEND_ONLY)
             }],
             none,
@@ -277,15 +446,37 @@ fn table() -> Vec<Row> {
     // Frames that are not parsed RoCEv2.
     let send = f(op::SEND_ONLY).build();
     let l3 = 14 + 20 + 8;
-    rows.push(raw("truncated BTH", vec![send[..l3 + 6].to_vec()], GlobalCounter::TruncatedBth));
-    let mut short_udp = RoceFrame { payload: vec![], ..f(op::SEND_ONLY) }.build();
+    rows.push(raw(
+        "truncated BTH",
+        vec![send[..l3 + 6].to_vec()],
+        GlobalCounter::TruncatedBth,
+    ));
+    let mut short_udp = RoceFrame {
+        payload: vec![],
+        ..f(op::SEND_ONLY)
+    }
+    .build();
     short_udp[14 + 20 + 4..14 + 20 + 6].copy_from_slice(&20u16.to_be_bytes());
-    rows.push(raw("UDP length shorter than BTH + ICRC", vec![short_udp], GlobalCounter::BadUdpLength));
+    rows.push(raw(
+        "UDP length shorter than BTH + ICRC",
+        vec![short_udp],
+        GlobalCounter::BadUdpLength,
+    ));
     let ack_no_aeth = RoceFrame { ..f(op::ACKNOWLEDGE) }.build(); // 0x11 without its AETH
-    rows.push(raw("ACK without its AETH", vec![ack_no_aeth], GlobalCounter::TruncatedExtHeader));
+    rows.push(raw(
+        "ACK without its AETH",
+        vec![ack_no_aeth],
+        GlobalCounter::TruncatedExtHeader,
+    ));
     rows.push(raw(
         "UDP to another port",
-        vec![RoceFrame { udp_dport: 4792, ..f(op::SEND_ONLY) }.build()],
+        vec![
+            RoceFrame {
+                udp_dport: 4792,
+                ..f(op::SEND_ONLY)
+            }
+            .build(),
+        ],
         GlobalCounter::NonRoce,
     ));
     let mut frag = f(op::SEND_ONLY).build();
@@ -294,17 +485,33 @@ fn table() -> Vec<Row> {
     let mut tcp = f(op::SEND_ONLY).build();
     tcp[14 + 9] = 6;
     rows.push(raw("TCP", vec![tcp], GlobalCounter::NonRoce));
-    let arp = ethernet([0xff; 6], [2, 0, 0, 0, 0, 1], &[], 0x0806, &[0, 1, 8, 0, 6, 4, 0, 1]);
+    let arp = ethernet(
+        [0xff; 6],
+        [2, 0, 0, 0, 0, 1],
+        &[],
+        0x0806,
+        &[0, 1, 8, 0, 6, 4, 0, 1],
+    );
     rows.push(raw("ARP", vec![arp], GlobalCounter::NonRoce));
     let mut v1 = vec![0x60, 0, 0, 0, 0, 28, 0x1b, 64];
     v1.extend_from_slice(&[0; 32]);
     v1.extend_from_slice(f(op::SEND_ONLY).bth().as_bytes());
     v1.extend_from_slice(&[0; 4]);
-    rows.push(raw("RoCEv1 (EtherType 0x8915)", vec![ethernet([2; 6], [3; 6], &[], ETH_P_ROCEV1, &v1)], GlobalCounter::RoceV1));
+    rows.push(raw(
+        "RoCEv1 (EtherType 0x8915)",
+        vec![ethernet([2; 6], [3; 6], &[], ETH_P_ROCEV1, &v1)],
+        GlobalCounter::RoceV1,
+    ));
     let deep: Vec<(u16, u16)> = (0..5).map(|i| (ETH_P_8021Q, i)).collect();
     rows.push(raw(
         "five VLAN tags are too deep",
-        vec![RoceFrame { vlans: deep, ..f(op::SEND_ONLY) }.build()],
+        vec![
+            RoceFrame {
+                vlans: deep,
+                ..f(op::SEND_ONLY)
+            }
+            .build(),
+        ],
         GlobalCounter::VlanTooDeep,
     ));
     rows.push(raw("runt frame", vec![vec![0u8; 14]], GlobalCounter::NonRoce));
@@ -322,15 +529,31 @@ fn check_row(t: &mut ProgTest, r: &Row, dir: u8) {
     let hook = if dir == DIR_INGRESS { "xdp" } else { "tc" };
     let ctx = format!("[{hook}] {}", r.desc);
     for fr in &r.frames {
-        let verdict = if dir == DIR_INGRESS { t.run_xdp(fr) } else { t.run_tc(fr) };
-        let pass = if dir == DIR_INGRESS { XDP_PASS } else { TC_ACT_UNSPEC };
+        let verdict = if dir == DIR_INGRESS {
+            t.run_xdp(fr)
+        } else {
+            t.run_tc(fr)
+        };
+        let pass = if dir == DIR_INGRESS {
+            XDP_PASS
+        } else {
+            TC_ACT_UNSPEC
+        };
         assert_eq!(verdict, pass, "{ctx}: verdict");
     }
     let g = t.globals();
     let n = r.frames.len() as u64;
     assert_eq!(g.get(GlobalCounter::FramesSeen, dir), n, "{ctx}: frames seen");
-    let flows: Vec<_> = t.flows().into_iter().filter(|(k, _)| k.direction == dir).collect();
-    let samples: Vec<_> = t.samples().into_iter().filter(|s| s.key.direction == dir).collect();
+    let flows: Vec<_> = t
+        .flows()
+        .into_iter()
+        .filter(|(k, _)| k.direction == dir)
+        .collect();
+    let samples: Vec<_> = t
+        .samples()
+        .into_iter()
+        .filter(|s| s.key.direction == dir)
+        .collect();
     match &r.want {
         Want::Skip(reason) => {
             assert_eq!(g.get(*reason, dir), n, "{ctx}: {} counter", reason.name());
@@ -345,15 +568,27 @@ fn check_row(t: &mut ProgTest, r: &Row, dir: u8) {
             let last = r.specs.last().unwrap();
             assert_eq!(k.src, mapped(last.src), "{ctx}: src");
             assert_eq!(k.dst, mapped(last.dst), "{ctx}: dst");
-            assert_eq!(k.ip_version, if last.src.is_ipv4() { 4 } else { 6 }, "{ctx}: ip version");
+            assert_eq!(
+                k.ip_version,
+                if last.src.is_ipv4() { 4 } else { 6 },
+                "{ctx}: ip version"
+            );
             assert_eq!(k.udp_sport, last.udp_sport, "{ctx}: udp sport");
             assert_eq!(k.dest_qp, last.dest_qp, "{ctx}: dest qp");
             assert_eq!(k.ifindex, 1, "{ctx}: test runs on lo");
             assert!(c.first_ns > 0 && c.last_ns >= c.first_ns, "{ctx}: timestamps");
-            let got = FlowCounters { first_ns: 0, last_ns: 0, ..c };
+            let got = FlowCounters {
+                first_ns: 0,
+                last_ns: 0,
+                ..c
+            };
             assert_eq!(&got, counters, "{ctx}: counters");
             assert_eq!(samples.len() as u64, n, "{ctx}: one sample per packet at rate 1");
-            assert_eq!(g.get(GlobalCounter::SamplesEmitted, dir), n, "{ctx}: samples emitted");
+            assert_eq!(
+                g.get(GlobalCounter::SamplesEmitted, dir),
+                n,
+                "{ctx}: samples emitted"
+            );
             let s = samples.last().unwrap();
             let fr = r.frames.last().unwrap();
             assert_eq!(s.key, k, "{ctx}: sample key");
@@ -370,7 +605,11 @@ fn check_row(t: &mut ProgTest, r: &Row, dir: u8) {
             assert_eq!(s.bth_ack_req >> 7, last.ack_req as u8, "{ctx}: AckReq");
             assert_eq!(s.vlan_depth as usize, last.vlans.len(), "{ctx}: vlan depth");
             let want_pcp = last.vlans.first().map(|v| pcp_of_tci(v.1));
-            assert_eq!((s.present & HAS_PCP != 0).then_some(s.pcp), want_pcp, "{ctx}: pcp");
+            assert_eq!(
+                (s.present & HAS_PCP != 0).then_some(s.pcp),
+                want_pcp,
+                "{ctx}: pcp"
+            );
             // The ICRC is found from the UDP length: it must equal the one the builder
             // computed over the IP packet.
             let l3_start = 14 + 4 * last.vlans.len();
@@ -388,8 +627,16 @@ fn check_row(t: &mut ProgTest, r: &Row, dir: u8) {
             }
             let aeth = (s.present & HAS_AETH != 0).then_some((s.aeth_syndrome, s.aeth_msn));
             assert_eq!(aeth, ext.aeth, "{ctx}: aeth");
-            assert_eq!((s.present & HAS_RETH != 0).then_some(s.reth_dma_len), ext.reth_len, "{ctx}: reth");
-            assert_eq!((s.present & HAS_DETH != 0).then_some(s.deth_src_qp), ext.deth_src_qp, "{ctx}: deth");
+            assert_eq!(
+                (s.present & HAS_RETH != 0).then_some(s.reth_dma_len),
+                ext.reth_len,
+                "{ctx}: reth"
+            );
+            assert_eq!(
+                (s.present & HAS_DETH != 0).then_some(s.deth_src_qp),
+                ext.deth_src_qp,
+                "{ctx}: deth"
+            );
             assert_eq!(s.reasons, ext.reasons, "{ctx}: reasons");
         }
     }
@@ -400,7 +647,11 @@ fn every_frame_kind_through_xdp_and_tc() {
     if !require_root() {
         return;
     }
-    let opts = DatapathOptions { sample_rate: 1, expected_dscp: EXPECT_DSCP.to_vec(), ..Default::default() };
+    let opts = DatapathOptions {
+        sample_rate: 1,
+        expected_dscp: EXPECT_DSCP.to_vec(),
+        ..Default::default()
+    };
     let rows = table();
     assert!(rows.len() >= 30, "the table covers every case of the issue");
     for r in &rows {
@@ -418,7 +669,13 @@ fn retransmission_counts_a_psn_regression() {
     }
     let mut t = ProgTest::new(&DatapathOptions::default());
     for psn in [5, 6, 5, 6, 7] {
-        t.run_xdp(&RoceFrame { psn, ..f(op::SEND_ONLY) }.build());
+        t.run_xdp(
+            &RoceFrame {
+                psn,
+                ..f(op::SEND_ONLY)
+            }
+            .build(),
+        );
     }
     // The second 5 and 6 are both behind the newest PSN (7 expected next).
     assert_eq!(t.globals().get(GlobalCounter::PsnRegressions, DIR_INGRESS), 2);
@@ -431,15 +688,51 @@ fn anomalies_are_always_emitted() {
     if !require_root() {
         return;
     }
-    let opts = DatapathOptions { sample_rate: 0, expected_dscp: EXPECT_DSCP.to_vec(), ..Default::default() };
+    let opts = DatapathOptions {
+        sample_rate: 0,
+        expected_dscp: EXPECT_DSCP.to_vec(),
+        ..Default::default()
+    };
     let mut t = ProgTest::new(&opts);
     let frames = [
         (f(op::SEND_ONLY), 0),
-        (RoceFrame { ecn: 3, ..f(op::SEND_ONLY) }, REASON_CE),
-        (RoceFrame { opcode: 0x81, dscp: 48, ext: ext::cnp(), ..Default::default() }, REASON_CNP),
-        (RoceFrame { ext: ext::aeth(0x60, 1), ..f(op::ACKNOWLEDGE) }, REASON_NAK),
-        (RoceFrame { ext: ext::aeth(0x1f, 1), ..f(op::ACKNOWLEDGE) }, 0),
-        (RoceFrame { dscp: 0, ..f(op::SEND_ONLY) }, REASON_UNEXPECTED_DSCP),
+        (
+            RoceFrame {
+                ecn: 3,
+                ..f(op::SEND_ONLY)
+            },
+            REASON_CE,
+        ),
+        (
+            RoceFrame {
+                opcode: 0x81,
+                dscp: 48,
+                ext: ext::cnp(),
+                ..Default::default()
+            },
+            REASON_CNP,
+        ),
+        (
+            RoceFrame {
+                ext: ext::aeth(0x60, 1),
+                ..f(op::ACKNOWLEDGE)
+            },
+            REASON_NAK,
+        ),
+        (
+            RoceFrame {
+                ext: ext::aeth(0x1f, 1),
+                ..f(op::ACKNOWLEDGE)
+            },
+            0,
+        ),
+        (
+            RoceFrame {
+                dscp: 0,
+                ..f(op::SEND_ONLY)
+            },
+            REASON_UNEXPECTED_DSCP,
+        ),
     ];
     for (fr, _) in &frames {
         t.run_xdp(&fr.build());
@@ -458,13 +751,30 @@ fn kernel_samples_exactly_the_packets_the_shared_hash_selects() {
     }
     use roce_trace_common::sampling::{identity_hash, threshold_for_rate};
     let (rate, seed) = (8, 0xdecafbad);
-    let mut t = ProgTest::new(&DatapathOptions { sample_rate: rate, seed, ..Default::default() });
+    let mut t = ProgTest::new(&DatapathOptions {
+        sample_rate: rate,
+        seed,
+        ..Default::default()
+    });
     let th = threshold_for_rate(rate).unwrap();
     let mut want = Vec::new();
     for psn in 0..400u32 {
-        let s = RoceFrame { psn, dest_qp: 0x33, ..f(op::WRITE_MIDDLE) };
+        let s = RoceFrame {
+            psn,
+            dest_qp: 0x33,
+            ..f(op::WRITE_MIDDLE)
+        };
         t.run_xdp(&s.build());
-        let h = identity_hash(seed, &mapped(s.src), &mapped(s.dst), s.udp_sport, s.udp_dport, 0x33, psn, s.opcode);
+        let h = identity_hash(
+            seed,
+            &mapped(s.src),
+            &mapped(s.dst),
+            s.udp_sport,
+            s.udp_dport,
+            0x33,
+            psn,
+            s.opcode,
+        );
         if h <= th {
             want.push(psn);
         }

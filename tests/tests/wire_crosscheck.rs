@@ -16,22 +16,85 @@ use roce_trace_common::{
 use roce_trace_tests::*;
 
 fn specs() -> Vec<RoceFrame> {
-    let f = |opcode| RoceFrame { opcode, ..Default::default() };
-    let v6 = |s: RoceFrame| RoceFrame { src: "fd00::1".parse().unwrap(), dst: "fd00::2".parse().unwrap(), ..s };
+    let f = |opcode| RoceFrame {
+        opcode,
+        ..Default::default()
+    };
+    let v6 = |s: RoceFrame| RoceFrame {
+        src: "fd00::1".parse().unwrap(),
+        dst: "fd00::2".parse().unwrap(),
+        ..s
+    };
     [
-        RoceFrame { psn: 100, ext: ext::reth(0x1000, 5, 4096), payload: vec![1; 1024], ..f(op::WRITE_FIRST) },
-        RoceFrame { psn: 0xabcdef, dest_qp: 0xfedcba, payload: vec![1; 1024], ..f(op::WRITE_MIDDLE) },
-        RoceFrame { pad_cnt: 2, payload: vec![1; 6], ack_req: true, ..f(op::SEND_ONLY) },
-        RoceFrame { ext: ext::reth(0x1000, 5, 8192), ..f(op::READ_REQUEST) },
-        RoceFrame { ext: ext::aeth(0x1f, 9), ..f(op::ACKNOWLEDGE) },
-        RoceFrame { ext: ext::aeth(0x60, 9), dscp: 0, ..f(op::ACKNOWLEDGE) },
-        RoceFrame { opcode: 0x81, dscp: 48, udp_sport: 0, becn: true, dest_qp: 0x118, ext: ext::cnp(), ..Default::default() },
-        RoceFrame { ext: ext::deth(0x1111_1111, 0x42), payload: vec![2; 64], ..f(0x64) },
-        RoceFrame { ecn: 3, ext: ext::reth(0, 1, 32), payload: vec![3; 32], ..f(op::WRITE_ONLY) },
-        v6(RoceFrame { dscp: 46, ecn: 1, payload: vec![4; 100], ..f(op::SEND_ONLY) }),
-        RoceFrame { vlans: vec![(ETH_P_8021Q, (3 << 13) | 100)], ..f(op::SEND_ONLY) },
-        RoceFrame { vlans: vec![(ETH_P_8021AD, (5 << 13) | 7), (ETH_P_8021Q, (3 << 13) | 100)], ..f(op::SEND_ONLY) },
-        RoceFrame { ipv4_options: vec![0x94, 4, 0, 0], ..f(op::SEND_ONLY) },
+        RoceFrame {
+            psn: 100,
+            ext: ext::reth(0x1000, 5, 4096),
+            payload: vec![1; 1024],
+            ..f(op::WRITE_FIRST)
+        },
+        RoceFrame {
+            psn: 0xabcdef,
+            dest_qp: 0xfedcba,
+            payload: vec![1; 1024],
+            ..f(op::WRITE_MIDDLE)
+        },
+        RoceFrame {
+            pad_cnt: 2,
+            payload: vec![1; 6],
+            ack_req: true,
+            ..f(op::SEND_ONLY)
+        },
+        RoceFrame {
+            ext: ext::reth(0x1000, 5, 8192),
+            ..f(op::READ_REQUEST)
+        },
+        RoceFrame {
+            ext: ext::aeth(0x1f, 9),
+            ..f(op::ACKNOWLEDGE)
+        },
+        RoceFrame {
+            ext: ext::aeth(0x60, 9),
+            dscp: 0,
+            ..f(op::ACKNOWLEDGE)
+        },
+        RoceFrame {
+            opcode: 0x81,
+            dscp: 48,
+            udp_sport: 0,
+            becn: true,
+            dest_qp: 0x118,
+            ext: ext::cnp(),
+            ..Default::default()
+        },
+        RoceFrame {
+            ext: ext::deth(0x1111_1111, 0x42),
+            payload: vec![2; 64],
+            ..f(0x64)
+        },
+        RoceFrame {
+            ecn: 3,
+            ext: ext::reth(0, 1, 32),
+            payload: vec![3; 32],
+            ..f(op::WRITE_ONLY)
+        },
+        v6(RoceFrame {
+            dscp: 46,
+            ecn: 1,
+            payload: vec![4; 100],
+            ..f(op::SEND_ONLY)
+        }),
+        RoceFrame {
+            vlans: vec![(ETH_P_8021Q, (3 << 13) | 100)],
+            ..f(op::SEND_ONLY)
+        },
+        RoceFrame {
+            vlans: vec![(ETH_P_8021AD, (5 << 13) | 7), (ETH_P_8021Q, (3 << 13) | 100)],
+            ..f(op::SEND_ONLY)
+        },
+        RoceFrame {
+            ipv4_options: vec![0x94, 4, 0, 0],
+            ..f(op::SEND_ONLY)
+        },
     ]
     .to_vec()
 }
@@ -123,7 +186,10 @@ fn from_host_parse(frame: &[u8]) -> Option<Decoded> {
 
 /// The kernel's samples (rate 1) for `frames`, run through XDP, one per RoCEv2 frame.
 fn kernel_samples(frames: &[Vec<u8>]) -> Vec<Sample> {
-    let mut t = ProgTest::new(&DatapathOptions { sample_rate: 1, ..Default::default() });
+    let mut t = ProgTest::new(&DatapathOptions {
+        sample_rate: 1,
+        ..Default::default()
+    });
     for f in frames {
         assert_eq!(t.run_xdp(f), XDP_PASS);
     }
@@ -145,14 +211,19 @@ fn our_frames_decode_the_same_in_tshark_host_parser_and_kernel() {
     let samples = kernel_samples(&frames);
     assert_eq!(samples.len(), frames.len());
     let mut tshark_icrcs = 0;
-    for (i, (((row, frame), sample), spec)) in rows.iter().zip(&frames).zip(&samples).zip(&specs).enumerate() {
+    for (i, (((row, frame), sample), spec)) in rows.iter().zip(&frames).zip(&samples).zip(&specs).enumerate()
+    {
         let mut want = from_tshark(row);
         match want.icrc {
             Some(_) => tshark_icrcs += 1,
             // Where tshark shows no ICRC, the one we read must be the one we built.
             None => want.icrc = icrc(&spec.ip_packet()),
         }
-        assert_eq!(from_host_parse(frame).as_ref(), Some(&want), "frame {i}: host parser vs tshark");
+        assert_eq!(
+            from_host_parse(frame).as_ref(),
+            Some(&want),
+            "frame {i}: host parser vs tshark"
+        );
         assert_eq!(from_sample(sample), want, "frame {i}: kernel vs tshark");
     }
     // tshark 4.0 shows none for SEND ONLY frames (5 of 13 here).
@@ -166,12 +237,27 @@ fn our_icrc_matches_scapy() {
     let frames: Vec<Vec<u8>> = specs().iter().map(RoceFrame::build).collect();
     write_pcap(&pcap, &frames);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/scapy_icrc.py");
-    let out = Command::new("python3").arg(script).arg(&pcap).output().expect("python3");
-    assert!(out.status.success(), "scapy failed (scripts/setup installs it): {}", String::from_utf8_lossy(&out.stderr));
-    let theirs: Vec<String> = String::from_utf8(out.stdout).unwrap().lines().map(str::to_owned).collect();
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(&pcap)
+        .output()
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "scapy failed (scripts/setup installs it): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let theirs: Vec<String> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect();
     assert_eq!(theirs.len(), frames.len());
     for (i, (frame, theirs)) in frames.iter().zip(&theirs).enumerate() {
-        let ours = parse(&SlicePacket::new(frame), ROCEV2_UDP_PORT).unwrap().icrc().unwrap();
+        let ours = parse(&SlicePacket::new(frame), ROCEV2_UDP_PORT)
+            .unwrap()
+            .icrc()
+            .unwrap();
         let ours: String = ours.iter().map(|b| format!("{b:02x}")).collect();
         assert_eq!(&ours, theirs, "frame {i}");
     }
@@ -203,9 +289,17 @@ fn huawei_capture_matches_tshark() {
         .collect();
     assert_eq!(roce.len(), 105, "ROCE_WIRE.md: 105 RoCEv2 frames");
     let samples = kernel_samples(&frames);
-    assert_eq!(samples.len(), 105, "the kernel reports every RoCEv2 frame at rate 1, and no other");
+    assert_eq!(
+        samples.len(),
+        105,
+        "the kernel reports every RoCEv2 frame at rate 1, and no other"
+    );
     for (i, ((want, frame), sample)) in roce.iter().zip(&samples).enumerate() {
-        assert_eq!(from_host_parse(frame).as_ref(), Some(want), "RoCE frame {i}: host parser");
+        assert_eq!(
+            from_host_parse(frame).as_ref(),
+            Some(want),
+            "RoCE frame {i}: host parser"
+        );
         assert_eq!(&from_sample(sample), want, "RoCE frame {i}: kernel");
         let l3 = &frame[14..];
         assert!(want.icrc.is_some(), "RoCE frame {i}: tshark shows the ICRC");
