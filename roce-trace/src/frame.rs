@@ -171,8 +171,9 @@ impl RoceFrame {
         }
     }
 
-    /// UDP payload: BTH, extended headers, payload, pad bytes, ICRC placeholder.
-    fn udp_payload(&self) -> Vec<u8> {
+    /// UDP payload: BTH, extended headers, payload, pad bytes, and a zero ICRC slot (the
+    /// ICRC covers the IP header, so only [`Self::ip_packet`] can fill it in).
+    pub fn udp_payload(&self) -> Vec<u8> {
         let mut p = self.bth().as_bytes().to_vec();
         p.extend_from_slice(&self.ext);
         p.extend_from_slice(&self.payload);

@@ -1,1 +1,78 @@
-fn main() {}
+//! Project tasks: `cargo xtask lint | bench | demo`. The README's commands run
+//! scripts/setup first, then these.
+
+mod bench;
+mod demo;
+
+use std::process::{Command, ExitCode};
+
+use anyhow::{Context as _, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// cargo fmt --check, and clippy -D warnings on the workspace and the eBPF crate.
+    Lint,
+    /// Per-packet cost of the datapath (BPF_PROG_TEST_RUN on the real object).
+    Bench {
+        /// Iterations per frame kind.
+        #[arg(long, default_value_t = 1_000_000)]
+        repeat: u32,
+    },
+    /// Two namespaces, RoCEv2 traffic, a DSCP rewrite and CE marking injected with
+    /// iptables, and what roce-trace capture saw.
+    Demo {
+        /// How long traffic runs.
+        #[arg(long, default_value_t = 8)]
+        seconds: u64,
+    },
+}
+
+/// Keep in step with scripts/setup and roce-trace/build.rs.
+pub const EBPF_TOOLCHAIN: &str = "nightly-2026-05-15";
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.cmd {
+        Cmd::Lint => lint(),
+        Cmd::Bench { repeat } => bench::run(repeat),
+        Cmd::Demo { seconds } => demo::run(seconds),
+    }
+}
+
+pub fn step(cmd: &mut Command) -> anyhow::Result<()> {
+    eprintln!("xtask: $ {cmd:?}");
+    let status = cmd.status().with_context(|| format!("running {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed ({status})");
+    }
+    Ok(())
+}
+
+fn lint() -> anyhow::Result<()> {
+    step(Command::new("cargo").args(["fmt", "--all", "--", "--check"]))?;
+    step(Command::new("cargo").args(["clippy", "--all-targets", "--", "-D", "warnings"]))?;
+    step(
+        Command::new("cargo")
+            .arg(format!("+{EBPF_TOOLCHAIN}"))
+            .args(["clippy", "-p", "roce-trace-ebpf", "--target", "bpfel-unknown-none", "-Z", "build-std=core"])
+            .args(["--target-dir", "target/ebpf-clippy", "--", "-D", "warnings"])
+            .env("RUSTFLAGS", "--cfg bpf_target_arch=\"x86_64\""),
+    )
+}
