@@ -245,3 +245,56 @@ pub fn opcode_name(opcode: u8) -> &'static str {
         _ => "reserved",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aeth_syndromes() {
+        assert_eq!(ack_kind(0x1f), AckKind::Ack);
+        assert_eq!(ack_kind(0x05), AckKind::Ack);
+        assert_eq!(ack_kind(0x2e), AckKind::RnrNak);
+        assert_eq!(ack_kind(0x60), AckKind::NakPsnSeqErr);
+        assert_eq!(ack_kind(0x61), AckKind::NakOther);
+        assert_eq!(ack_kind(0x63), AckKind::NakOther);
+        assert_eq!(ack_kind(0x40), AckKind::NakOther, "reserved type 10");
+    }
+
+    #[test]
+    fn psn_arithmetic_wraps_at_24_bits() {
+        assert_eq!(psn_ahead(5, 5), Some(0));
+        assert_eq!(psn_ahead(5, 7), Some(2));
+        assert_eq!(psn_ahead(0xff_ffff, 1), Some(2));
+        assert_eq!(psn_ahead(7, 5), None);
+        assert_eq!(psn_ahead(1, 0xff_ffff), None);
+    }
+
+    #[test]
+    fn extended_header_layouts() {
+        assert_eq!(ext_layout(0x06).reth, Some(0)); // RC WRITE FIRST
+        assert_eq!(ext_layout(0x0c).reth, Some(0)); // READ REQUEST
+        assert_eq!(ext_layout(0x07), ExtLayout::default()); // WRITE MIDDLE
+        assert_eq!(ext_layout(0x11).aeth, Some(0)); // ACK
+        assert_eq!(ext_layout(0x0e).aeth, None); // READ RESPONSE MIDDLE
+        assert_eq!(ext_layout(0x10).aeth, Some(0)); // READ RESPONSE ONLY
+        assert_eq!(ext_layout(0x64).deth, Some(0)); // UD SEND ONLY
+        assert_eq!(ext_layout(OP_CNP).min_len, 16);
+        // XRC WRITE FIRST: XRCETH, then RETH.
+        assert_eq!(ext_layout(0xa6).reth, Some(4));
+        assert_eq!(ext_layout(0xa6).min_len, 20);
+        assert_eq!(ext_layout(0x2a).reth, Some(0)); // UC WRITE ONLY
+    }
+
+    #[test]
+    fn requests_and_acks() {
+        assert!(is_request(0x04) && is_request(0x0a) && is_request(0x0c) && is_request(0x14));
+        assert!(is_request(0x64));
+        assert!(!is_request(0x11) && !is_request(0x0d) && !is_request(OP_CNP));
+        assert!(is_ack_opcode(0x11) && is_ack_opcode(0x12) && !is_ack_opcode(0x10));
+        assert!(is_read_request(0x0c) && !is_read_request(0x2c));
+        assert_eq!(opcode_name(0x81), "CNP");
+        assert_eq!(opcode_name(0x0a), "WRITE ONLY");
+        assert_eq!(opcode_name(0x64), "UD SEND ONLY");
+    }
+}

@@ -66,3 +66,38 @@ pub const fn threshold_for_rate(rate: u32) -> Option<u32> {
         n => Some(((1u64 << 32) / n as u64 - 1) as u32),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thresholds() {
+        assert_eq!(threshold_for_rate(0), None);
+        assert_eq!(threshold_for_rate(1), Some(u32::MAX));
+        assert_eq!(threshold_for_rate(2), Some(0x7fff_ffff));
+        assert_eq!(threshold_for_rate(1000), Some(4_294_966));
+    }
+
+    #[test]
+    fn hash_depends_on_every_identity_field_and_the_seed() {
+        let (a, b) = ([1u8; 16], [2u8; 16]);
+        let base = identity_hash(7, &a, &b, 1, 4791, 0x11, 5, 0x0a);
+        assert_ne!(base, identity_hash(8, &a, &b, 1, 4791, 0x11, 5, 0x0a));
+        assert_ne!(base, identity_hash(7, &b, &a, 1, 4791, 0x11, 5, 0x0a));
+        assert_ne!(base, identity_hash(7, &a, &b, 2, 4791, 0x11, 5, 0x0a));
+        assert_ne!(base, identity_hash(7, &a, &b, 1, 4791, 0x12, 5, 0x0a));
+        assert_ne!(base, identity_hash(7, &a, &b, 1, 4791, 0x11, 6, 0x0a));
+        assert_ne!(base, identity_hash(7, &a, &b, 1, 4791, 0x11, 5, 0x0b));
+        assert_eq!(base, identity_hash(7, &a, &b, 1, 4791, 0x11, 5, 0x0a));
+    }
+
+    #[test]
+    fn one_in_n_is_close_to_n() {
+        let th = threshold_for_rate(100).unwrap();
+        let hits = (0..100_000u32)
+            .filter(|&psn| identity_hash(1, &[0; 16], &[1; 16], 9, 4791, 3, psn, 6) <= th)
+            .count();
+        assert!((800..=1200).contains(&hits), "{hits} of 100000 at 1 in 100");
+    }
+}

@@ -84,14 +84,22 @@ impl ProgTest {
     /// Runs `repeat` iterations in the kernel; returns the mean time per packet.
     pub fn time_xdp(&mut self, frame: &[u8], repeat: u32) -> std::time::Duration {
         let prog = self.dp.xdp().unwrap();
-        let opts = TestRunOptions { data_in: Some(frame), repeat, ..TestRunOptions::new() };
+        let opts = TestRunOptions {
+            data_in: Some(frame),
+            repeat,
+            ..TestRunOptions::new()
+        };
         prog.test_run(opts).expect("xdp test run").duration
     }
 
     /// Runs TC `repeat` times in the kernel; returns the mean time per packet.
     pub fn time_tc(&mut self, frame: &[u8], repeat: u32) -> std::time::Duration {
         let prog = self.dp.tc().unwrap();
-        let opts = TestRunOptions { data_in: Some(frame), repeat, ..TestRunOptions::new() };
+        let opts = TestRunOptions {
+            data_in: Some(frame),
+            repeat,
+            ..TestRunOptions::new()
+        };
         prog.test_run(opts).expect("tc test run").duration
     }
 

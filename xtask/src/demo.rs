@@ -28,7 +28,11 @@ fn say(s: &str) {
 
 pub fn run(seconds: u64) -> anyhow::Result<()> {
     let bin = Path::new("target/release/roce-trace");
-    ensure!(bin.exists(), "{} missing: run `cargo build --release --bins` first (scripts/demo does)", bin.display());
+    ensure!(
+        bin.exists(),
+        "{} missing: run `cargo build --release --bins` first (scripts/demo does)",
+        bin.display()
+    );
     let bin = bin.canonicalize()?;
 
     say("two hosts: A (10.99.0.1) and B (10.99.0.2), network namespaces joined by a veth link");
@@ -37,21 +41,63 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
         "injecting faults on A's egress: UDP sport {REWRITTEN} remarked DSCP 26 -> 0; 20% of sport {CONGESTED} CE-marked"
     ));
     pair.a.exec(&[
-        "iptables", "-t", "mangle", "-A", "POSTROUTING", "-p", "udp", "--dport", "4791", "--sport",
-        &REWRITTEN.to_string(), "-j", "DSCP", "--set-dscp", "0",
+        "iptables",
+        "-t",
+        "mangle",
+        "-A",
+        "POSTROUTING",
+        "-p",
+        "udp",
+        "--dport",
+        "4791",
+        "--sport",
+        &REWRITTEN.to_string(),
+        "-j",
+        "DSCP",
+        "--set-dscp",
+        "0",
     ]);
     pair.a.exec(&[
-        "iptables", "-t", "mangle", "-A", "POSTROUTING", "-p", "udp", "--dport", "4791", "--sport",
-        &CONGESTED.to_string(), "-m", "statistic", "--mode", "random", "--probability", "0.2", "-j", "ECN",
-        "--ecn-ip-ect", "3",
+        "iptables",
+        "-t",
+        "mangle",
+        "-A",
+        "POSTROUTING",
+        "-p",
+        "udp",
+        "--dport",
+        "4791",
+        "--sport",
+        &CONGESTED.to_string(),
+        "-m",
+        "statistic",
+        "--mode",
+        "random",
+        "--probability",
+        "0.2",
+        "-j",
+        "ECN",
+        "--ecn-ip-ect",
+        "3",
     ]);
 
     let out = std::env::temp_dir().join(format!("roce-trace-demo-{}.jsonl", std::process::id()));
-    say(&format!("starting roce-trace capture on B (XDP ingress), JSON to {}", out.display()));
+    say(&format!(
+        "starting roce-trace capture on B (XDP ingress), JSON to {}",
+        out.display()
+    ));
     let mut cap = Command::new("ip")
         .args(["netns", "exec", &pair.b.name])
         .arg(&bin)
-        .args(["capture", "-i", &pair.b_if, "--direction", "ingress", "--expect-dscp", "26,48"])
+        .args([
+            "capture",
+            "-i",
+            &pair.b_if,
+            "--direction",
+            "ingress",
+            "--expect-dscp",
+            "26,48",
+        ])
         .args(["--duration", &format!("{}s", seconds + 2), "-w"])
         .arg(&out)
         .stderr(Stdio::piped())
@@ -75,7 +121,9 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
         }
     });
 
-    say(&format!("A sends RDMA WRITEs on 3 QPs for {seconds}s (DSCP 26, ECT(0), 1 KiB, ~2000 packets/s each)"));
+    say(&format!(
+        "A sends RDMA WRITEs on 3 QPs for {seconds}s (DSCP 26, ECT(0), 1 KiB, ~2000 packets/s each)"
+    ));
     let sent = pair.a.run(move || send(seconds));
     let sent = sent?;
     let status = cap.wait()?;
@@ -86,10 +134,16 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
     let _ = std::fs::remove_file(&out);
     let recs: Vec<Value> = text.lines().map(serde_json::from_str).collect::<Result<_, _>>()?;
     let flow = |sport: u16| {
-        recs.iter().find(|r| r["type"] == "flow" && r["final"] == true && r["udp_sport"] == sport).cloned()
+        recs.iter()
+            .find(|r| r["type"] == "flow" && r["final"] == true && r["udp_sport"] == sport)
+            .cloned()
     };
     let mut failures = Vec::new();
-    for (sport, what) in [(HEALTHY, "healthy"), (REWRITTEN, "DSCP rewrite"), (CONGESTED, "CE marking")] {
+    for (sport, what) in [
+        (HEALTHY, "healthy"),
+        (REWRITTEN, "DSCP rewrite"),
+        (CONGESTED, "CE marking"),
+    ] {
         let Some(f) = flow(sport) else {
             failures.push(format!("no flow seen for sport {sport}"));
             continue;
@@ -110,9 +164,16 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
     }
     let unexpected = recs
         .iter()
-        .filter(|r| r["type"] == "sample" && r["reasons"].as_array().is_some_and(|a| a.iter().any(|x| x == "unexpected_dscp")))
+        .filter(|r| {
+            r["type"] == "sample"
+                && r["reasons"]
+                    .as_array()
+                    .is_some_and(|a| a.iter().any(|x| x == "unexpected_dscp"))
+        })
         .count();
-    println!("  samples flagged with an unexpected DSCP (always reported, whatever the sampling rate): {unexpected}");
+    println!(
+        "  samples flagged with an unexpected DSCP (always reported, whatever the sampling rate): {unexpected}"
+    );
     if unexpected == 0 {
         failures.push("no sample flagged the rewritten class".into());
     }
@@ -151,7 +212,13 @@ fn send(seconds: u64) -> anyhow::Result<u64> {
     let mut psn = 0u32;
     while start.elapsed() < Duration::from_secs(seconds) {
         for (s, qp) in &socks {
-            let f = RoceFrame { opcode: op::WRITE_MIDDLE, dest_qp: *qp, psn, payload: vec![0; 1024], ..Default::default() };
+            let f = RoceFrame {
+                opcode: op::WRITE_MIDDLE,
+                dest_qp: *qp,
+                psn,
+                payload: vec![0; 1024],
+                ..Default::default()
+            };
             s.send_to(&f.udp_payload(), ("10.99.0.2", 4791))?;
         }
         psn += 1;

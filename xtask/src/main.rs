@@ -71,7 +71,15 @@ fn lint() -> anyhow::Result<()> {
     step(
         Command::new("cargo")
             .arg(format!("+{EBPF_TOOLCHAIN}"))
-            .args(["clippy", "-p", "roce-trace-ebpf", "--target", "bpfel-unknown-none", "-Z", "build-std=core"])
+            .args([
+                "clippy",
+                "-p",
+                "roce-trace-ebpf",
+                "--target",
+                "bpfel-unknown-none",
+                "-Z",
+                "build-std=core",
+            ])
             .args(["--target-dir", "target/ebpf-clippy", "--", "-D", "warnings"])
             .env("RUSTFLAGS", "--cfg bpf_target_arch=\"x86_64\""),
     )
