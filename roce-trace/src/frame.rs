@@ -10,12 +10,9 @@ use roce_trace_common::wire::*;
 /// `l3` runs from the IP header to the end of the UDP datagram, the 4 ICRC bytes
 /// included (they are not covered). Returns the wire bytes (`crc.to_le_bytes()`).
 pub fn icrc(l3: &[u8]) -> Option<[u8; 4]> {
-    let (ip_len, udp_off) = match l3.first()? >> 4 {
-        4 => {
-            let ihl = ((l3[0] & 0x0f) as usize) * 4;
-            (ihl, ihl)
-        }
-        6 => (40, 40),
+    let udp_off = match l3.first()? >> 4 {
+        4 => ((l3[0] & 0x0f) as usize) * 4,
+        6 => Ipv6Hdr::LEN,
         _ => return None,
     };
     let udp_len = u16::from_be_bytes([*l3.get(udp_off + 4)?, *l3.get(udp_off + 5)?]) as usize;
@@ -23,8 +20,17 @@ pub fn icrc(l3: &[u8]) -> Option<[u8; 4]> {
     if udp_len < UdpHdr::LEN + Bth::LEN + ICRC_LEN || l3.len() < end {
         return None;
     }
-    let mut buf = l3[..end - ICRC_LEN].to_vec();
-    if ip_len == 40 {
+    let hdrs = udp_off + UdpHdr::LEN;
+    Some(icrc_finish(icrc_prefix(&l3[..hdrs]), &l3[hdrs..end - ICRC_LEN]))
+}
+
+/// The ICRC's running CRC over the 8 0xFF bytes and the IP and UDP headers (`headers`,
+/// IPv4 with its options), their variant fields masked. Packets of one flow and one
+/// length share it, so a sender computes it once per length.
+pub fn icrc_prefix(headers: &[u8]) -> crc32fast::Hasher {
+    let mut buf = headers.to_vec();
+    let udp_off = buf.len() - UdpHdr::LEN;
+    if buf[0] >> 4 == 6 {
         // Traffic class and flow label, hop limit.
         buf[0] |= 0x0f;
         buf[1] = 0xff;
@@ -39,11 +45,21 @@ pub fn icrc(l3: &[u8]) -> Option<[u8; 4]> {
     }
     buf[udp_off + 6] = 0xff; // UDP checksum
     buf[udp_off + 7] = 0xff;
-    buf[udp_off + UdpHdr::LEN + 4] = 0xff; // BTH FECN/BECN/reserved
     let mut h = crc32fast::Hasher::new();
     h.update(&[0xff; 8]);
     h.update(&buf);
-    Some(h.finalize().to_le_bytes())
+    h
+}
+
+/// Completes an [`icrc_prefix`] over the UDP payload up to the ICRC (`bth_on`: the BTH,
+/// extended headers, payload and pad), masking the BTH's FECN/BECN byte.
+pub fn icrc_finish(mut h: crc32fast::Hasher, bth_on: &[u8]) -> [u8; 4] {
+    let mut bth = [0u8; Bth::LEN];
+    bth.copy_from_slice(&bth_on[..Bth::LEN]);
+    bth[4] = 0xff;
+    h.update(&bth);
+    h.update(&bth_on[Bth::LEN..]);
+    h.finalize().to_le_bytes()
 }
 
 /// Extended headers, serialised from the shared definitions.
@@ -182,10 +198,10 @@ impl RoceFrame {
         p
     }
 
-    /// The IP packet (IP header to the ICRC), ICRC filled in per [`IcrcMode`].
-    pub fn ip_packet(&self) -> Vec<u8> {
-        let payload = self.udp_payload();
-        let udp_len = (UdpHdr::LEN + payload.len()) as u16;
+    /// IP and UDP headers for a UDP datagram of `udp_len` bytes, as a RoCE NIC (or a Linux
+    /// UDP socket with DF set and no connection) sends them: IPv4 ID 0 and DF, UDP checksum
+    /// 0 (IPv6: filled in by [`Self::ip_packet`]).
+    pub fn ip_udp_headers(&self, udp_len: u16) -> Vec<u8> {
         let tos = (self.dscp << 2) | (self.ecn & 3);
         let mut out = match (self.src, self.dst) {
             (IpAddr::V4(s), IpAddr::V4(d)) => {
@@ -228,7 +244,6 @@ impl RoceFrame {
             }
             _ => panic!("source and destination must be the same IP version"),
         };
-        let udp_off = out.len();
         let udp = UdpHdr {
             src_port: self.udp_sport.to_be_bytes(),
             dst_port: self.udp_dport.to_be_bytes(),
@@ -236,6 +251,15 @@ impl RoceFrame {
             check: [0, 0],
         };
         out.extend_from_slice(udp.as_bytes());
+        out
+    }
+
+    /// The IP packet (IP header to the ICRC), ICRC filled in per [`IcrcMode`].
+    pub fn ip_packet(&self) -> Vec<u8> {
+        let payload = self.udp_payload();
+        let udp_len = (UdpHdr::LEN + payload.len()) as u16;
+        let mut out = self.ip_udp_headers(udp_len);
+        let udp_off = out.len() - UdpHdr::LEN;
         out.extend_from_slice(&payload);
         if let (IpAddr::V6(s), IpAddr::V6(d)) = (self.src, self.dst) {
             // IPv6 requires a UDP checksum (IPv4 RoCE sends 0).

@@ -8,3 +8,4 @@ pub mod datapath;
 pub mod frame;
 pub mod record;
 pub mod sys;
+pub mod traffic;

@@ -1,0 +1,291 @@
+//! UDP sockets as a RoCE NIC's wire behaviour needs them: DF set and unconnected (so
+//! IPv4 ID is 0 and the ICRC is computable), the class in TOS / traffic class, ECN of
+//! arriving packets reported, and batched send/receive (sendmmsg / recvmmsg).
+
+use std::{
+    io,
+    mem::{size_of, zeroed},
+    net::{IpAddr, SocketAddr, UdpSocket},
+    os::fd::AsRawFd,
+};
+
+fn setsockopt_int(sock: &UdpSocket, level: i32, name: i32, value: i32) -> io::Result<()> {
+    // SAFETY: a valid int option on an open socket.
+    let r = unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            level,
+            name,
+            &value as *const i32 as *const libc::c_void,
+            size_of::<i32>() as u32,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// A socket bound to `addr`, DF set, TOS (v4) / traffic class (v6) = `tos`.
+pub fn bind(addr: SocketAddr, tos: u8) -> io::Result<UdpSocket> {
+    let sock = UdpSocket::bind(addr)?;
+    if addr.is_ipv4() {
+        setsockopt_int(
+            &sock,
+            libc::IPPROTO_IP,
+            libc::IP_MTU_DISCOVER,
+            libc::IP_PMTUDISC_DO,
+        )?;
+        setsockopt_int(&sock, libc::IPPROTO_IP, libc::IP_TOS, tos as i32)?;
+        setsockopt_int(&sock, libc::IPPROTO_IP, libc::IP_RECVTOS, 1)?;
+    } else {
+        setsockopt_int(&sock, libc::IPPROTO_IPV6, libc::IPV6_DONTFRAG, 1)?;
+        setsockopt_int(&sock, libc::IPPROTO_IPV6, libc::IPV6_TCLASS, tos as i32)?;
+        setsockopt_int(&sock, libc::IPPROTO_IPV6, libc::IPV6_RECVTCLASS, 1)?;
+    }
+    // Room for bursts: a few MiB, as a NIC's receive ring would have (FORCE needs
+    // CAP_NET_ADMIN; without it the kernel's rmem_max caps the plain request).
+    let size = 8 << 20;
+    if setsockopt_int(&sock, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, size).is_err() {
+        setsockopt_int(&sock, libc::SOL_SOCKET, libc::SO_RCVBUF, size)?;
+    }
+    if setsockopt_int(&sock, libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, size).is_err() {
+        setsockopt_int(&sock, libc::SOL_SOCKET, libc::SO_SNDBUF, size)?;
+    }
+    sock.set_nonblocking(true)?;
+    Ok(sock)
+}
+
+/// The source address the kernel would use to reach `dst`.
+pub fn source_for(dst: IpAddr) -> io::Result<IpAddr> {
+    let any: SocketAddr = if dst.is_ipv4() {
+        "0.0.0.0:0".parse().unwrap()
+    } else {
+        "[::]:0".parse().unwrap()
+    };
+    let s = UdpSocket::bind(any)?;
+    s.connect((dst, 4791))?;
+    Ok(s.local_addr()?.ip())
+}
+
+enum Storage {
+    V4(libc::sockaddr_in),
+    V6(libc::sockaddr_in6),
+}
+
+fn sockaddr(a: &SocketAddr) -> Storage {
+    // SAFETY: zeroed sockaddr structs are valid; fields are filled below.
+    unsafe {
+        match a {
+            SocketAddr::V4(a) => {
+                let mut s: libc::sockaddr_in = zeroed();
+                s.sin_family = libc::AF_INET as u16;
+                s.sin_port = a.port().to_be();
+                s.sin_addr.s_addr = u32::from_ne_bytes(a.ip().octets());
+                Storage::V4(s)
+            }
+            SocketAddr::V6(a) => {
+                let mut s: libc::sockaddr_in6 = zeroed();
+                s.sin6_family = libc::AF_INET6 as u16;
+                s.sin6_port = a.port().to_be();
+                s.sin6_addr.s6_addr = a.ip().octets();
+                Storage::V6(s)
+            }
+        }
+    }
+}
+
+fn storage_ptr(s: &Storage) -> (*const libc::c_void, u32) {
+    match s {
+        Storage::V4(a) => (
+            a as *const _ as *const libc::c_void,
+            size_of::<libc::sockaddr_in>() as u32,
+        ),
+        Storage::V6(a) => (
+            a as *const _ as *const libc::c_void,
+            size_of::<libc::sockaddr_in6>() as u32,
+        ),
+    }
+}
+
+/// Sends every buffer to `dst` with as few sendmmsg calls as the kernel allows. Returns
+/// how many were sent (fewer when the socket buffer is full).
+pub fn send_batch(sock: &UdpSocket, dst: &SocketAddr, bufs: &[Vec<u8>]) -> io::Result<usize> {
+    let addr = sockaddr(dst);
+    let (name, namelen) = storage_ptr(&addr);
+    let mut iovs: Vec<libc::iovec> = bufs
+        .iter()
+        .map(|b| libc::iovec {
+            iov_base: b.as_ptr() as *mut libc::c_void,
+            iov_len: b.len(),
+        })
+        .collect();
+    let mut msgs: Vec<libc::mmsghdr> = iovs
+        .iter_mut()
+        .map(|iov| {
+            // SAFETY: a zeroed mmsghdr is valid; the pointers set below outlive the call.
+            let mut m: libc::mmsghdr = unsafe { zeroed() };
+            m.msg_hdr.msg_name = name as *mut libc::c_void;
+            m.msg_hdr.msg_namelen = namelen;
+            m.msg_hdr.msg_iov = iov as *mut libc::iovec;
+            m.msg_hdr.msg_iovlen = 1;
+            m
+        })
+        .collect();
+    let mut sent = 0;
+    while sent < msgs.len() {
+        // SAFETY: msgs[sent..] are valid mmsghdrs pointing at live buffers and address.
+        let n = unsafe {
+            libc::sendmmsg(
+                sock.as_raw_fd(),
+                msgs[sent..].as_mut_ptr(),
+                (msgs.len() - sent) as u32,
+                0,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::WouldBlock || e.raw_os_error() == Some(libc::ENOBUFS) {
+                break;
+            }
+            return Err(e);
+        }
+        sent += n as usize;
+    }
+    Ok(sent)
+}
+
+/// Sends one datagram with its own TOS / traffic class (replies: ACKs in the data class,
+/// CNPs in the CNP class).
+pub fn send_with_tos(sock: &UdpSocket, dst: &SocketAddr, tos: u8, buf: &[u8]) -> io::Result<()> {
+    let addr = sockaddr(dst);
+    let (name, namelen) = storage_ptr(&addr);
+    let mut iov = libc::iovec {
+        iov_base: buf.as_ptr() as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: CMSG_SPACE of an int is a small constant.
+    let space = unsafe { libc::CMSG_SPACE(size_of::<i32>() as u32) } as usize;
+    let mut cbuf = vec![0u8; space];
+    // SAFETY: msghdr and cmsg set up per cmsg(3); all pointers are live for the call.
+    unsafe {
+        let mut msg: libc::msghdr = zeroed();
+        msg.msg_name = name as *mut libc::c_void;
+        msg.msg_namelen = namelen;
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
+        msg.msg_controllen = space;
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        let (level, ty) = if dst.is_ipv4() {
+            (libc::IPPROTO_IP, libc::IP_TOS)
+        } else {
+            (libc::IPPROTO_IPV6, libc::IPV6_TCLASS)
+        };
+        (*c).cmsg_level = level;
+        (*c).cmsg_type = ty;
+        (*c).cmsg_len = libc::CMSG_LEN(size_of::<i32>() as u32) as usize;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut i32, tos as i32);
+        if libc::sendmsg(sock.as_raw_fd(), &msg, 0) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// One received datagram.
+pub struct Datagram {
+    pub from: SocketAddr,
+    /// TOS / traffic class as it arrived (ECN in the low two bits).
+    pub tos: u8,
+    pub len: usize,
+}
+
+pub const MAX_DATAGRAM: usize = 9216;
+
+/// Receives up to `bufs.len()` datagrams without blocking.
+pub fn recv_batch(sock: &UdpSocket, bufs: &mut [Vec<u8>], out: &mut Vec<Datagram>) -> io::Result<usize> {
+    out.clear();
+    let n = bufs.len();
+    // SAFETY: CMSG_SPACE of an int is a small constant.
+    let space = unsafe { libc::CMSG_SPACE(size_of::<i32>() as u32) } as usize * 2;
+    let mut cbufs = vec![0u8; space * n];
+    // SAFETY: zeroed sockaddr_storage is valid.
+    let mut names: Vec<libc::sockaddr_storage> = (0..n).map(|_| unsafe { zeroed() }).collect();
+    let mut iovs: Vec<libc::iovec> = bufs
+        .iter_mut()
+        .map(|b| {
+            b.resize(MAX_DATAGRAM, 0);
+            libc::iovec {
+                iov_base: b.as_mut_ptr() as *mut libc::c_void,
+                iov_len: b.len(),
+            }
+        })
+        .collect();
+    let mut msgs: Vec<libc::mmsghdr> = (0..n)
+        .map(|i| {
+            // SAFETY: a zeroed mmsghdr is valid; pointers set below outlive the call.
+            let mut m: libc::mmsghdr = unsafe { zeroed() };
+            m.msg_hdr.msg_name = &mut names[i] as *mut _ as *mut libc::c_void;
+            m.msg_hdr.msg_namelen = size_of::<libc::sockaddr_storage>() as u32;
+            m.msg_hdr.msg_iov = &mut iovs[i];
+            m.msg_hdr.msg_iovlen = 1;
+            m.msg_hdr.msg_control = cbufs[i * space..].as_mut_ptr() as *mut libc::c_void;
+            m.msg_hdr.msg_controllen = space;
+            m
+        })
+        .collect();
+    // SAFETY: msgs point at live buffers sized as declared.
+    let got = unsafe {
+        libc::recvmmsg(
+            sock.as_raw_fd(),
+            msgs.as_mut_ptr(),
+            n as u32,
+            libc::MSG_DONTWAIT,
+            std::ptr::null_mut(),
+        )
+    };
+    if got < 0 {
+        let e = io::Error::last_os_error();
+        return if e.kind() == io::ErrorKind::WouldBlock {
+            Ok(0)
+        } else {
+            Err(e)
+        };
+    }
+    for (i, m) in msgs.iter().enumerate().take(got as usize) {
+        let mut tos = 0u8;
+        // SAFETY: walking the control buffer the kernel filled, per cmsg(3).
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(&m.msg_hdr);
+            while !c.is_null() {
+                let (l, t) = ((*c).cmsg_level, (*c).cmsg_type);
+                if l == libc::IPPROTO_IP && t == libc::IP_TOS {
+                    tos = *libc::CMSG_DATA(c);
+                } else if l == libc::IPPROTO_IPV6 && t == libc::IPV6_TCLASS {
+                    tos = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const i32) as u8;
+                }
+                c = libc::CMSG_NXTHDR(&m.msg_hdr, c);
+            }
+        }
+        let from = match names[i].ss_family as i32 {
+            libc::AF_INET => {
+                // SAFETY: the family says it is a sockaddr_in.
+                let a = unsafe { &*(&names[i] as *const _ as *const libc::sockaddr_in) };
+                SocketAddr::from((a.sin_addr.s_addr.to_ne_bytes(), u16::from_be(a.sin_port)))
+            }
+            _ => {
+                // SAFETY: the family says it is a sockaddr_in6.
+                let a = unsafe { &*(&names[i] as *const _ as *const libc::sockaddr_in6) };
+                SocketAddr::from((a.sin6_addr.s6_addr, u16::from_be(a.sin6_port)))
+            }
+        };
+        out.push(Datagram {
+            from,
+            tos,
+            len: m.msg_len as usize,
+        });
+    }
+    Ok(got as usize)
+}
