@@ -261,26 +261,17 @@ impl RoceFrame {
         let mut out = self.ip_udp_headers(udp_len);
         let udp_off = out.len() - UdpHdr::LEN;
         out.extend_from_slice(&payload);
-        if let (IpAddr::V6(s), IpAddr::V6(d)) = (self.src, self.dst) {
-            // IPv6 requires a UDP checksum (IPv4 RoCE sends 0).
-            let mut pseudo = Vec::with_capacity(40);
-            pseudo.extend_from_slice(&s.octets());
-            pseudo.extend_from_slice(&d.octets());
-            pseudo.extend_from_slice(&(udp_len as u32).to_be_bytes());
-            pseudo.extend_from_slice(&[0, 0, 0, IPPROTO_UDP]);
-            let init = ones_sum(&pseudo, 0);
-            let mut c = inet_checksum(&out[udp_off..], init);
-            if c == 0 {
-                c = 0xffff;
-            }
-            out[udp_off + 6..udp_off + 8].copy_from_slice(&c.to_be_bytes());
-        }
         let icrc = match self.icrc {
             IcrcMode::Correct => icrc(&out).expect("well-formed packet"),
             IcrcMode::Fixed(b) => b,
         };
         let n = out.len();
         out[n - ICRC_LEN..].copy_from_slice(&icrc);
+        if let (IpAddr::V6(s), IpAddr::V6(d)) = (self.src, self.dst) {
+            // IPv6 requires a UDP checksum (IPv4 RoCE sends 0); it covers the ICRC.
+            let c = udp6_checksum(&s, &d, &out[udp_off..]);
+            out[udp_off + 6..udp_off + 8].copy_from_slice(&c.to_be_bytes());
+        }
         out
     }
 
@@ -321,6 +312,19 @@ pub fn ethernet(dst: [u8; 6], src: [u8; 6], vlans: &[(u16, u16)], ethertype: u16
         f.resize(60, 0);
     }
     f
+}
+
+/// UDP checksum over IPv6 (`udp`: the datagram with a zero checksum field).
+pub fn udp6_checksum(src: &std::net::Ipv6Addr, dst: &std::net::Ipv6Addr, udp: &[u8]) -> u16 {
+    let mut pseudo = [0u8; 40];
+    pseudo[..16].copy_from_slice(&src.octets());
+    pseudo[16..32].copy_from_slice(&dst.octets());
+    pseudo[32..36].copy_from_slice(&(udp.len() as u32).to_be_bytes());
+    pseudo[39] = IPPROTO_UDP;
+    match inet_checksum(udp, ones_sum(&pseudo, 0)) {
+        0 => 0xffff,
+        c => c,
+    }
 }
 
 fn ones_sum(data: &[u8], init: u32) -> u32 {

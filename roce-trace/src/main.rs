@@ -97,6 +97,32 @@ struct GenArgs {
     /// Print the final report as JSON.
     #[arg(long)]
     json: bool,
+    /// How requests leave: `socket` (UDP, routed by the kernel) or `packet` (raw frames
+    /// out of --iface to --dst-mac, optionally tagged; faster, exact framing).
+    #[arg(long, value_enum, default_value_t = TxArg::Socket)]
+    tx: TxArg,
+    /// Interface for --tx packet.
+    #[arg(long, required_if_eq("tx", "packet"))]
+    iface: Option<String>,
+    /// Next-hop MAC for --tx packet (e.g. 02:00:00:00:00:01).
+    #[arg(long, required_if_eq("tx", "packet"), value_parser = parse_mac)]
+    dst_mac: Option<[u8; 6]>,
+    /// 802.1Q VLAN ID for --tx packet.
+    #[arg(long, requires = "pcp")]
+    vlan: Option<u16>,
+    /// PCP of the 802.1Q tag for --tx packet.
+    #[arg(long, requires = "vlan", value_parser = clap::value_parser!(u8).range(0..=7))]
+    pcp: Option<u8>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum TxArg {
+    Socket,
+    Packet,
+}
+
+fn parse_mac(s: &str) -> Result<[u8; 6], String> {
+    roce_trace::traffic::net::parse_mac(s).ok_or_else(|| format!("bad MAC address `{s}`"))
 }
 
 fn parse_qpn(s: &str) -> Result<u32, String> {
@@ -240,7 +266,10 @@ async fn shutdown_signal() {
 }
 
 async fn run_gen(a: GenArgs) -> anyhow::Result<()> {
-    use roce_trace::traffic::{self, GenOptions, SenderOptions, requester::Verb};
+    use roce_trace::traffic::{self, GenOptions, SenderOptions, TxMode, requester::Verb};
+    if a.vlan.is_some() && a.tx != TxArg::Packet {
+        anyhow::bail!("--vlan/--pcp need --tx packet (a socket cannot tag frames)");
+    }
     use std::sync::{Arc, atomic::AtomicBool};
     let mut bind = a.bind;
     if let Some(dst) = a.to
@@ -266,6 +295,14 @@ async fn run_gen(a: GenArgs) -> anyhow::Result<()> {
             qp_base: a.qp_base,
             dcqcn: !a.no_dcqcn,
             batch: a.batch,
+            tx: match (a.tx, &a.iface, a.dst_mac) {
+                (TxArg::Packet, Some(iface), Some(dst_mac)) => TxMode::Packet {
+                    iface: iface.clone(),
+                    dst_mac,
+                    vlan: a.vlan.zip(a.pcp),
+                },
+                _ => TxMode::Socket,
+            },
         }),
         duration: a.duration,
         cnp_dscp: a.cnp_dscp,

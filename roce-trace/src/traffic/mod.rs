@@ -132,6 +132,20 @@ pub struct SenderOptions {
     pub dcqcn: bool,
     /// Packets per sendmmsg.
     pub batch: usize,
+    pub tx: TxMode,
+}
+
+/// How requests leave the host.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TxMode {
+    /// UDP sockets: routed by the kernel like any traffic.
+    Socket,
+    /// Raw frames out of one interface to a given next-hop MAC, optionally 802.1Q-tagged.
+    Packet {
+        iface: String,
+        dst_mac: [u8; 6],
+        vlan: Option<(u16, u8)>,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -176,16 +190,24 @@ impl GenOptions {
             if s.qp_base + 2 * s.qps > roce::PSN_MASK {
                 return bad("QP numbers exceed 24 bits".into());
             }
+            if let TxMode::Packet {
+                vlan: Some((vid, pcp)),
+                ..
+            } = &s.tx
+                && (*vid > 4094 || *pcp > 7)
+            {
+                return bad(format!("VLAN {vid} / PCP {pcp} out of range (1..=4094, 0..=7)"));
+            }
         }
         Ok(())
     }
 }
 
-/// Builds UDP payloads (BTH … ICRC) for one flow; the ICRC's header part is cached per
-/// datagram length.
+/// Builds UDP payloads (BTH … ICRC), or whole frames, for one flow; the ICRC's header
+/// part and the headers are cached per datagram length.
 pub struct PayloadBuilder {
     template: RoceFrame,
-    prefixes: HashMap<u16, crc32fast::Hasher>,
+    prefixes: HashMap<u16, (crc32fast::Hasher, Vec<u8>)>,
 }
 
 impl PayloadBuilder {
@@ -212,13 +234,44 @@ impl PayloadBuilder {
         buf.extend_from_slice(ext);
         buf.resize(buf.len() + payload_len + pad as usize, 0);
         let udp_len = (UdpHdr::LEN + buf.len() + ICRC_LEN) as u16;
-        let template = &self.template;
-        let prefix = self
-            .prefixes
-            .entry(udp_len)
-            .or_insert_with(|| icrc_prefix(&template.ip_udp_headers(udp_len)));
+        let (prefix, _) = self.headers(udp_len);
         let icrc = icrc_finish(prefix.clone(), buf);
         buf.extend_from_slice(&icrc);
+    }
+
+    fn headers(&mut self, udp_len: u16) -> &(crc32fast::Hasher, Vec<u8>) {
+        let template = &self.template;
+        self.prefixes.entry(udp_len).or_insert_with(|| {
+            let h = template.ip_udp_headers(udp_len);
+            (icrc_prefix(&h), h)
+        })
+    }
+
+    /// A whole Ethernet frame for the same packet: `l2` (Ethernet header and tags), IP,
+    /// UDP (with its checksum on IPv6), then [`Self::build`]'s payload.
+    pub fn build_frame(
+        &mut self,
+        l2: &[u8],
+        bth: &Bth,
+        ext: &[u8],
+        payload_len: usize,
+        pad: u8,
+        buf: &mut Vec<u8>,
+    ) {
+        let mut payload = std::mem::take(buf);
+        self.build(bth, ext, payload_len, pad, &mut payload);
+        let udp_len = (UdpHdr::LEN + payload.len()) as u16;
+        let (_, hdrs) = self.headers(udp_len);
+        let mut frame = Vec::with_capacity(l2.len() + hdrs.len() + payload.len());
+        frame.extend_from_slice(l2);
+        frame.extend_from_slice(hdrs);
+        let udp_off = frame.len() - UdpHdr::LEN;
+        frame.extend_from_slice(&payload);
+        if let (IpAddr::V6(s), IpAddr::V6(d)) = (self.template.src, self.template.dst) {
+            let c = crate::frame::udp6_checksum(&s, &d, &frame[udp_off..]);
+            frame[udp_off + 6..udp_off + 8].copy_from_slice(&c.to_be_bytes());
+        }
+        *buf = frame;
     }
 }
 
@@ -272,6 +325,7 @@ struct SenderQp {
     req: Requester,
     dcqcn: Dcqcn,
     builder: PayloadBuilder,
+    /// Sends in socket mode; in packet mode it only holds the source port.
     sock: UdpSocket,
     next_send: Duration,
     report: SenderReport,
@@ -312,6 +366,31 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
 
     let mut qps: Vec<SenderQp> = Vec::new();
     let mut rate_bps = 0.0;
+    // Packet mode: the raw socket and the Ethernet header (with its tag) every frame starts with.
+    let mut packet_tx: Option<(net::PacketTx, Vec<u8>)> = None;
+    if let Some(SenderOptions {
+        tx: TxMode::Packet { iface, dst_mac, vlan },
+        dst,
+        ..
+    }) = &opts.sender
+    {
+        let ifindex = crate::sys::ifindex(iface).map_err(|e| GenError::Invalid(e.to_string()))?;
+        let src_mac = net::mac_of(iface).map_err(io_err(format!("reading the MAC of {iface}")))?;
+        let tags: Vec<(u16, u16)> = vlan
+            .iter()
+            .map(|&(vid, pcp)| (roce_trace_common::wire::ETH_P_8021Q, (pcp as u16) << 13 | vid))
+            .collect();
+        let ethertype = if dst.is_ipv4() {
+            roce_trace_common::wire::ETH_P_IPV4
+        } else {
+            roce_trace_common::wire::ETH_P_IPV6
+        };
+        let mut l2 = crate::frame::ethernet(*dst_mac, src_mac, &tags, ethertype, &[]);
+        l2.truncate(14 + 4 * tags.len());
+        let tx =
+            net::PacketTx::open(ifindex).map_err(io_err(format!("opening a packet socket on {iface}")))?;
+        packet_tx = Some((tx, l2));
+    }
     if let Some(s) = &opts.sender {
         let src = *opts
             .bind
@@ -419,18 +498,29 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
                         plan.pad,
                         false,
                     );
-                    q.builder
-                        .build(&b, &ext, plan.payload_len as usize, plan.pad, &mut bufs[k]);
+                    let len = plan.payload_len as usize;
+                    let bits = match &packet_tx {
+                        Some((_, l2)) => {
+                            q.builder.build_frame(l2, &b, &ext, len, plan.pad, &mut bufs[k]);
+                            (bufs[k].len() + 4) as f64 * 8.0
+                        }
+                        None => {
+                            q.builder.build(&b, &ext, len, plan.pad, &mut bufs[k]);
+                            wire_bytes(bufs[k].len(), s.dst.is_ipv6()) * 8.0
+                        }
+                    };
                     if rate_bps > 0.0 {
                         let rate = if s.dcqcn { q.dcqcn.rate() } else { rate_bps };
-                        let bits = wire_bytes(bufs[k].len(), s.dst.is_ipv6()) * 8.0;
                         q.next_send += Duration::from_secs_f64(bits / rate);
                     }
                     k += 1;
                 }
                 if k > 0 {
-                    let sent = net::send_batch(&q.sock, &dst, &bufs[..k])
-                        .map_err(io_err(format!("sending to {dst}")))?;
+                    let sent = match &packet_tx {
+                        Some((tx, _)) => tx.send_batch(&bufs[..k]),
+                        None => net::send_batch(&q.sock, &dst, &bufs[..k]),
+                    }
+                    .map_err(io_err(format!("sending to {dst}")))?;
                     q.report.tx_dropped += (k - sent) as u64;
                 }
                 soonest = Some(soonest.map_or(q.next_send, |t: Duration| t.min(q.next_send)));

@@ -289,3 +289,101 @@ pub fn recv_batch(sock: &UdpSocket, bufs: &mut [Vec<u8>], out: &mut Vec<Datagram
     }
     Ok(got as usize)
 }
+
+/// Raw Ethernet frames out of one interface (AF_PACKET, qdisc bypassed): for exact
+/// framing (VLAN tag and PCP) and for rates the UDP stack cannot reach.
+pub struct PacketTx {
+    fd: std::os::fd::OwnedFd,
+    ifindex: u32,
+}
+
+const PACKET_QDISC_BYPASS: i32 = 20;
+
+impl PacketTx {
+    pub fn open(ifindex: u32) -> io::Result<Self> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: plain socket creation; the fd is owned below.
+        let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_NONBLOCK, 0) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd is a fresh socket we own.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        let one = 1i32;
+        // SAFETY: a valid int option on an open socket.
+        unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_PACKET,
+                PACKET_QDISC_BYPASS,
+                &one as *const i32 as *const _,
+                4,
+            )
+        };
+        Ok(Self { fd, ifindex })
+    }
+
+    /// Sends every frame; returns how many the device took.
+    pub fn send_batch(&self, frames: &[Vec<u8>]) -> io::Result<usize> {
+        // SAFETY: a zeroed sockaddr_ll is valid; family and ifindex are set.
+        let mut addr: libc::sockaddr_ll = unsafe { zeroed() };
+        addr.sll_family = libc::AF_PACKET as u16;
+        addr.sll_ifindex = self.ifindex as i32;
+        addr.sll_halen = 6;
+        let mut iovs: Vec<libc::iovec> = frames
+            .iter()
+            .map(|b| libc::iovec {
+                iov_base: b.as_ptr() as *mut libc::c_void,
+                iov_len: b.len(),
+            })
+            .collect();
+        let mut msgs: Vec<libc::mmsghdr> = iovs
+            .iter_mut()
+            .map(|iov| {
+                // SAFETY: a zeroed mmsghdr is valid; the pointers outlive the call.
+                let mut m: libc::mmsghdr = unsafe { zeroed() };
+                m.msg_hdr.msg_name = &addr as *const _ as *mut libc::c_void;
+                m.msg_hdr.msg_namelen = size_of::<libc::sockaddr_ll>() as u32;
+                m.msg_hdr.msg_iov = iov;
+                m.msg_hdr.msg_iovlen = 1;
+                m
+            })
+            .collect();
+        let mut sent = 0;
+        while sent < msgs.len() {
+            // SAFETY: msgs[sent..] are valid and point at live frames and address.
+            let n = unsafe {
+                libc::sendmmsg(
+                    self.fd.as_raw_fd(),
+                    msgs[sent..].as_mut_ptr(),
+                    (msgs.len() - sent) as u32,
+                    0,
+                )
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::WouldBlock || e.raw_os_error() == Some(libc::ENOBUFS) {
+                    break;
+                }
+                return Err(e);
+            }
+            sent += n as usize;
+        }
+        Ok(sent)
+    }
+}
+
+/// The MAC address of a local interface.
+pub fn mac_of(ifname: &str) -> io::Result<[u8; 6]> {
+    let s = std::fs::read_to_string(format!("/sys/class/net/{ifname}/address"))?;
+    parse_mac(s.trim())
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("bad MAC `{}`", s.trim())))
+}
+
+pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let v: Vec<u8> = s
+        .split(':')
+        .map(|h| u8::from_str_radix(h, 16).ok())
+        .collect::<Option<_>>()?;
+    v.try_into().ok()
+}
