@@ -1,5 +1,8 @@
 //! Helpers for roce-trace's privileged tests: the real eBPF object under
-//! BPF_PROG_TEST_RUN, pcap files, tshark, and network namespaces.
+//! BPF_PROG_TEST_RUN, pcap files, tshark, network namespaces, and the virtual leaf-spine
+//! fabric ([`lab`]).
+
+pub mod lab;
 
 use std::{
     path::{Path, PathBuf},
@@ -241,6 +244,13 @@ pub fn roce_trace_bin() -> PathBuf {
     bin
 }
 
+/// Runs `args` inside network namespace `ns`, panicking with its output on failure.
+pub fn exec_in(ns: &str, args: &[&str]) -> String {
+    let mut full = vec!["ip", "netns", "exec", ns];
+    full.extend_from_slice(args);
+    sh(&full)
+}
+
 /// A network namespace this test created; deleted (with its veths) on drop.
 pub struct Netns {
     pub name: String,
@@ -257,9 +267,7 @@ impl Netns {
     }
 
     pub fn exec(&self, args: &[&str]) -> String {
-        let mut full = vec!["ip", "netns", "exec", &self.name];
-        full.extend_from_slice(args);
-        sh(&full)
+        exec_in(&self.name, args)
     }
 
     /// Runs `f` on a thread that has entered this namespace (sockets opened there stay

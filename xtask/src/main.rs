@@ -3,6 +3,7 @@
 
 mod bench;
 mod demo;
+mod lab;
 
 use std::process::{Command, ExitCode};
 
@@ -26,6 +27,8 @@ enum Cmd {
         #[arg(long, default_value_t = 1_000_000)]
         repeat: u32,
     },
+    /// The virtual leaf-spine fabric: up, down, status, faults.
+    Lab(lab::LabArgs),
     /// Two namespaces, RoCEv2 traffic, a DSCP rewrite and CE marking injected with
     /// iptables, and what roce-trace capture saw.
     Demo {
@@ -53,6 +56,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Lint => lint(),
         Cmd::Bench { repeat } => bench::run(repeat),
         Cmd::Demo { seconds } => demo::run(seconds),
+        Cmd::Lab(a) => lab::run(a),
     }
 }
 

@@ -39,7 +39,7 @@ use responder::{Reply, ResponderQp, ResponderStats};
 pub enum GenError {
     #[error("invalid option: {0}")]
     Invalid(String),
-    #[error("{what}: {source}")]
+    #[error("{what}")]
     Io {
         what: String,
         #[source]

@@ -31,16 +31,24 @@ fn setsockopt_int(sock: &UdpSocket, level: i32, name: i32, value: i32) -> io::Re
 pub fn bind(addr: SocketAddr, tos: u8) -> io::Result<UdpSocket> {
     let sock = UdpSocket::bind(addr)?;
     if addr.is_ipv4() {
+        // PROBE: DF set, as NICs send, but the path-MTU cache ignored, so a too-small link
+        // drops the packet in the fabric rather than the local stack refusing it.
         setsockopt_int(
             &sock,
             libc::IPPROTO_IP,
             libc::IP_MTU_DISCOVER,
-            libc::IP_PMTUDISC_DO,
+            libc::IP_PMTUDISC_PROBE,
         )?;
         setsockopt_int(&sock, libc::IPPROTO_IP, libc::IP_TOS, tos as i32)?;
         setsockopt_int(&sock, libc::IPPROTO_IP, libc::IP_RECVTOS, 1)?;
     } else {
         setsockopt_int(&sock, libc::IPPROTO_IPV6, libc::IPV6_DONTFRAG, 1)?;
+        setsockopt_int(
+            &sock,
+            libc::IPPROTO_IPV6,
+            libc::IPV6_MTU_DISCOVER,
+            libc::IPV6_PMTUDISC_PROBE,
+        )?;
         setsockopt_int(&sock, libc::IPPROTO_IPV6, libc::IPV6_TCLASS, tos as i32)?;
         setsockopt_int(&sock, libc::IPPROTO_IPV6, libc::IPV6_RECVTCLASS, 1)?;
     }
@@ -148,6 +156,11 @@ pub fn send_batch(sock: &UdpSocket, dst: &SocketAddr, bufs: &[Vec<u8>]) -> io::R
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::WouldBlock || e.raw_os_error() == Some(libc::ENOBUFS) {
                 break;
+            }
+            if e.raw_os_error() == Some(libc::EMSGSIZE) {
+                // Larger than the interface MTU: lost here, as on a NIC with a bad MTU.
+                msgs.remove(sent);
+                continue;
             }
             return Err(e);
         }
