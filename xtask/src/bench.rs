@@ -1,14 +1,40 @@
-//! Datapath cost per packet: the real object under BPF_PROG_TEST_RUN with `repeat`, so
-//! the kernel times only the program (no syscall per packet).
+//! Benchmarks: `cargo xtask bench [datapath|gen|capture]` (all by default). The figures
+//! are recorded in BENCHMARKS.md.
 
+use std::{
+    io::{BufRead, BufReader},
+    path::Path,
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use anyhow::{Context as _, bail, ensure};
 use roce_trace::{
     datapath::DatapathOptions,
     frame::{RoceFrame, ext},
 };
 use roce_trace_common::roce::op;
-use roce_trace_tests::ProgTest;
+use roce_trace_tests::{ProgTest, VethPair, lab::Lab};
+use serde_json::Value;
 
-pub fn run(repeat: u32) -> anyhow::Result<()> {
+pub fn run(which: &str, repeat: u32) -> anyhow::Result<()> {
+    let bin = Path::new("target/release/roce-trace");
+    match which {
+        "datapath" => datapath(repeat),
+        "gen" => generator(bin),
+        "capture" => capture(bin),
+        "all" => {
+            datapath(repeat)?;
+            generator(bin)?;
+            capture(bin)
+        }
+        other => bail!("unknown benchmark `{other}` (datapath, gen, capture, all)"),
+    }
+}
+
+/// Datapath cost per packet: the real object under BPF_PROG_TEST_RUN with `repeat`, so
+/// the kernel times only the program (no syscall per packet).
+fn datapath(repeat: u32) -> anyhow::Result<()> {
     let f = |opcode| RoceFrame {
         opcode,
         ..Default::default()
@@ -71,7 +97,7 @@ pub fn run(repeat: u32) -> anyhow::Result<()> {
             1000,
         ),
     ];
-    println!("roce-trace datapath, BPF_PROG_TEST_RUN, {repeat} iterations per row (mean ns per packet)");
+    println!("== datapath: BPF_PROG_TEST_RUN, {repeat} iterations per row (mean ns per packet)");
     println!("{:<46} {:>8} {:>8}", "frame", "XDP ns", "TC ns");
     for (name, frame, rate) in kinds {
         let mut t = ProgTest::new(&DatapathOptions {
@@ -79,7 +105,7 @@ pub fn run(repeat: u32) -> anyhow::Result<()> {
             ..Default::default()
         });
         // A full ring is cheaper than a real sample and would flatter the numbers: when
-        // every packet is sampled, run few enough that the 4 MiB ring never fills.
+        // every packet is emitted, run few enough that the 4 MiB ring never fills.
         let every_packet_emitted = rate == 1 || name.contains("always reported");
         let n = if every_packet_emitted {
             repeat.min(30_000)
@@ -93,11 +119,299 @@ pub fn run(repeat: u32) -> anyhow::Result<()> {
         let drops = t
             .globals()
             .total(roce_trace_common::datapath::GlobalCounter::RingbufFull);
-        anyhow::ensure!(
+        ensure!(
             drops == 0,
             "{name}: {drops} ring-buffer drops would skew the figure"
         );
         println!("{:<46} {:>8} {:>8}", name, xdp.as_nanos(), tc.as_nanos());
     }
+    Ok(())
+}
+
+fn gen_json(ns: &str, bin: &Path, args: &[&str]) -> anyhow::Result<Value> {
+    let out = Command::new("ip")
+        .args(["netns", "exec", ns, "taskset", "-c", "0"])
+        .arg(bin)
+        .arg("gen")
+        .args(args)
+        .arg("--json")
+        .output()
+        .context("running roce-trace gen")?;
+    ensure!(
+        out.status.success(),
+        "gen failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// Generator rate on one core (taskset -c 0) through a veth pair; the far end drops the
+/// packets in its raw PREROUTING table, so what is measured is the sender and the link.
+fn generator(bin: &Path) -> anyhow::Result<()> {
+    let pair = VethPair::new("bgen");
+    pair.b.exec(&[
+        "iptables",
+        "-t",
+        "raw",
+        "-A",
+        "PREROUTING",
+        "-p",
+        "udp",
+        "--dport",
+        "4791",
+        "-j",
+        "DROP",
+    ]);
+    let mac = pair
+        .b
+        .exec(&["cat", &format!("/sys/class/net/{}/address", pair.b_if)]);
+    let mac = mac.trim();
+    println!(
+        "== generator: 1 QP, RDMA WRITE 64 KiB at path MTU 1024 (1 KiB payload per packet), 3 s on one core, veth"
+    );
+    println!("{:<58} {:>12} {:>9}", "mode", "packets/s", "Gbit/s");
+    let modes: Vec<(&str, Vec<&str>)> = vec![
+        (
+            "--tx packet (AF_PACKET, sendmmsg 64, qdisc bypass)",
+            vec![
+                "--tx",
+                "packet",
+                "--iface",
+                &pair.a_if,
+                "--dst-mac",
+                mac,
+                "--batch",
+                "64",
+            ],
+        ),
+        ("--tx socket (UDP, sendmmsg 64)", vec!["--batch", "64"]),
+    ];
+    for (name, extra) in modes {
+        let mut args = vec![
+            "--to",
+            "10.99.0.2",
+            "--rate",
+            "max",
+            "--no-dcqcn",
+            "--duration",
+            "3s",
+        ];
+        args.extend(extra);
+        let r = gen_json(&pair.a.name, bin, &args)?;
+        let q = &r["senders"][0];
+        let secs = r["duration_s"].as_f64().unwrap_or(1.0);
+        let pps = q["packets"].as_f64().unwrap_or(0.0) / secs;
+        let gbps = q["bytes"].as_f64().unwrap_or(0.0) * 8.0 / secs / 1e9;
+        ensure!(q["tx_dropped"] == 0, "{name}: the stack refused packets");
+        println!("{name:<58} {pps:>12.0} {gbps:>9.2}");
+    }
+    Ok(())
+}
+
+/// CPU time (user + system) a running process has used so far, from /proc.
+fn proc_cpu(pid: u32) -> anyhow::Result<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name (which may hold spaces) start at field 3.
+    let rest = stat.rsplit_once(')').context("/proc stat")?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f[11].parse::<u64>()? + f[12].parse::<u64>()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    Ok(Duration::from_nanos(ticks * 1_000_000_000 / hz))
+}
+
+fn bpf_run_time() -> Duration {
+    aya::programs::loaded_programs()
+        .filter_map(Result::ok)
+        .filter(|p| matches!(p.name_as_str(), Some("roce_xdp" | "roce_tc")))
+        .map(|p| p.run_time())
+        .sum()
+}
+
+/// CPU time of a child that has exited, from wait4's rusage.
+fn wait_cpu(c: Child) -> anyhow::Result<(Duration, i32)> {
+    let mut status = 0;
+    // SAFETY: zeroed rusage is valid; wait4 fills it for our own child.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: waiting on our own child's pid.
+    let r = unsafe { libc::wait4(c.id() as i32, &mut status, 0, &mut ru) };
+    ensure!(r > 0, "wait4: {}", std::io::Error::last_os_error());
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    Ok((tv(ru.ru_utime) + tv(ru.ru_stime), status))
+}
+
+/// roce-trace capture against tcpdump -w on the same lab traffic, at the same time, on the
+/// receiving host: CPU seconds per million RoCE packets, and the counts each reported.
+fn capture(bin: &Path) -> anyhow::Result<()> {
+    let lab = Lab {
+        prefix: "rtbench".into(),
+        ..Lab::default()
+    };
+    lab.down()?;
+    lab.up()?;
+    let result = capture_on_lab(&lab, bin);
+    lab.down()?;
+    result
+}
+
+fn capture_on_lab(lab: &Lab, bin: &Path) -> anyhow::Result<()> {
+    let dir = std::env::temp_dir().join(format!("roce-trace-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let secs = 10;
+    // Statistics of the programs' own run time, for as long as this fd is open.
+    let _stats =
+        aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enabling BPF run-time statistics")?;
+
+    let json = dir.join("capture.jsonl");
+    let mut cap = Command::new("ip")
+        .args(["netns", "exec", &lab.ns("h3")])
+        .arg(bin)
+        .args([
+            "capture",
+            "-i",
+            "eth0",
+            "--json",
+            "--duration",
+            &format!("{}s", secs + 4),
+            "-w",
+        ])
+        .arg(&json)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let mut err = BufReader::new(cap.stderr.take().unwrap());
+    let mut line = String::new();
+    while err.read_line(&mut line)? > 0 && !line.contains("capturing on") {
+        line.clear();
+    }
+    ensure!(line.contains("capturing on"), "capture did not start");
+    let pcap = dir.join("tcpdump.pcap");
+    let mut dump = Command::new("ip")
+        .args(["netns", "exec", &lab.ns("h3"), "tcpdump", "-i", "eth0", "-w"])
+        .arg(&pcap)
+        .args(["udp", "port", "4791"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let mut derr = BufReader::new(dump.stderr.take().unwrap());
+    line.clear();
+    while derr.read_line(&mut line)? > 0 && !line.contains("listening on") {
+        line.clear();
+    }
+
+    // Steady state: what each tool costs while traffic flows, start-up (program
+    // verification, tcpdump's set-up) excluded; both are reported.
+    let (cap0, dump0, bpf0) = (proc_cpu(cap.id())?, proc_cpu(dump.id())?, bpf_run_time());
+    let resp = Command::new("ip")
+        .args(["netns", "exec", &lab.ns("h3")])
+        .arg(bin)
+        .args([
+            "gen",
+            "--bind",
+            "10.10.3.2",
+            "--duration",
+            &format!("{}s", secs + 2),
+            "--json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    std::thread::sleep(Duration::from_millis(500));
+    let send = Command::new("ip")
+        .args(["netns", "exec", &lab.ns("h1")])
+        .arg(bin)
+        .args([
+            "gen",
+            "--to",
+            "10.10.3.2",
+            "--qps",
+            "8",
+            "--rate",
+            "40mbit",
+            "--duration",
+            &format!("{secs}s"),
+            "--json",
+        ])
+        .output()?;
+    ensure!(send.status.success(), "sender failed");
+    let sent: Value = serde_json::from_slice(&send.stdout)?;
+    let r: Value = serde_json::from_slice(&resp.wait_with_output()?.stdout)?;
+    std::thread::sleep(Duration::from_millis(500));
+    // The datapath's own time, read while it is still loaded.
+    let bpf = bpf_run_time() - bpf0;
+    let (cap_steady, dump_steady) = (proc_cpu(cap.id())? - cap0, proc_cpu(dump.id())? - dump0);
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(dump.id() as i32, libc::SIGINT) };
+    let (dump_cpu, _) = wait_cpu(dump)?;
+    let mut dump_report = String::new();
+    for l in derr.lines().map_while(Result::ok) {
+        dump_report.push_str(&l);
+        dump_report.push(' ');
+    }
+    let (cap_cpu, status) = wait_cpu(cap)?;
+    ensure!(status == 0, "capture exited with status {status}");
+
+    let requests: u64 = sent["senders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| q["packets"].as_u64().unwrap())
+        .sum();
+    let replies: u64 = r["responders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| {
+            q["acks_sent"].as_u64().unwrap()
+                + q["naks_sent"].as_u64().unwrap()
+                + q["cnps_sent"].as_u64().unwrap()
+        })
+        .sum();
+    let summary: Value = std::fs::read_to_string(&json)?
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["type"] == "summary")
+        .context("capture summary")?;
+    let counted = summary["packets"].as_u64().unwrap_or(0);
+    let captured: u64 = dump_report
+        .split(" packets captured")
+        .next()
+        .and_then(|s| s.split_whitespace().last())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    let per_m = |d: Duration, n: u64| d.as_secs_f64() / (n.max(1) as f64 / 1e6);
+    println!(
+        "== capture cost on the lab: h1 -> h3, 8 QPs x 40 Mbit/s for {secs}s, both tools on h3 eth0 at once"
+    );
+    println!(
+        "RoCE packets on the wire at h3: {} requests in + {} replies out = {}",
+        requests,
+        replies,
+        requests + replies
+    );
+    println!(
+        "roce-trace capture: counted {counted}; while traffic ran: process {:.3}s + BPF programs {:.3}s = {:.3} CPU s per million packets (whole run incl. loading: process {:.3}s)",
+        cap_steady.as_secs_f64(),
+        bpf.as_secs_f64(),
+        per_m(cap_steady + bpf, counted),
+        cap_cpu.as_secs_f64(),
+    );
+    println!(
+        "tcpdump -w udp port 4791: captured {captured}; while traffic ran: process {:.3}s = {:.3} CPU s per million packets (whole run {:.3}s; its in-kernel copy to the ring is not counted)",
+        dump_steady.as_secs_f64(),
+        per_m(dump_steady, captured),
+        dump_cpu.as_secs_f64(),
+    );
+    println!("tcpdump said: {}", dump_report.trim());
+    println!(
+        "ratio while traffic ran: roce-trace uses {:.3} of tcpdump's CPU per packet",
+        per_m(cap_steady + bpf, counted) / per_m(dump_steady, captured)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    ensure!(
+        counted == requests + replies,
+        "roce-trace counted {counted}, the wire carried {}",
+        requests + replies
+    );
     Ok(())
 }

@@ -1,29 +1,84 @@
-//! A self-contained demo on two hosts (network namespaces) joined by a veth link: RoCEv2
-//! traffic on three QPs, two faults injected in host A's egress path with iptables (a
-//! DSCP rewrite on one QP, CE marking on another), and roce-trace capture on host B
-//! showing both. Exits non-zero when roce-trace did not see the faults.
+//! The README's first command: the virtual leaf-spine fabric, RoCEv2 traffic between host
+//! pairs, roce-trace capture on every host, a fault injected mid-run, and what roce-trace
+//! saw. Exits non-zero when roce-trace did not see the injected faults.
 
 use std::{
+    collections::BTreeMap,
     io::{BufRead, BufReader},
-    net::UdpSocket,
-    os::fd::AsRawFd,
-    path::Path,
-    process::{Command, Stdio},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, bail, ensure};
-use roce_trace::frame::RoceFrame;
-use roce_trace_common::roce::op;
-use roce_trace_tests::VethPair;
+use roce_trace::{capture::render_flows, record::FlowRecord};
+use roce_trace_tests::lab::{Fault, Lab};
 use serde_json::Value;
-
-const HEALTHY: u16 = 49152;
-const REWRITTEN: u16 = 49153;
-const CONGESTED: u16 = 49154;
 
 fn say(s: &str) {
     println!("\x1b[1m== {s}\x1b[0m");
+}
+
+const QPS: u32 = 8;
+
+struct Run {
+    lab: Lab,
+    children: Vec<Child>,
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        say("tearing the lab down");
+        if let Err(e) = self.lab.down() {
+            eprintln!("lab down: {e:#}");
+        }
+    }
+}
+
+fn spawn(lab: &Lab, node: &str, bin: &Path, args: &[&str], wait_for: Option<&str>) -> anyhow::Result<Child> {
+    let mut c = Command::new("ip")
+        .args(["netns", "exec", &lab.ns(node)])
+        .arg(bin)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting roce-trace in {node}"))?;
+    let mut err = BufReader::new(c.stderr.take().unwrap());
+    if let Some(w) = wait_for {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if err.read_line(&mut line)? == 0 {
+                bail!("roce-trace in {node} exited before `{w}`");
+            }
+            if line.contains("WARN") || line.contains("error") {
+                eprint!("  [{node}] {line}");
+            }
+            if line.contains(w) {
+                break;
+            }
+        }
+    }
+    let node = node.to_owned();
+    std::thread::spawn(move || {
+        for l in err.lines().map_while(Result::ok) {
+            if l.contains("WARN") || l.contains("error") {
+                eprintln!("  [{node}] {l}");
+            }
+        }
+    });
+    Ok(c)
+}
+
+fn finish(c: Child, what: &str) -> anyhow::Result<String> {
+    let out = c.wait_with_output()?;
+    ensure!(out.status.success(), "{what} failed ({})", out.status);
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 pub fn run(seconds: u64) -> anyhow::Result<()> {
@@ -34,199 +89,223 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
         bin.display()
     );
     let bin = bin.canonicalize()?;
+    let started = Instant::now();
+    let lab = Lab::default();
+    let mut run = Run {
+        lab: lab.clone(),
+        children: Vec::new(),
+    };
 
-    say("two hosts: A (10.99.0.1) and B (10.99.0.2), network namespaces joined by a veth link");
-    let pair = VethPair::new("demo");
-    say(&format!(
-        "injecting faults on A's egress: UDP sport {REWRITTEN} remarked DSCP 26 -> 0; 20% of sport {CONGESTED} CE-marked"
-    ));
-    pair.a.exec(&[
-        "iptables",
-        "-t",
-        "mangle",
-        "-A",
-        "POSTROUTING",
-        "-p",
-        "udp",
-        "--dport",
-        "4791",
-        "--sport",
-        &REWRITTEN.to_string(),
-        "-j",
-        "DSCP",
-        "--set-dscp",
-        "0",
-    ]);
-    pair.a.exec(&[
-        "iptables",
-        "-t",
-        "mangle",
-        "-A",
-        "POSTROUTING",
-        "-p",
-        "udp",
-        "--dport",
-        "4791",
-        "--sport",
-        &CONGESTED.to_string(),
-        "-m",
-        "statistic",
-        "--mode",
-        "random",
-        "--probability",
-        "0.2",
-        "-j",
-        "ECN",
-        "--ecn-ip-ect",
-        "3",
-    ]);
+    say(
+        "building the virtual fabric: 2 spines, 2 leaves, 4 hosts (Linux namespaces), ECMP on the UDP source port",
+    );
+    lab.down()?;
+    lab.up()?;
+    print!("{}", lab.status()?);
 
-    let out = std::env::temp_dir().join(format!("roce-trace-demo-{}.jsonl", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("roce-trace-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let json = |h: u8| -> PathBuf { dir.join(format!("h{h}.jsonl")) };
+    let total = seconds + 3;
     say(&format!(
-        "starting roce-trace capture on B (XDP ingress), JSON to {}",
-        out.display()
+        "roce-trace capture on every host (XDP ingress + TC egress on eth0) for {total}s"
     ));
-    let mut cap = Command::new("ip")
-        .args(["netns", "exec", &pair.b.name])
-        .arg(&bin)
-        .args([
+    for h in [1u8, 2, 3, 4] {
+        let file = json(h);
+        let dur = format!("{total}s");
+        let args = [
             "capture",
             "-i",
-            &pair.b_if,
-            "--direction",
-            "ingress",
+            "eth0",
+            "--json",
             "--expect-dscp",
             "26,48",
-        ])
-        .args(["--duration", &format!("{}s", seconds + 2), "-w"])
-        .arg(&out)
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("starting roce-trace")?;
-    let mut err = BufReader::new(cap.stderr.take().unwrap());
-    let mut line = String::new();
-    loop {
-        line.clear();
-        if err.read_line(&mut line)? == 0 {
-            bail!("roce-trace exited before attaching");
-        }
-        eprint!("{line}");
-        if line.contains("capturing on") {
-            break;
+            "--sample-rate",
+            "100",
+            "--duration",
+            &dur,
+            "-w",
+        ];
+        let mut a: Vec<&str> = args.to_vec();
+        let f = file.to_string_lossy().into_owned();
+        a.push(&f);
+        run.children
+            .push(spawn(&lab, &format!("h{h}"), &bin, &a, Some("capturing on"))?);
+    }
+    say("RDMA responders on h3 and h4 (ACK, NAK on PSN gaps, CNP on CE)");
+    let mut responders = Vec::new();
+    for h in [3u8, 4] {
+        let ip = Lab::host_ip(h, false).to_string();
+        let dur = format!("{}s", seconds + 1);
+        responders.push(spawn(
+            &lab,
+            &format!("h{h}"),
+            &bin,
+            &["gen", "--bind", &ip, "--duration", &dur, "--json"],
+            Some("answering"),
+        )?);
+    }
+    say(&format!(
+        "traffic for {seconds}s: h1 -> h3 and h2 -> h4, {QPS} QPs each (RDMA WRITE 64 KiB, MTU 1024, DSCP 26, ECT(0), 20 Mbit/s per QP, DCQCN)"
+    ));
+    let mut senders = Vec::new();
+    for (src, dst) in [(1u8, 3u8), (2, 4)] {
+        let ip = Lab::host_ip(dst, false).to_string();
+        let dur = format!("{seconds}s");
+        let q = QPS.to_string();
+        senders.push((
+            src,
+            spawn(
+                &lab,
+                &format!("h{src}"),
+                &bin,
+                &[
+                    "gen",
+                    "--to",
+                    &ip,
+                    "--qps",
+                    &q,
+                    "--rate",
+                    "20mbit",
+                    "--duration",
+                    &dur,
+                    "--json",
+                ],
+                Some("answering"),
+            )?,
+        ));
+    }
+    std::thread::sleep(Duration::from_secs(seconds / 2));
+    let rewrite = Fault::DscpRewrite {
+        spine: 1,
+        from: 26,
+        to: 0,
+    };
+    let congestion = Fault::CeMark {
+        node: "l2".into(),
+        iface: "h4".into(),
+        percent: 5,
+    };
+    say("fault injected: spine s1 remarks DSCP 26 -> 0; leaf l2 CE-marks 5% of what it sends to h4");
+    lab.apply(&rewrite)?;
+    lab.apply(&congestion)?;
+
+    let mut sent: BTreeMap<(u8, u16), Value> = BTreeMap::new();
+    for (src, c) in senders {
+        let r: Value = serde_json::from_str(&finish(c, "gen")?)?;
+        for q in r["senders"].as_array().cloned().unwrap_or_default() {
+            sent.insert((src, q["udp_sport"].as_u64().unwrap_or(0) as u16), q);
         }
     }
-    std::thread::spawn(move || {
-        for l in err.lines().map_while(Result::ok) {
-            eprintln!("{l}");
-        }
-    });
-
-    say(&format!(
-        "A sends RDMA WRITEs on 3 QPs for {seconds}s (DSCP 26, ECT(0), 1 KiB, ~2000 packets/s each)"
-    ));
-    let sent = pair.a.run(move || send(seconds));
-    let sent = sent?;
-    let status = cap.wait()?;
-    ensure!(status.success(), "roce-trace capture failed ({status})");
+    for c in responders {
+        finish(c, "gen responder")?;
+    }
+    for c in run.children.drain(..) {
+        finish(c, "roce-trace capture")?;
+    }
 
     say("what roce-trace saw");
-    let text = std::fs::read_to_string(&out)?;
-    let _ = std::fs::remove_file(&out);
-    let recs: Vec<Value> = text.lines().map(serde_json::from_str).collect::<Result<_, _>>()?;
-    let flow = |sport: u16| {
-        recs.iter()
-            .find(|r| r["type"] == "flow" && r["final"] == true && r["udp_sport"] == sport)
-            .cloned()
+    let flows = |h: u8| -> anyhow::Result<Vec<FlowRecord>> {
+        let text = std::fs::read_to_string(json(h))?;
+        let mut v = Vec::new();
+        for line in text.lines() {
+            let r: Value = serde_json::from_str(line)?;
+            if r["type"] == "flow" && r["final"] == true {
+                v.push(serde_json::from_value(r)?);
+            }
+        }
+        Ok(v)
     };
+    for h in [3u8, 2] {
+        println!("h{h} (final flow counters):");
+        print!("{}", render_flows(&flows(h)?));
+    }
+
+    println!(
+        "\nper QP: class sent (h1/h2 egress) vs class received (h3/h4 ingress), hops from TTL, spine from the leaf's FIB"
+    );
+    println!(
+        "{:<10} {:>6} {:>6} {:>9} {:>9} {:>5} {:>8} {:>6} {:>6}  verdict",
+        "FLOW", "SPORT", "SPINE", "DSCP OUT", "DSCP IN", "HOPS", "CHANGED", "CE", "CNP"
+    );
     let mut failures = Vec::new();
-    for (sport, what) in [
-        (HEALTHY, "healthy"),
-        (REWRITTEN, "DSCP rewrite"),
-        (CONGESTED, "CE marking"),
-    ] {
-        let Some(f) = flow(sport) else {
-            failures.push(format!("no flow seen for sport {sport}"));
-            continue;
-        };
-        let packets = f["packets"].as_u64().unwrap_or(0);
-        let dscp = f["dscp"].as_u64().unwrap_or(99);
-        let ce = f["ecn"]["ce"].as_u64().unwrap_or(0);
-        println!(
-            "  QP flow sport {sport} ({what}): {packets} of {sent} packets, DSCP {dscp}, CE {ce} ({:.1}%)",
-            100.0 * ce as f64 / packets.max(1) as f64
-        );
-        match sport {
-            HEALTHY if dscp != 26 || ce != 0 => failures.push(format!("healthy flow looks faulty: {f}")),
-            REWRITTEN if dscp != 0 => failures.push("the DSCP rewrite was not seen".into()),
-            CONGESTED if ce == 0 => failures.push("no CE marks seen".into()),
-            _ => {}
+    let mut rewrites_seen = 0;
+    for (src, dst) in [(1u8, 3u8), (2, 4)] {
+        let out = flows(src)?;
+        let inn = flows(dst)?;
+        for i in 0..QPS as u16 {
+            let sport = 49152 + i;
+            let spine = lab.spine_for(src, dst, sport, false)?;
+            let tx = out
+                .iter()
+                .find(|f| f.direction == "egress" && f.udp_sport == sport && f.dst_qp != 0);
+            let rx = inn
+                .iter()
+                .find(|f| f.direction == "ingress" && f.udp_sport == sport);
+            let cnp: u64 = out
+                .iter()
+                .filter(|f| f.direction == "ingress" && tx.is_some_and(|t| f.dst_qp == t.dst_qp - 1))
+                .map(|f| f.cnp)
+                .sum();
+            let (Some(tx), Some(rx)) = (tx, rx) else {
+                failures.push(format!("h{src}->h{dst} sport {sport}: not seen on both ends"));
+                continue;
+            };
+            let hops = tx.ttl.saturating_sub(rx.ttl);
+            let changed = rx.dscp_changed > 0;
+            let verdict = match (spine, changed, rx.dscp) {
+                (1, true, 0) => {
+                    rewrites_seen += 1;
+                    "class rewritten on the way (through s1)".to_owned()
+                }
+                (2, false, 26) => "class kept".to_owned(),
+                _ => {
+                    failures.push(format!(
+                        "h{src}->h{dst} sport {sport} via s{spine}: DSCP {} changed={changed}",
+                        rx.dscp
+                    ));
+                    "UNEXPECTED".to_owned()
+                }
+            };
+            println!(
+                "h{src}->h{dst} {sport:>8} {:>6} {:>9} {:>9} {hops:>5} {:>8} {:>6} {cnp:>6}  {verdict}",
+                format!("s{spine}"),
+                tx.dscp,
+                rx.dscp,
+                rx.dscp_changed,
+                rx.ecn.ce
+            );
+            if dst == 4 && rx.ecn.ce == 0 {
+                failures.push(format!(
+                    "h{src}->h{dst} sport {sport}: no CE marks seen behind the marking leaf"
+                ));
+            }
+            if dst == 4 && cnp == 0 {
+                failures.push(format!("h{src}->h{dst} sport {sport}: no CNP seen coming back"));
+            }
+            if let Some(q) = sent.get(&(src, sport))
+                && q["packets"].as_u64().unwrap_or(0) != tx.packets
+            {
+                failures.push(format!(
+                    "sport {sport}: gen sent {} packets, capture counted {}",
+                    q["packets"], tx.packets
+                ));
+            }
         }
     }
-    let unexpected = recs
-        .iter()
-        .filter(|r| {
-            r["type"] == "sample"
-                && r["reasons"]
-                    .as_array()
-                    .is_some_and(|a| a.iter().any(|x| x == "unexpected_dscp"))
-        })
-        .count();
-    println!(
-        "  samples flagged with an unexpected DSCP (always reported, whatever the sampling rate): {unexpected}"
+    let _ = std::fs::remove_dir_all(&dir);
+    drop(run);
+    println!("demo took {:.0}s", started.elapsed().as_secs_f64());
+    ensure!(
+        rewrites_seen > 0,
+        "no flow went through s1 (change --seconds or the seed)"
     );
-    if unexpected == 0 {
-        failures.push("no sample flagged the rewritten class".into());
-    }
     if failures.is_empty() {
-        say("roce-trace saw both injected faults");
+        say(&format!(
+            "roce-trace saw the faults: {rewrites_seen} flows through s1 rewritten, flows through s2 intact, CE marks and CNPs on h2 -> h4"
+        ));
         Ok(())
     } else {
-        bail!("roce-trace missed injected faults: {}", failures.join("; "))
+        bail!("roce-trace missed injected faults:\n  {}", failures.join("\n  "))
     }
-}
-
-/// Sends RC WRITE MIDDLE packets from three UDP sockets (kernel-built IP/UDP, so netfilter
-/// applies the faults). Returns the packets sent per QP.
-fn send(seconds: u64) -> anyhow::Result<u64> {
-    let socks: Vec<(UdpSocket, u32)> = [HEALTHY, REWRITTEN, CONGESTED]
-        .iter()
-        .enumerate()
-        .map(|(i, &sport)| {
-            let s = UdpSocket::bind(("10.99.0.1", sport))?;
-            let tos: libc::c_int = (26 << 2) | 0b10;
-            // SAFETY: setsockopt with a valid int option on an open socket.
-            let r = unsafe {
-                libc::setsockopt(
-                    s.as_raw_fd(),
-                    libc::IPPROTO_IP,
-                    libc::IP_TOS,
-                    &tos as *const _ as *const libc::c_void,
-                    std::mem::size_of::<libc::c_int>() as u32,
-                )
-            };
-            ensure!(r == 0, "IP_TOS: {}", std::io::Error::last_os_error());
-            Ok((s, 0x100 + i as u32))
-        })
-        .collect::<anyhow::Result<_>>()?;
-    let start = Instant::now();
-    let mut psn = 0u32;
-    while start.elapsed() < Duration::from_secs(seconds) {
-        for (s, qp) in &socks {
-            let f = RoceFrame {
-                opcode: op::WRITE_MIDDLE,
-                dest_qp: *qp,
-                psn,
-                payload: vec![0; 1024],
-                ..Default::default()
-            };
-            s.send_to(&f.udp_payload(), ("10.99.0.2", 4791))?;
-        }
-        psn += 1;
-        // ~2000 packets/s per QP.
-        let next = Duration::from_micros(500) * psn;
-        if let Some(wait) = next.checked_sub(start.elapsed()) {
-            std::thread::sleep(wait);
-        }
-    }
-    Ok(psn as u64)
 }

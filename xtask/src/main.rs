@@ -21,19 +21,22 @@ struct Cli {
 enum Cmd {
     /// cargo fmt --check, and clippy -D warnings on the workspace and the eBPF crate.
     Lint,
-    /// Per-packet cost of the datapath (BPF_PROG_TEST_RUN on the real object).
+    /// Benchmarks: datapath per-packet cost, generator rate, capture cost vs tcpdump.
     Bench {
-        /// Iterations per frame kind.
+        /// datapath, gen, capture, or all.
+        #[arg(default_value = "all")]
+        which: String,
+        /// Iterations per frame kind (datapath).
         #[arg(long, default_value_t = 1_000_000)]
         repeat: u32,
     },
     /// The virtual leaf-spine fabric: up, down, status, faults.
     Lab(lab::LabArgs),
-    /// Two namespaces, RoCEv2 traffic, a DSCP rewrite and CE marking injected with
-    /// iptables, and what roce-trace capture saw.
+    /// The lab, RoCEv2 between host pairs, roce-trace on every host, a DSCP rewrite and
+    /// CE marking injected mid-run, and what roce-trace saw.
     Demo {
         /// How long traffic runs.
-        #[arg(long, default_value_t = 8)]
+        #[arg(long, default_value_t = 10)]
         seconds: u64,
     },
 }
@@ -54,7 +57,7 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Lint => lint(),
-        Cmd::Bench { repeat } => bench::run(repeat),
+        Cmd::Bench { which, repeat } => bench::run(&which, repeat),
         Cmd::Demo { seconds } => demo::run(seconds),
         Cmd::Lab(a) => lab::run(a),
     }

@@ -333,6 +333,10 @@ struct SenderQp {
 
 struct Rx {
     sock: UdpSocket,
+    /// CNPs leave from their own port, as NICs send them apart from ACKs (ConnectX uses
+    /// source port 0), so they form a flow of their own.
+    cnp_sock: UdpSocket,
+    cnp_sport: u16,
     local: IpAddr,
     builders: HashMap<IpAddr, PayloadBuilder>,
     cnp_builders: HashMap<IpAddr, PayloadBuilder>,
@@ -355,8 +359,16 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
         .map(|&ip| {
             let sock = net::bind(SocketAddr::new(ip, ROCEV2_UDP_PORT), ack_tos)
                 .map_err(io_err(format!("binding {ip} UDP {ROCEV2_UDP_PORT}")))?;
+            let cnp_sock = net::bind(SocketAddr::new(ip, 0), cnp_tos)
+                .map_err(io_err(format!("binding {ip} for CNPs")))?;
+            let cnp_sport = cnp_sock
+                .local_addr()
+                .map_err(io_err("CNP socket address"))?
+                .port();
             Ok(Rx {
                 sock,
+                cnp_sock,
+                cnp_sport,
                 local: ip,
                 builders: HashMap::new(),
                 cnp_builders: HashMap::new(),
@@ -686,13 +698,13 @@ fn handle(
         let replies = r.on_request(opcode, b.psn(), b.ack_req(), ce, now, opts.cnp_interval);
         let dst = SocketAddr::new(peer, ROCEV2_UDP_PORT);
         for rep in replies {
-            let (tos, builder_map) = match rep {
-                Reply::Cnp => (cnp_tos, &mut rx.cnp_builders),
-                _ => (ack_tos, &mut rx.builders),
+            let (tos, builder_map, sport, sock) = match rep {
+                Reply::Cnp => (cnp_tos, &mut rx.cnp_builders, rx.cnp_sport, &rx.cnp_sock),
+                _ => (ack_tos, &mut rx.builders, ROCEV2_UDP_PORT, &rx.sock),
             };
             let builder = builder_map
                 .entry(peer)
-                .or_insert_with(|| PayloadBuilder::new(rx.local, peer, ROCEV2_UDP_PORT, tos >> 2, tos & 3));
+                .or_insert_with(|| PayloadBuilder::new(rx.local, peer, sport, tos >> 2, tos & 3));
             match rep {
                 Reply::Ack { psn, msn } => builder.build(
                     &bth(op::ACKNOWLEDGE, qpn ^ 1, psn, false, 0, false),
@@ -712,7 +724,7 @@ fn handle(
                     builder.build(&bth(OP_CNP, qpn ^ 1, 0, false, 0, true), &ext::cnp(), 0, 0, reply)
                 }
             }
-            if let Err(e) = net::send_with_tos(&rx.sock, &dst, tos, reply) {
+            if let Err(e) = net::send_with_tos(sock, &dst, tos, reply) {
                 // A full socket buffer loses a reply, as a congested NIC would.
                 if e.kind() != io::ErrorKind::WouldBlock {
                     return Err(io_err(format!("replying to {dst}"))(e));
