@@ -47,9 +47,11 @@ pub struct Parsed {
     pub reth_dma_len: u32,
     /// Valid with `HAS_DETH`.
     pub deth_src_qp: u32,
-    /// Valid with `HAS_ICRC`. Located from the UDP length, never from the frame end
-    /// (Ethernet padding).
+    /// Valid with `HAS_ICRC`, after [`load_icrc`]. Located from the UDP length, never from
+    /// the frame end (Ethernet padding).
     pub icrc: [u8; 4],
+    /// Offset of the ICRC in the frame.
+    pub icrc_off: u32,
     /// `datapath::HAS_*` bits. Plain fields plus bits rather than `Option`s: writing a
     /// `None` leaves undefined bytes, which the verifier rejects.
     pub present: u8,
@@ -63,11 +65,24 @@ fn mapped_v4(a: [u8; 4]) -> [u8; 16] {
     [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, a[0], a[1], a[2], a[3]]
 }
 
-/// Parses `p` into a new [`Parsed`] (host use; the kernel uses [`parse_into`]).
+/// Parses `p` into a new [`Parsed`], ICRC included (host use; the kernel uses
+/// [`parse_into`]).
 pub fn parse<P: Packet>(p: &P, udp_port: u16) -> Result<Parsed, Skip> {
     let mut out = Parsed::default();
     parse_into(p, udp_port, &mut out)?;
+    load_icrc(p, &mut out);
     Ok(out)
+}
+
+/// Reads the ICRC of a parsed packet. Kept apart from [`parse_into`]: the ICRC sits at
+/// the far end of the packet, a cache line nothing else touches, so the kernel reads it
+/// only for the packets it reports.
+#[inline(always)]
+pub fn load_icrc<P: Packet>(p: &P, out: &mut Parsed) {
+    if let Some(icrc) = p.load4(out.icrc_off as usize) {
+        out.icrc = icrc;
+        out.present |= HAS_ICRC;
+    }
 }
 
 /// Parses `p` as Ethernet → VLANs → IPv4/IPv6 → UDP(`udp_port`) → BTH → extended headers,
@@ -211,10 +226,7 @@ pub fn parse_into<P: Packet>(p: &P, udp_port: u16, out: &mut Parsed) -> Result<(
             .src_qp();
         out.present |= HAS_DETH;
     }
-    if let Some(icrc) = p.load4(udp_off + udp_len as usize - ICRC_LEN) {
-        out.icrc = icrc;
-        out.present |= HAS_ICRC;
-    }
+    out.icrc_off = (udp_off + udp_len as usize - ICRC_LEN) as u32;
     out.dscp = tos >> 2;
     out.ecn = tos & 0x3;
     out.udp_sport = udp.src_port();

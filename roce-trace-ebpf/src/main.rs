@@ -15,7 +15,7 @@ use aya_ebpf::{
 };
 use roce_trace_common::{
     datapath::*,
-    parse::{Packet, Parsed, parse_into},
+    parse::{Packet, Parsed, load_icrc, parse_into},
     roce::{self, AckKind, OP_CNP},
     sampling::identity_hash,
 };
@@ -80,16 +80,21 @@ fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
     match parse_into(pkt, cfg.udp_port, &mut scratch.parsed) {
         Ok(()) => {
             bump(GlobalCounter::RoceV2, dir);
-            account(scratch, &cfg, dir, ifindex, frame_len);
+            // SAFETY: bpf_ktime_get_ns has no preconditions.
+            let now = unsafe { bpf_ktime_get_ns() };
+            let reasons = account(scratch, &cfg, dir, ifindex, frame_len, now);
+            if reasons != 0 {
+                load_icrc(pkt, &mut scratch.parsed);
+                emit(&scratch.parsed, &scratch.key, now, frame_len, reasons);
+            }
         }
         Err(reason) => bump(reason, dir),
     }
 }
 
 #[inline(always)]
-fn account(scratch: &mut Scratch, cfg: &DatapathConfig, dir: u8, ifindex: u32, frame_len: u32) {
-    // SAFETY: bpf_ktime_get_ns has no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+/// Counts the packet on its flow; returns why it must be reported (0: it need not be).
+fn account(scratch: &mut Scratch, cfg: &DatapathConfig, dir: u8, ifindex: u32, frame_len: u32, now: u64) -> u32 {
     let p = &scratch.parsed;
     scratch.key = FlowKey {
         src: p.src,
@@ -231,10 +236,7 @@ fn account(scratch: &mut Scratch, cfg: &DatapathConfig, dir: u8, ifindex: u32, f
     {
         reasons |= REASON_HASH;
     }
-    if reasons == 0 {
-        return;
-    }
-    emit(p, key, now, frame_len, reasons);
+    reasons
 }
 
 #[inline(always)]
