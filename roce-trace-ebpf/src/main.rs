@@ -94,7 +94,14 @@ fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
 
 #[inline(always)]
 /// Counts the packet on its flow; returns why it must be reported (0: it need not be).
-fn account(scratch: &mut Scratch, cfg: &DatapathConfig, dir: u8, ifindex: u32, frame_len: u32, now: u64) -> u32 {
+fn account(
+    scratch: &mut Scratch,
+    cfg: &DatapathConfig,
+    dir: u8,
+    ifindex: u32,
+    frame_len: u32,
+    now: u64,
+) -> u32 {
     let p = &scratch.parsed;
     scratch.key = FlowKey {
         src: p.src,

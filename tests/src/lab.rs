@@ -532,26 +532,12 @@ impl Lab {
                 )
                 .map(|_| ()),
             Fault::LinkDown { leaf, spine } => {
-                self.exec(
-                    &format!("l{leaf}"),
-                    &["ip", "link", "set", &format!("s{spine}"), "down"],
-                )?;
-                self.exec(
-                    &format!("s{spine}"),
-                    &["ip", "link", "set", &format!("l{leaf}"), "down"],
-                )?;
+                self.set_link(*leaf, *spine, false)?;
                 self.routes()
             }
             Fault::SpineDown { spine } => {
                 for l in LEAVES {
-                    self.exec(
-                        &format!("s{spine}"),
-                        &["ip", "link", "set", &format!("l{l}"), "down"],
-                    )?;
-                    self.exec(
-                        &format!("l{l}"),
-                        &["ip", "link", "set", &format!("s{spine}"), "down"],
-                    )?;
+                    self.set_link(l, *spine, false)?;
                 }
                 self.routes()
             }
@@ -591,26 +577,12 @@ impl Lab {
                 Ok(())
             }
             Fault::LinkDown { leaf, spine } => {
-                self.exec(
-                    &format!("l{leaf}"),
-                    &["ip", "link", "set", &format!("s{spine}"), "up"],
-                )?;
-                self.exec(
-                    &format!("s{spine}"),
-                    &["ip", "link", "set", &format!("l{leaf}"), "up"],
-                )?;
+                self.set_link(*leaf, *spine, true)?;
                 self.routes()
             }
             Fault::SpineDown { spine } => {
                 for l in LEAVES {
-                    self.exec(
-                        &format!("s{spine}"),
-                        &["ip", "link", "set", &format!("l{l}"), "up"],
-                    )?;
-                    self.exec(
-                        &format!("l{l}"),
-                        &["ip", "link", "set", &format!("s{spine}"), "up"],
-                    )?;
+                    self.set_link(l, *spine, true)?;
                 }
                 self.routes()
             }
@@ -627,6 +599,20 @@ impl Lab {
                 Ok(())
             }
         }
+    }
+
+    /// Both ends of the link between a leaf and a spine, administratively up or down.
+    fn set_link(&self, leaf: u8, spine: u8, up: bool) -> anyhow::Result<()> {
+        let state = if up { "up" } else { "down" };
+        self.exec(
+            &format!("l{leaf}"),
+            &["ip", "link", "set", &format!("s{spine}"), state],
+        )?;
+        self.exec(
+            &format!("s{spine}"),
+            &["ip", "link", "set", &format!("l{leaf}"), state],
+        )?;
+        Ok(())
     }
 
     fn nft(&self, node: &str, table: &str, hook: &str, kind: &str, rules: &[String]) -> anyhow::Result<()> {

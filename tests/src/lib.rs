@@ -424,3 +424,67 @@ impl CaptureProc {
             .collect()
     }
 }
+
+/// Starts `roce-trace gen ARGS --json` in namespace `ns`.
+pub fn spawn_gen(ns: &str, args: &[&str]) -> std::process::Child {
+    Command::new("ip")
+        .args(["netns", "exec", ns])
+        .arg(roce_trace_bin())
+        .arg("gen")
+        .args(args)
+        .arg("--json")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for a `gen` and returns its JSON report.
+pub fn gen_report(c: std::process::Child) -> serde_json::Value {
+    let out = c.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "gen failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Starts tcpdump in namespace `ns` (immediate mode, so stopping it loses little) and
+/// returns once it captures.
+pub fn start_tcpdump(ns: &str, ifname: &str, pcap: &Path, filter: &str) -> std::process::Child {
+    use std::io::{BufRead, BufReader};
+    let mut c = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            ns,
+            "tcpdump",
+            "-i",
+            ifname,
+            "--immediate-mode",
+            "-w",
+        ])
+        .arg(pcap)
+        .arg(filter)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(c.stderr.take().unwrap());
+    let mut line = String::new();
+    while err.read_line(&mut line).unwrap() > 0 && !line.contains("listening on") {
+        line.clear();
+    }
+    assert!(line.contains("listening on"), "tcpdump did not start");
+    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
+    c
+}
+
+/// SIGINT to a child (tcpdump, gen), then waits for it.
+pub fn interrupt(mut c: std::process::Child) {
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
+    c.wait().unwrap();
+}

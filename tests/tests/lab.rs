@@ -1,12 +1,7 @@
 //! The virtual fabric guards itself: up/down/up is clean, ECMP spreads source ports over
 //! both spines exactly as the leaves' FIB says, and every fault shows with plain tools.
 
-use std::{
-    collections::BTreeMap,
-    process::{Child, Command, Stdio},
-    sync::Mutex,
-    time::Duration,
-};
+use std::{collections::BTreeMap, sync::Mutex, time::Duration};
 
 use roce_trace_tests::{
     lab::{Fault, Lab},
@@ -41,39 +36,15 @@ impl Drop for Up {
     }
 }
 
-fn start_gen(l: &Lab, node: &str, args: &[&str]) -> Child {
-    Command::new("ip")
-        .args(["netns", "exec", &l.ns(node)])
-        .arg(roce_trace_bin())
-        .arg("gen")
-        .args(args)
-        .arg("--json")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
-}
-
-fn report(c: Child) -> Value {
-    let out = c.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "gen failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 /// Runs `qps` QPs from host `src` to host `dst` for `secs` at `rate` per QP; returns the
 /// sender's and the responder's reports.
 fn traffic(l: &Lab, src: u8, dst: u8, qps: u32, rate: &str, secs: &str) -> (Value, Value) {
     let d = Lab::host_ip(dst, false).to_string();
-    let resp = start_gen(l, &format!("h{dst}"), &["--bind", &d, "--duration", "6s"]);
+    let resp = spawn_gen(&l.ns(&format!("h{dst}")), &["--bind", &d, "--duration", "6s"]);
     std::thread::sleep(Duration::from_millis(300));
     let q = qps.to_string();
-    let send = start_gen(
-        l,
-        &format!("h{src}"),
+    let send = spawn_gen(
+        &l.ns(&format!("h{src}")),
         &[
             "--to",
             &d,
@@ -87,48 +58,11 @@ fn traffic(l: &Lab, src: u8, dst: u8, qps: u32, rate: &str, secs: &str) -> (Valu
             secs,
         ],
     );
-    let s = report(send);
+    let s = gen_report(send);
     // The responder runs for a fixed 6 s; stop it early.
     // SAFETY: signalling our own child.
     unsafe { libc::kill(resp.id() as i32, libc::SIGINT) };
-    (s, report(resp))
-}
-
-/// Starts tcpdump in `node` and returns once it captures.
-fn tcpdump(l: &Lab, node: &str, ifname: &str, pcap: &std::path::Path, filter: &str) -> Child {
-    use std::io::{BufRead, BufReader};
-    let mut c = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &l.ns(node),
-            "tcpdump",
-            "-i",
-            ifname,
-            "--immediate-mode",
-            "-w",
-        ])
-        .arg(pcap)
-        .arg(filter)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(c.stderr.take().unwrap());
-    let mut line = String::new();
-    while err.read_line(&mut line).unwrap() > 0 && !line.contains("listening on") {
-        line.clear();
-    }
-    assert!(line.contains("listening on"), "tcpdump did not start");
-    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
-    c
-}
-
-fn stop(mut c: Child) {
-    std::thread::sleep(Duration::from_millis(200));
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
-    c.wait().unwrap();
+    (s, gen_report(resp))
 }
 
 /// (UDP source port → set of (DSCP, ECN)) of the RoCE requests in a capture.
@@ -284,9 +218,9 @@ fn each_fault_shows_with_plain_tools() {
     };
     l.apply(&f).unwrap();
     let pcap = dir.path("dscp.pcap");
-    let dump = tcpdump(l, "h3", "eth0", &pcap, "udp dst port 4791");
+    let dump = start_tcpdump(&l.ns("h3"), "eth0", &pcap, "udp dst port 4791");
     traffic(l, 1, 3, 8, "2mbit", "1s");
-    stop(dump);
+    interrupt(dump);
     for (sport, classes) in classes_by_sport(&pcap) {
         let want = if map[&sport] == 1 { 0 } else { 26 };
         assert_eq!(
@@ -306,9 +240,9 @@ fn each_fault_shows_with_plain_tools() {
     };
     l.apply(&f).unwrap();
     let pcap = dir.path("ce.pcap");
-    let dump = tcpdump(l, "h3", "eth0", &pcap, "udp dst port 4791");
+    let dump = start_tcpdump(&l.ns("h3"), "eth0", &pcap, "udp dst port 4791");
     traffic(l, 1, 3, 8, "2mbit", "1s");
-    stop(dump);
+    interrupt(dump);
     for (sport, classes) in classes_by_sport(&pcap) {
         let ecn = if map[&sport] == 1 { 3 } else { 2 };
         assert_eq!(
@@ -412,12 +346,22 @@ fn each_fault_shows_with_plain_tools() {
     };
     l.apply(&f).unwrap();
     let (p1, p3) = (dir.path("at-h1.pcap"), dir.path("at-h3.pcap"));
-    let d1 = tcpdump(l, "h1", "eth0", &p1, "udp dst port 4791 and src host 10.10.3.2");
-    let d3 = tcpdump(l, "h3", "eth0", &p3, "udp dst port 4791 and src host 10.10.1.2");
+    let d1 = start_tcpdump(
+        &l.ns("h1"),
+        "eth0",
+        &p1,
+        "udp dst port 4791 and src host 10.10.3.2",
+    );
+    let d3 = start_tcpdump(
+        &l.ns("h3"),
+        "eth0",
+        &p3,
+        "udp dst port 4791 and src host 10.10.1.2",
+    );
     traffic(l, 1, 3, 2, "2mbit", "1s");
     traffic(l, 3, 1, 2, "2mbit", "1s");
-    stop(d1);
-    stop(d3);
+    interrupt(d1);
+    interrupt(d3);
     let at_h1 = tshark_fields(&p1, &["ip.dsfield.dscp"]);
     let at_h3 = tshark_fields(&p3, &["ip.dsfield.dscp"]);
     assert!(!at_h1.is_empty() && !at_h3.is_empty());

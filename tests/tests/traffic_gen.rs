@@ -2,66 +2,12 @@
 //! and scapy), how its responder answers (ACK, NAK, CNP), and how its sender reacts
 //! (retransmission, DCQCN).
 
-use std::{
-    process::{Child, Command, Stdio},
-    sync::Mutex,
-    time::Duration,
-};
+use std::{process::Command, sync::Mutex, time::Duration};
 
 use roce_trace_tests::*;
 use serde_json::Value;
 
 static SERIAL: Mutex<()> = Mutex::new(());
-
-fn start_gen(ns: &Netns, args: &[&str]) -> Child {
-    Command::new("ip")
-        .args(["netns", "exec", &ns.name])
-        .arg(roce_trace_bin())
-        .arg("gen")
-        .args(args)
-        .arg("--json")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
-}
-
-fn report(c: Child) -> Value {
-    let out = c.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "gen failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
-/// Starts tcpdump and returns once it is capturing.
-fn tcpdump(ns: &Netns, ifname: &str, pcap: &std::path::Path, filter: &str) -> Child {
-    use std::io::{BufRead, BufReader};
-    let mut c = Command::new("ip")
-        .args(["netns", "exec", &ns.name, "tcpdump", "-i", ifname, "-w"])
-        .arg(pcap)
-        .args(["--immediate-mode", filter])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(c.stderr.take().unwrap());
-    let mut line = String::new();
-    while err.read_line(&mut line).unwrap() > 0 && !line.contains("listening on") {
-        line.clear();
-    }
-    assert!(line.contains("listening on"), "tcpdump did not start");
-    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
-    c
-}
-
-fn stop(mut c: Child) {
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
-    c.wait().unwrap();
-}
 
 fn n(v: &Value) -> u64 {
     v.as_u64().unwrap_or_else(|| panic!("not a count: {v}"))
@@ -79,11 +25,11 @@ fn generated_packets_decode_in_tshark_and_carry_scapys_icrc() {
     let dir = TempDir::new("genwire");
     for (src, dst) in [("10.99.0.1", "10.99.0.2"), ("fd99::1", "fd99::2")] {
         let pcap = dir.path(&format!("gen-{}.pcap", if src.contains(':') { 6 } else { 4 }));
-        let dump = tcpdump(&pair.b, &pair.b_if, &pcap, "udp port 4791");
-        let resp = start_gen(&pair.b, &["--bind", dst, "--duration", "3s"]);
+        let dump = start_tcpdump(&pair.b.name, &pair.b_if, &pcap, "udp port 4791");
+        let resp = spawn_gen(&pair.b.name, &["--bind", dst, "--duration", "3s"]);
         std::thread::sleep(Duration::from_millis(300));
-        let send = start_gen(
-            &pair.a,
+        let send = spawn_gen(
+            &pair.a.name,
             &[
                 "--bind",
                 src,
@@ -101,10 +47,10 @@ fn generated_packets_decode_in_tshark_and_carry_scapys_icrc() {
                 "1s",
             ],
         );
-        let s = report(send);
-        let r = report(resp);
+        let s = gen_report(send);
+        let r = gen_report(resp);
         std::thread::sleep(Duration::from_millis(300));
-        stop(dump);
+        interrupt(dump);
 
         let senders = s["senders"].as_array().unwrap();
         assert_eq!(senders.len(), 2);
@@ -225,10 +171,10 @@ fn losses_are_naked_and_retransmitted() {
         "-j",
         "DROP",
     ]);
-    let resp = start_gen(&pair.b, &["--bind", "10.99.0.2", "--duration", "4s"]);
+    let resp = spawn_gen(&pair.b.name, &["--bind", "10.99.0.2", "--duration", "4s"]);
     std::thread::sleep(Duration::from_millis(300));
-    let send = start_gen(
-        &pair.a,
+    let send = spawn_gen(
+        &pair.a.name,
         &[
             "--to",
             "10.99.0.2",
@@ -240,8 +186,8 @@ fn losses_are_naked_and_retransmitted() {
             "2s",
         ],
     );
-    let s = report(send);
-    let r = report(resp);
+    let s = gen_report(send);
+    let r = gen_report(resp);
     let q = &s["senders"][0];
     let rq = &r["responders"][0];
     assert!(n(&rq["naks_sent"]) > 0, "gaps were NAKed: {rq}");
@@ -300,18 +246,18 @@ fn ce_marks_draw_rate_limited_cnps_and_dcqcn_reacts() {
         .chain(rule[2..].iter().copied())
         .collect();
     pair.a.exec(&add);
-    let dump = tcpdump(&pair.a, &pair.a_if, &pcap, "udp port 4791 and inbound");
-    let resp = start_gen(&pair.b, &["--bind", "10.99.0.2", "--duration", "6s"]);
+    let dump = start_tcpdump(&pair.a.name, &pair.a_if, &pcap, "udp port 4791 and inbound");
+    let resp = spawn_gen(&pair.b.name, &["--bind", "10.99.0.2", "--duration", "6s"]);
     std::thread::sleep(Duration::from_millis(300));
-    let send = start_gen(
-        &pair.a,
+    let send = spawn_gen(
+        &pair.a.name,
         &["--to", "10.99.0.2", "--rate", "100mbit", "--duration", "4s"],
     );
     std::thread::sleep(Duration::from_secs(2));
     pair.a.exec(&del);
-    let s = report(send);
-    let r = report(resp);
-    stop(dump);
+    let s = gen_report(send);
+    let r = gen_report(resp);
+    interrupt(dump);
 
     let q = &s["senders"][0];
     let rq = &r["responders"][0];

@@ -141,24 +141,23 @@ pub fn send_batch(sock: &UdpSocket, dst: &SocketAddr, bufs: &[Vec<u8>]) -> io::R
             m
         })
         .collect();
+    sendmmsg_all(sock.as_raw_fd(), &mut msgs)
+}
+
+/// Sends every message with as few sendmmsg calls as the kernel allows; returns how many
+/// it took. A full buffer stops early (the rest count as dropped); a datagram larger than
+/// the interface MTU is skipped, lost here as on a NIC with a bad MTU.
+fn sendmmsg_all(fd: i32, msgs: &mut Vec<libc::mmsghdr>) -> io::Result<usize> {
     let mut sent = 0;
     while sent < msgs.len() {
-        // SAFETY: msgs[sent..] are valid mmsghdrs pointing at live buffers and address.
-        let n = unsafe {
-            libc::sendmmsg(
-                sock.as_raw_fd(),
-                msgs[sent..].as_mut_ptr(),
-                (msgs.len() - sent) as u32,
-                0,
-            )
-        };
+        // SAFETY: msgs[sent..] are valid mmsghdrs pointing at live buffers and addresses.
+        let n = unsafe { libc::sendmmsg(fd, msgs[sent..].as_mut_ptr(), (msgs.len() - sent) as u32, 0) };
         if n < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::WouldBlock || e.raw_os_error() == Some(libc::ENOBUFS) {
                 break;
             }
             if e.raw_os_error() == Some(libc::EMSGSIZE) {
-                // Larger than the interface MTU: lost here, as on a NIC with a bad MTU.
                 msgs.remove(sent);
                 continue;
             }
@@ -362,27 +361,7 @@ impl PacketTx {
                 m
             })
             .collect();
-        let mut sent = 0;
-        while sent < msgs.len() {
-            // SAFETY: msgs[sent..] are valid and point at live frames and address.
-            let n = unsafe {
-                libc::sendmmsg(
-                    self.fd.as_raw_fd(),
-                    msgs[sent..].as_mut_ptr(),
-                    (msgs.len() - sent) as u32,
-                    0,
-                )
-            };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::WouldBlock || e.raw_os_error() == Some(libc::ENOBUFS) {
-                    break;
-                }
-                return Err(e);
-            }
-            sent += n as usize;
-        }
-        Ok(sent)
+        sendmmsg_all(self.fd.as_raw_fd(), &mut msgs)
     }
 }
 
