@@ -218,7 +218,12 @@ fn each_fault_shows_with_plain_tools() {
     };
     l.apply(&f).unwrap();
     let pcap = dir.path("dscp.pcap");
-    let dump = start_tcpdump(&l.ns("h3"), "eth0", &pcap, "udp dst port 4791");
+    let dump = start_tcpdump(
+        &l.ns("h3"),
+        "eth0",
+        &pcap,
+        "udp dst port 4791 and dst host 10.10.3.2",
+    );
     traffic(l, 1, 3, 8, "2mbit", "1s");
     interrupt(dump);
     for (sport, classes) in classes_by_sport(&pcap) {
@@ -240,7 +245,12 @@ fn each_fault_shows_with_plain_tools() {
     };
     l.apply(&f).unwrap();
     let pcap = dir.path("ce.pcap");
-    let dump = start_tcpdump(&l.ns("h3"), "eth0", &pcap, "udp dst port 4791");
+    let dump = start_tcpdump(
+        &l.ns("h3"),
+        "eth0",
+        &pcap,
+        "udp dst port 4791 and dst host 10.10.3.2",
+    );
     traffic(l, 1, 3, 8, "2mbit", "1s");
     interrupt(dump);
     for (sport, classes) in classes_by_sport(&pcap) {
