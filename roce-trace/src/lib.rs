@@ -4,8 +4,11 @@
 //! [`datapath`]) → observe ([`record`], [`capture`]) → report.
 
 pub mod capture;
+pub mod correlate;
 pub mod datapath;
 pub mod frame;
+pub mod observation;
+pub mod protocol;
 pub mod record;
 pub mod sys;
 pub mod traffic;

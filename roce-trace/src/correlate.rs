@@ -1,0 +1,1048 @@
+//! The collector's join: observations of one packet identity from many points become a
+//! trajectory (ordered by TTL, then time); trajectories make each flow's path, its class
+//! at each point and where it changed, where CE marks begin, where sampled packets were
+//! lost, one-way delays, and path changes over time. Counters explain how much. Pure
+//! logic with time passed in, so it is tested without a network.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use roce_trace_common::{datapath::PCP_NONE, roce};
+use serde::Serialize;
+
+use crate::observation::{CounterDelta, FlowId, Observation, PacketId};
+
+/// An observation point, collector-wide.
+pub type PointId = u32;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PointInfo {
+    pub node: String,
+    pub iface: String,
+    pub direction: String,
+    pub clock_synced: bool,
+}
+
+impl PointInfo {
+    pub fn label(&self) -> String {
+        format!("{}:{}:{}", self.node, self.iface, self.direction)
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct JoinConfig {
+    /// A trajectory is complete this long after its first observation arrived.
+    pub trajectory_timeout_ns: u64,
+    /// Flows with no observation or counter for this long are forgotten.
+    pub flow_idle_ns: u64,
+    pub max_flows: usize,
+    /// Packet identities waiting for their trajectory to complete.
+    pub max_pending: usize,
+}
+
+impl Default for JoinConfig {
+    fn default() -> Self {
+        Self {
+            trajectory_timeout_ns: 2_000_000_000,
+            flow_idle_ns: 300_000_000_000,
+            max_flows: 100_000,
+            max_pending: 1_000_000,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct JoinStats {
+    pub observations: u64,
+    pub duplicates: u64,
+    pub trajectories: u64,
+    pub retransmissions: u64,
+    /// Identities dropped unjoined because `max_pending` was reached.
+    pub pending_dropped: u64,
+    pub flows_expired: u64,
+    /// Observations of new flows refused because `max_flows` was reached.
+    pub flows_refused: u64,
+    pub pending: u64,
+    pub flows: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Obs {
+    point: PointId,
+    time_ns: u64,
+    dscp: u8,
+    ecn: u8,
+    ttl: u8,
+    pcp: u8,
+}
+
+struct Pending {
+    /// Transmissions of this identity (a retransmission is a second instance); each sees a
+    /// point at most once.
+    instances: Vec<Vec<Obs>>,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq)]
+pub struct Span {
+    pub first_ns: u64,
+    pub last_ns: u64,
+    pub packets: u64,
+}
+
+impl Span {
+    fn hit(&mut self, t: u64) {
+        if self.packets == 0 || t < self.first_ns {
+            self.first_ns = t;
+        }
+        self.last_ns = self.last_ns.max(t);
+        self.packets += 1;
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq)]
+pub struct Delay {
+    pub min_ns: i64,
+    pub max_ns: i64,
+    pub sum_ns: i64,
+    pub n: u64,
+}
+
+impl Delay {
+    fn add(&mut self, d: i64) {
+        if self.n == 0 {
+            self.min_ns = d;
+            self.max_ns = d;
+        }
+        self.min_ns = self.min_ns.min(d);
+        self.max_ns = self.max_ns.max(d);
+        self.sum_ns += d;
+        self.n += 1;
+    }
+}
+
+const RECENT: usize = 64;
+
+#[derive(Default)]
+pub struct FlowState {
+    last_activity_ns: u64,
+    path: Vec<PointId>,
+    path_since_ns: u64,
+    history: Vec<(u64, Vec<PointId>)>,
+    hops: BTreeMap<(PointId, PointId), u8>,
+    class_at: BTreeMap<PointId, (u8, u8, u8)>,
+    changes: BTreeMap<(PointId, PointId, u8, u8), Span>,
+    ce_onset: BTreeMap<(Option<PointId>, PointId), Span>,
+    lost: BTreeMap<(PointId, PointId), Span>,
+    delays: BTreeMap<(PointId, PointId), Delay>,
+    counters: BTreeMap<PointId, CounterDelta>,
+    trajectories: u64,
+    /// Recent request PSNs, ACK PSNs (for pairing the two directions of a connection).
+    request_psns: VecDeque<u32>,
+    ack_psns: VecDeque<u32>,
+    /// Recent CE-marked arrivals and CNP departures, per node: (node, time).
+    ce_times: VecDeque<(u32, u64)>,
+    cnp_times: VecDeque<(u32, u64)>,
+    carries_cnp: bool,
+}
+
+fn push_recent<T>(q: &mut VecDeque<T>, v: T) {
+    if q.len() == RECENT {
+        q.pop_front();
+    }
+    q.push_back(v);
+}
+
+pub struct Joiner {
+    cfg: JoinConfig,
+    points: Vec<PointInfo>,
+    /// Node index of every point (for per-node clocks).
+    point_node: Vec<u32>,
+    nodes: Vec<String>,
+    pending: HashMap<PacketId, Pending>,
+    order: VecDeque<(u64, PacketId)>,
+    flows: HashMap<FlowId, FlowState>,
+    pub stats: JoinStats,
+}
+
+impl Joiner {
+    pub fn new(cfg: JoinConfig) -> Self {
+        Self {
+            cfg,
+            points: Vec::new(),
+            point_node: Vec::new(),
+            nodes: Vec::new(),
+            pending: HashMap::new(),
+            order: VecDeque::new(),
+            flows: HashMap::new(),
+            stats: JoinStats::default(),
+        }
+    }
+
+    /// Registers (or finds) an observation point.
+    pub fn point(&mut self, info: PointInfo) -> PointId {
+        if let Some(i) = self
+            .points
+            .iter()
+            .position(|p| p.node == info.node && p.iface == info.iface && p.direction == info.direction)
+        {
+            self.points[i].clock_synced = info.clock_synced;
+            return i as PointId;
+        }
+        let node = match self.nodes.iter().position(|n| *n == info.node) {
+            Some(n) => n as u32,
+            None => {
+                self.nodes.push(info.node.clone());
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        self.points.push(info);
+        self.point_node.push(node);
+        (self.points.len() - 1) as PointId
+    }
+
+    pub fn points(&self) -> &[PointInfo] {
+        &self.points
+    }
+
+    fn flow(&mut self, id: FlowId, now_ns: u64) -> Option<&mut FlowState> {
+        if !self.flows.contains_key(&id) {
+            if self.flows.len() >= self.cfg.max_flows {
+                self.stats.flows_refused += 1;
+                return None;
+            }
+            self.flows.insert(id, FlowState::default());
+        }
+        let f = self.flows.get_mut(&id).expect("inserted");
+        f.last_activity_ns = now_ns;
+        Some(f)
+    }
+
+    /// One observation from `point` (already mapped to a collector point), arriving at
+    /// collector time `now_ns`.
+    pub fn add(&mut self, point: PointId, o: &Observation, now_ns: u64) {
+        self.stats.observations += 1;
+        let obs = Obs {
+            point,
+            time_ns: o.time_ns,
+            dscp: o.dscp,
+            ecn: o.ecn,
+            ttl: o.ttl,
+            pcp: if o.flags & crate::observation::OBS_HAS_PCP != 0 {
+                o.pcp
+            } else {
+                PCP_NONE
+            },
+        };
+        // Evidence that needs no join: CE arrivals, CNP departures, ACK/request PSNs.
+        let node = self.point_node[point as usize];
+        let opcode = o.id.opcode;
+        let Some(f) = self.flow(o.id.flow, now_ns) else {
+            return;
+        };
+        if o.ecn == 3 {
+            push_recent(&mut f.ce_times, (node, o.time_ns));
+        }
+        if opcode == roce::OP_CNP {
+            f.carries_cnp = true;
+            push_recent(&mut f.cnp_times, (node, o.time_ns));
+        } else if roce::is_ack_opcode(opcode) {
+            push_recent(&mut f.ack_psns, o.id.psn);
+        } else if roce::is_request(opcode) && o.hash_sampled() {
+            push_recent(&mut f.request_psns, o.id.psn);
+        }
+        if !o.hash_sampled() {
+            // Anomaly reports are partial by design (a CE mark reported downstream has no
+            // report upstream): they explain, they do not make trajectories.
+            return;
+        }
+        if !self.pending.contains_key(&o.id) {
+            if self.pending.len() >= self.cfg.max_pending {
+                self.stats.pending_dropped += 1;
+                return;
+            }
+            self.pending.insert(
+                o.id,
+                Pending {
+                    instances: Vec::new(),
+                },
+            );
+            self.order.push_back((now_ns, o.id));
+        }
+        let p = self.pending.get_mut(&o.id).expect("inserted");
+        for inst in &mut p.instances {
+            match inst.iter().find(|x| x.point == point) {
+                Some(x) if x.time_ns == obs.time_ns && x.ttl == obs.ttl => {
+                    self.stats.duplicates += 1;
+                    return;
+                }
+                Some(_) => continue, // this point saw an earlier transmission
+                None => {
+                    inst.push(obs);
+                    return;
+                }
+            }
+        }
+        if !p.instances.is_empty() {
+            self.stats.retransmissions += 1;
+        }
+        p.instances.push(vec![obs]);
+    }
+
+    /// Counter deltas from `point`.
+    pub fn add_counters(&mut self, point: PointId, d: &CounterDelta, now_ns: u64) {
+        if let Some(f) = self.flow(d.flow, now_ns) {
+            f.counters.entry(point).or_default().add(d);
+            if d.cnp > 0 {
+                f.carries_cnp = true;
+            }
+        }
+    }
+
+    /// Completes trajectories whose time is up, forgets idle flows.
+    pub fn tick(&mut self, now_ns: u64) {
+        while let Some(&(t, id)) = self.order.front() {
+            if t + self.cfg.trajectory_timeout_ns > now_ns {
+                break;
+            }
+            self.order.pop_front();
+            if let Some(p) = self.pending.remove(&id) {
+                for inst in p.instances {
+                    self.finish(id.flow, inst);
+                }
+            }
+        }
+        let idle = self.cfg.flow_idle_ns;
+        let before = self.flows.len();
+        self.flows.retain(|_, f| f.last_activity_ns + idle > now_ns);
+        self.stats.flows_expired += (before - self.flows.len()) as u64;
+        self.stats.pending = self.pending.len() as u64;
+        self.stats.flows = self.flows.len() as u64;
+    }
+
+    /// Completes every pending trajectory now (on exit).
+    pub fn flush(&mut self) {
+        let ids: Vec<PacketId> = self.order.drain(..).map(|(_, id)| id).collect();
+        for id in ids {
+            if let Some(p) = self.pending.remove(&id) {
+                for inst in p.instances {
+                    self.finish(id.flow, inst);
+                }
+            }
+        }
+    }
+
+    fn finish(&mut self, flow: FlowId, mut t: Vec<Obs>) {
+        // Upstream first: higher TTL; at equal TTL (a host's egress and its leaf's
+        // ingress) the earlier time, egress before ingress when clocks disagree.
+        t.sort_by(|a, b| b.ttl.cmp(&a.ttl).then(a.time_ns.cmp(&b.time_ns)));
+        self.stats.trajectories += 1;
+        let synced: Vec<bool> = t
+            .iter()
+            .map(|o| self.points[o.point as usize].clock_synced)
+            .collect();
+        let Some(f) = self.flows.get_mut(&flow) else {
+            return;
+        };
+        f.trajectories += 1;
+        let path: Vec<PointId> = t.iter().map(|o| o.point).collect();
+        let first_time = t[0].time_ns;
+        for (i, o) in t.iter().enumerate() {
+            f.class_at.insert(o.point, (o.dscp, o.ecn, o.pcp));
+            if let Some(n) = t.get(i + 1) {
+                f.hops.insert((o.point, n.point), o.ttl.saturating_sub(n.ttl));
+                if o.dscp != n.dscp {
+                    f.changes
+                        .entry((o.point, n.point, o.dscp, n.dscp))
+                        .or_default()
+                        .hit(n.time_ns);
+                }
+                if synced[i] && synced[i + 1] {
+                    f.delays
+                        .entry((o.point, n.point))
+                        .or_default()
+                        .add(n.time_ns as i64 - o.time_ns as i64);
+                }
+            }
+            if o.ecn == 3 && (i == 0 || t[i - 1].ecn != 3) {
+                let before = if i == 0 { None } else { Some(t[i - 1].point) };
+                f.ce_onset.entry((before, o.point)).or_default().hit(o.time_ns);
+            }
+        }
+        // Path: a strict prefix of the known path means the packet was lost after its
+        // last point; anything else that differs is the flow moving.
+        if f.path.is_empty() {
+            f.path = path;
+            f.path_since_ns = first_time;
+            f.history.push((first_time, f.path.clone()));
+        } else if path != f.path {
+            if path.len() < f.path.len() && f.path.starts_with(&path) {
+                let last = *path.last().expect("non-empty");
+                let next = f.path[path.len()];
+                f.lost.entry((last, next)).or_default().hit(first_time);
+            } else if first_time >= f.path_since_ns {
+                f.path = path;
+                f.path_since_ns = first_time;
+                f.history.push((first_time, f.path.clone()));
+            }
+        }
+    }
+
+    fn label(&self, p: PointId) -> String {
+        self.points
+            .get(p as usize)
+            .map(PointInfo::label)
+            .unwrap_or_else(|| format!("point{p}"))
+    }
+
+    /// The forward flow a reverse flow (ACKs, NAKs, CNPs) answers: same IP pair reversed,
+    /// its ACK PSNs inside the forward flow's recent request PSNs; a lone candidate wins.
+    fn pair_of(&self, rev_id: &FlowId, rev: &FlowState) -> Option<FlowId> {
+        let cands: Vec<(&FlowId, &FlowState)> = self
+            .flows
+            .iter()
+            .filter(|(id, f)| {
+                id.src == rev_id.dst
+                    && id.dst == rev_id.src
+                    && !f.carries_cnp
+                    && (!f.request_psns.is_empty() || !f.counters.is_empty())
+            })
+            .collect();
+        if cands.len() == 1 {
+            return Some(*cands[0].0);
+        }
+        let score = |f: &FlowState| {
+            let (Some(lo), Some(hi)) = (f.request_psns.iter().min(), f.request_psns.iter().max()) else {
+                return 0;
+            };
+            rev.ack_psns
+                .iter()
+                .filter(|p| (*lo..=*hi + 1).contains(*p))
+                .count()
+        };
+        let best = cands
+            .iter()
+            .map(|(id, f)| (score(f), **id))
+            .max_by_key(|(s, _)| *s)?;
+        (best.0 > 0).then_some(best.1)
+    }
+
+    /// Everything the collector knows of one flow.
+    pub fn flow_report(&self, id: &FlowId) -> Option<FlowReport> {
+        let f = self.flows.get(id)?;
+        let l = |p: &PointId| self.label(*p);
+        let between = |a: &PointId, b: &PointId| [l(a), l(b)];
+        // CNPs that answered this flow: reverse flows paired with it, whose requester QP
+        // is shared by their ACKs and CNPs.
+        let reverse: Vec<(&FlowId, &FlowState)> = self
+            .flows
+            .iter()
+            .filter(|(rid, r)| {
+                rid.src == id.dst && rid.dst == id.src && (r.carries_cnp || !r.ack_psns.is_empty())
+            })
+            .collect();
+        let acked_qps: Vec<u32> = reverse
+            .iter()
+            .filter(|(rid, r)| !r.ack_psns.is_empty() && self.pair_of(rid, r) == Some(*id))
+            .map(|(rid, _)| rid.dest_qp)
+            .collect();
+        let lone = self
+            .flows
+            .keys()
+            .filter(|k| k.src == id.src && k.dst == id.dst)
+            .count()
+            == 1;
+        let cnp_flows: Vec<&(&FlowId, &FlowState)> = reverse
+            .iter()
+            .filter(|(rid, r)| r.carries_cnp && (acked_qps.contains(&rid.dest_qp) || lone))
+            .collect();
+        let max_over_points = |c: &BTreeMap<PointId, CounterDelta>, g: fn(&CounterDelta) -> u64| {
+            c.values().map(g).max().unwrap_or(0)
+        };
+        let cnps: u64 = cnp_flows
+            .iter()
+            .map(|(_, r)| max_over_points(&r.counters, |d| d.cnp))
+            .sum();
+        let ce = max_over_points(&f.counters, |d| d.ecn[3]);
+        let mut ce_to_cnp = Delay::default();
+        for (_, r) in &cnp_flows {
+            for &(node, t) in &r.cnp_times {
+                // The CE mark that drew it: the latest before it, on the same node (clock).
+                if let Some(ce_t) = f
+                    .ce_times
+                    .iter()
+                    .filter(|(n, c)| *n == node && *c <= t)
+                    .map(|(_, c)| *c)
+                    .max()
+                    && t - ce_t < 100_000_000
+                {
+                    ce_to_cnp.add((t - ce_t) as i64);
+                }
+            }
+        }
+        Some(FlowReport {
+            id: id.label(),
+            src_ip: id.src_ip().to_string(),
+            dst_ip: id.dst_ip().to_string(),
+            udp_sport: id.udp_sport,
+            dest_qp: id.dest_qp,
+            path: f.path.iter().map(l).collect(),
+            hops: f
+                .path
+                .windows(2)
+                .map(|w| f.hops.get(&(w[0], w[1])).copied().unwrap_or(0))
+                .collect(),
+            class: f
+                .path
+                .iter()
+                .filter_map(|p| f.class_at.get(p).map(|c| (p, c)))
+                .map(|(p, &(dscp, ecn, pcp))| ClassAt {
+                    point: l(p),
+                    dscp,
+                    ecn,
+                    pcp: (pcp != PCP_NONE).then_some(pcp),
+                })
+                .collect(),
+            class_changes: f
+                .changes
+                .iter()
+                .map(|(&(a, b, from, to), s)| ClassChange {
+                    between: between(&a, &b),
+                    from_dscp: from,
+                    to_dscp: to,
+                    span: *s,
+                })
+                .collect(),
+            ce_onset: f
+                .ce_onset
+                .iter()
+                .map(|(&(a, b), s)| CeOnset {
+                    after: a.map(|a| l(&a)),
+                    at: l(&b),
+                    span: *s,
+                })
+                .collect(),
+            lost: f
+                .lost
+                .iter()
+                .map(|(&(a, b), s)| Lost {
+                    between: between(&a, &b),
+                    span: *s,
+                })
+                .collect(),
+            delays: f
+                .delays
+                .iter()
+                .map(|(&(a, b), d)| DelayReport {
+                    between: between(&a, &b),
+                    delay: *d,
+                })
+                .collect(),
+            path_history: f
+                .history
+                .iter()
+                .map(|(t, p)| PathAt {
+                    since_ns: *t,
+                    path: p.iter().map(l).collect(),
+                })
+                .collect(),
+            counters: f.counters.iter().map(|(p, c)| (l(p), *c)).collect(),
+            trajectories: f.trajectories,
+            answered_by: Answers {
+                flows: cnp_flows.iter().map(|(rid, _)| rid.label()).collect(),
+                cnps,
+                ce_marks: ce,
+                cnps_per_ce_mark: (ce > 0).then(|| cnps as f64 / ce as f64),
+                ce_to_cnp: (ce_to_cnp.n > 0).then_some(ce_to_cnp),
+            },
+        })
+    }
+
+    pub fn flow_ids(&self) -> Vec<FlowId> {
+        let mut v: Vec<FlowId> = self.flows.keys().copied().collect();
+        v.sort();
+        v
+    }
+
+    pub fn find(&self, label: &str) -> Option<FlowId> {
+        self.flows.keys().find(|k| k.label() == label).copied()
+    }
+
+    /// What is wrong, fabric-wide: class changes, losses, CE onsets, path changes.
+    pub fn anomalies(&self) -> Vec<Anomaly> {
+        let mut v = Vec::new();
+        for id in self.flow_ids() {
+            let Some(r) = self.flow_report(&id) else { continue };
+            for c in &r.class_changes {
+                v.push(Anomaly {
+                    kind: "class_change".into(),
+                    flow: r.id.clone(),
+                    between: c.between.to_vec(),
+                    detail: format!("DSCP {} -> {}", c.from_dscp, c.to_dscp),
+                    packets: c.span.packets,
+                });
+            }
+            for l in &r.lost {
+                v.push(Anomaly {
+                    kind: "lost".into(),
+                    flow: r.id.clone(),
+                    between: l.between.to_vec(),
+                    detail: String::new(),
+                    packets: l.span.packets,
+                });
+            }
+            for c in &r.ce_onset {
+                let mut between: Vec<String> = c.after.iter().cloned().collect();
+                between.push(c.at.clone());
+                v.push(Anomaly {
+                    kind: "ce_onset".into(),
+                    flow: r.id.clone(),
+                    between,
+                    detail: String::new(),
+                    packets: c.span.packets,
+                });
+            }
+            if r.path_history.len() > 1 {
+                v.push(Anomaly {
+                    kind: "path_change".into(),
+                    flow: r.id.clone(),
+                    between: r.path.clone(),
+                    detail: format!("{} paths over time", r.path_history.len()),
+                    packets: 0,
+                });
+            }
+        }
+        v
+    }
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct ClassAt {
+    pub point: String,
+    pub dscp: u8,
+    pub ecn: u8,
+    pub pcp: Option<u8>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct ClassChange {
+    pub between: [String; 2],
+    pub from_dscp: u8,
+    pub to_dscp: u8,
+    #[serde(flatten)]
+    pub span: Span,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct CeOnset {
+    /// The last point that saw the packet unmarked (null: marked before the first point).
+    pub after: Option<String>,
+    pub at: String,
+    #[serde(flatten)]
+    pub span: Span,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Lost {
+    pub between: [String; 2],
+    #[serde(flatten)]
+    pub span: Span,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct DelayReport {
+    pub between: [String; 2],
+    #[serde(flatten)]
+    pub delay: Delay,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct PathAt {
+    pub since_ns: u64,
+    pub path: Vec<String>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Answers {
+    /// Reverse flows carrying this flow's CNPs.
+    pub flows: Vec<String>,
+    pub cnps: u64,
+    pub ce_marks: u64,
+    pub cnps_per_ce_mark: Option<f64>,
+    pub ce_to_cnp: Option<Delay>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct FlowReport {
+    pub id: String,
+    pub src_ip: String,
+    pub dst_ip: String,
+    pub udp_sport: u16,
+    pub dest_qp: u32,
+    /// Observation points in order, and hops (TTL decrements) between neighbours.
+    pub path: Vec<String>,
+    pub hops: Vec<u8>,
+    pub class: Vec<ClassAt>,
+    pub class_changes: Vec<ClassChange>,
+    pub ce_onset: Vec<CeOnset>,
+    pub lost: Vec<Lost>,
+    pub delays: Vec<DelayReport>,
+    pub path_history: Vec<PathAt>,
+    pub counters: BTreeMap<String, CounterDelta>,
+    pub trajectories: u64,
+    pub answered_by: Answers,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Anomaly {
+    pub kind: String,
+    pub flow: String,
+    pub between: Vec<String>,
+    pub detail: String,
+    pub packets: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use roce_trace_common::datapath::{REASON_CE, REASON_CNP, REASON_HASH};
+
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    /// A 5-point lab path for flow A→B: h1 egress, l1 in, s1 in, l2 in, h3 in.
+    fn lab() -> (Joiner, Vec<PointId>) {
+        let mut j = Joiner::new(JoinConfig {
+            trajectory_timeout_ns: 100 * MS,
+            ..Default::default()
+        });
+        let pts = [
+            ("h1", "eth0", "egress"),
+            ("l1", "h1", "ingress"),
+            ("s1", "l1", "ingress"),
+            ("l2", "s1", "ingress"),
+            ("h3", "eth0", "ingress"),
+        ]
+        .map(|(n, i, d)| {
+            j.point(PointInfo {
+                node: n.into(),
+                iface: i.into(),
+                direction: d.into(),
+                clock_synced: true,
+            })
+        });
+        (j, pts.to_vec())
+    }
+
+    fn flow() -> FlowId {
+        FlowId {
+            src: [1; 16],
+            dst: [3; 16],
+            ip_version: 4,
+            udp_sport: 49152,
+            dest_qp: 0x101,
+        }
+    }
+
+    fn obs(psn: u32, ttl: u8, t: u64, dscp: u8, ecn: u8) -> Observation {
+        Observation {
+            point: 0,
+            time_ns: t,
+            id: PacketId {
+                flow: flow(),
+                psn,
+                opcode: 7,
+                icrc: [psn as u8, 1, 2, 3],
+            },
+            udp_dport: 4791,
+            dscp,
+            ecn,
+            ttl,
+            reasons: REASON_HASH as u8,
+            ..Default::default()
+        }
+    }
+
+    /// The TTL each of the 5 points sees (egress and first ingress before any hop).
+    const TTLS: [u8; 5] = [64, 64, 63, 62, 61];
+
+    fn send(
+        j: &mut Joiner,
+        pts: &[PointId],
+        psn: u32,
+        at: u64,
+        skip: &[usize],
+        dscp_at: impl Fn(usize) -> u8,
+        arrival: u64,
+    ) {
+        for (i, p) in pts.iter().enumerate() {
+            if !skip.contains(&i) {
+                j.add(
+                    *p,
+                    &obs(psn, TTLS[i], at + 1000 * i as u64, dscp_at(i), 2),
+                    arrival,
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn out_of_order_arrival_still_orders_by_ttl() {
+        let (mut j, pts) = lab();
+        // Points report in reverse, the downstream agent first.
+        for (i, p) in pts.iter().enumerate().rev() {
+            j.add(*p, &obs(1, TTLS[i], 1000 * i as u64, 26, 2), 0);
+        }
+        j.tick(200 * MS);
+        let r = j.flow_report(&flow()).unwrap();
+        assert_eq!(
+            r.path,
+            [
+                "h1:eth0:egress",
+                "l1:h1:ingress",
+                "s1:l1:ingress",
+                "l2:s1:ingress",
+                "h3:eth0:ingress"
+            ]
+        );
+        assert_eq!(r.hops, [0, 1, 1, 1]);
+        assert_eq!(j.stats.trajectories, 1);
+    }
+
+    #[test]
+    fn clock_skew_does_not_reorder_a_trajectory() {
+        let (mut j, pts) = lab();
+        // s1's clock runs 5 ms behind: its time is earlier than h1's, TTL still orders it.
+        for (i, p) in pts.iter().enumerate() {
+            let t = if i == 2 {
+                10 * MS - 5 * MS
+            } else {
+                10 * MS + 1000 * i as u64
+            };
+            j.add(*p, &obs(1, TTLS[i], t, 26, 2), 0);
+        }
+        j.tick(200 * MS);
+        let r = j.flow_report(&flow()).unwrap();
+        assert_eq!(r.path[2], "s1:l1:ingress");
+        let skewed = r.delays.iter().find(|d| d.between[1] == "s1:l1:ingress").unwrap();
+        assert!(
+            skewed.delay.min_ns < 0,
+            "the skew shows as a negative one-way delay"
+        );
+    }
+
+    #[test]
+    fn duplicates_are_dropped_and_retransmissions_are_new_trajectories() {
+        let (mut j, pts) = lab();
+        send(&mut j, &pts, 7, 0, &[], |_| 26, 0);
+        send(&mut j, &pts, 7, 0, &[], |_| 26, 0); // the same reports again
+        send(&mut j, &pts, 7, 50 * MS, &[], |_| 26, 0); // the same PSN sent again later
+        j.tick(200 * MS);
+        assert_eq!(j.stats.duplicates, 5);
+        assert_eq!(j.stats.retransmissions, 1);
+        assert_eq!(j.stats.trajectories, 2);
+        assert!(j.flow_report(&flow()).unwrap().lost.is_empty());
+    }
+
+    #[test]
+    fn a_missing_downstream_observation_is_a_loss_between_two_points() {
+        let (mut j, pts) = lab();
+        for psn in 0..10 {
+            // PSN 4 and 5 never reach l2 (so neither h3).
+            let skip: &[usize] = if psn == 4 || psn == 5 { &[3, 4] } else { &[] };
+            send(&mut j, &pts, psn, psn as u64 * MS, skip, |_| 26, psn as u64);
+        }
+        j.tick(500 * MS);
+        let r = j.flow_report(&flow()).unwrap();
+        assert_eq!(r.lost.len(), 1);
+        assert_eq!(r.lost[0].between, ["s1:l1:ingress", "l2:s1:ingress"]);
+        assert_eq!(r.lost[0].span.packets, 2);
+        assert_eq!(r.path.len(), 5, "the path is not shortened by a loss");
+    }
+
+    #[test]
+    fn a_class_change_is_located_between_the_last_old_and_first_new_point() {
+        let (mut j, pts) = lab();
+        for psn in 0..3 {
+            send(
+                &mut j,
+                &pts,
+                psn,
+                psn as u64 * MS,
+                &[],
+                |i| if i >= 3 { 0 } else { 26 },
+                0,
+            );
+        }
+        j.tick(500 * MS);
+        let r = j.flow_report(&flow()).unwrap();
+        assert_eq!(r.class_changes.len(), 1);
+        let c = &r.class_changes[0];
+        assert_eq!(c.between, ["s1:l1:ingress", "l2:s1:ingress"]);
+        assert_eq!((c.from_dscp, c.to_dscp, c.span.packets), (26, 0, 3));
+        assert_eq!(
+            r.class.iter().map(|c| c.dscp).collect::<Vec<_>>(),
+            [26, 26, 26, 0, 0]
+        );
+        let a = j.anomalies();
+        assert!(
+            a.iter()
+                .any(|a| a.kind == "class_change" && a.detail == "DSCP 26 -> 0")
+        );
+    }
+
+    #[test]
+    fn ce_onset_and_path_change() {
+        let (mut j, pts) = lab();
+        let mut s2 = pts.clone();
+        s2[2] = j.point(PointInfo {
+            node: "s2".into(),
+            iface: "l1".into(),
+            direction: "ingress".into(),
+            clock_synced: true,
+        });
+        s2[3] = j.point(PointInfo {
+            node: "l2".into(),
+            iface: "s2".into(),
+            direction: "ingress".into(),
+            clock_synced: true,
+        });
+        // Through s1, CE-marked from l2 on; later the flow moves to s2.
+        for psn in 0..4 {
+            for (i, p) in pts.iter().enumerate() {
+                j.add(
+                    *p,
+                    &obs(
+                        psn,
+                        TTLS[i],
+                        psn as u64 * MS + i as u64,
+                        26,
+                        if i >= 3 { 3 } else { 2 },
+                    ),
+                    0,
+                );
+            }
+        }
+        for psn in 4..8 {
+            send(&mut j, &s2, psn, 100 * MS + psn as u64 * MS, &[], |_| 26, 0);
+        }
+        j.tick(500 * MS);
+        let r = j.flow_report(&flow()).unwrap();
+        assert_eq!(r.ce_onset.len(), 1);
+        assert_eq!(r.ce_onset[0].after.as_deref(), Some("s1:l1:ingress"));
+        assert_eq!(r.ce_onset[0].at, "l2:s1:ingress");
+        assert_eq!(r.path_history.len(), 2);
+        assert_eq!(r.path[2], "s2:l1:ingress");
+        assert!(r.lost.is_empty(), "a move is not a loss");
+    }
+
+    #[test]
+    fn psn_wrap_around_makes_distinct_identities() {
+        let (mut j, pts) = lab();
+        for psn in [0xff_fffe, 0xff_ffff, 0, 1] {
+            send(&mut j, &pts, psn, 0, &[], |_| 26, 0);
+        }
+        j.tick(500 * MS);
+        assert_eq!(j.stats.trajectories, 4);
+        assert_eq!(j.stats.retransmissions, 0);
+    }
+
+    #[test]
+    fn cnps_are_charged_to_the_flow_they_throttle() {
+        let (mut j, pts) = lab();
+        let h3_out = j.point(PointInfo {
+            node: "h3".into(),
+            iface: "eth0".into(),
+            direction: "egress".into(),
+            clock_synced: true,
+        });
+        // Data A→B: two CE-marked packets arrive at h3 at 10 ms and 20 ms.
+        for (k, t) in [10 * MS, 20 * MS].into_iter().enumerate() {
+            let mut o = obs(100 + k as u32, 61, t, 26, 3);
+            o.reasons = REASON_CE as u8;
+            j.add(pts[4], &o, 0);
+        }
+        j.add_counters(
+            pts[4],
+            &CounterDelta {
+                flow: flow(),
+                packets: 50,
+                ecn: [0, 0, 48, 2],
+                ..Default::default()
+            },
+            0,
+        );
+        // B's ACKs and CNPs to A's QP 0x100; the CNPs leave h3 30 µs after each mark.
+        let rev = |sport: u16| FlowId {
+            src: [3; 16],
+            dst: [1; 16],
+            ip_version: 4,
+            udp_sport: sport,
+            dest_qp: 0x100,
+        };
+        let ack = Observation {
+            id: PacketId {
+                flow: rev(4791),
+                psn: 100,
+                opcode: 0x11,
+                icrc: [0; 4],
+            },
+            ..obs(0, 64, 21 * MS, 26, 2)
+        };
+        j.add(h3_out, &ack, 0);
+        for t in [10 * MS + 30_000, 20 * MS + 30_000] {
+            let mut c = Observation {
+                id: PacketId {
+                    flow: rev(40000),
+                    psn: 0,
+                    opcode: 0x81,
+                    icrc: [0; 4],
+                },
+                ..obs(0, 64, t, 48, 2)
+            };
+            c.reasons = REASON_CNP as u8;
+            j.add(h3_out, &c, 0);
+        }
+        j.add_counters(
+            h3_out,
+            &CounterDelta {
+                flow: rev(40000),
+                packets: 2,
+                cnp: 2,
+                ..Default::default()
+            },
+            0,
+        );
+        j.tick(500 * MS);
+        let r = j.flow_report(&flow()).unwrap();
+        assert_eq!(r.answered_by.flows, [rev(40000).label()]);
+        assert_eq!((r.answered_by.cnps, r.answered_by.ce_marks), (2, 2));
+        assert_eq!(r.answered_by.cnps_per_ce_mark, Some(1.0));
+        let d = r.answered_by.ce_to_cnp.unwrap();
+        assert_eq!((d.min_ns, d.max_ns, d.n), (30_000, 30_000, 2));
+    }
+
+    #[test]
+    fn state_is_bounded() {
+        let mut j = Joiner::new(JoinConfig {
+            max_flows: 2,
+            max_pending: 3,
+            trajectory_timeout_ns: MS,
+            flow_idle_ns: 10 * MS,
+        });
+        let p = j.point(PointInfo {
+            node: "h".into(),
+            iface: "e".into(),
+            direction: "ingress".into(),
+            clock_synced: false,
+        });
+        for q in 0..4u32 {
+            let mut o = obs(q, 64, 0, 26, 2);
+            o.id.flow.dest_qp = q % 3;
+            j.add(p, &o, 0);
+        }
+        assert_eq!(j.stats.flows_refused, 1, "a third flow is refused");
+        assert_eq!(j.stats.pending_dropped, 0);
+        j.tick(20 * MS);
+        assert_eq!(j.stats.flows, 0, "idle flows expire");
+        assert_eq!(j.stats.flows_expired, 2);
+    }
+}

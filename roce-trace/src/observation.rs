@@ -1,0 +1,196 @@
+//! Observations as they leave a host: one sampled packet at one observation point, and
+//! per-flow counter deltas. The agent makes them from the datapath's records; the
+//! collector joins them. One definition, shared by both ends of the wire protocol.
+
+use std::net::IpAddr;
+
+use roce_trace_common::datapath::*;
+use serde::Serialize;
+
+use crate::{record::ip_of, sys::KernelClock};
+
+/// What stays the same for one RDMA QP direction everywhere in the fabric.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FlowId {
+    pub src: [u8; 16],
+    pub dst: [u8; 16],
+    pub ip_version: u8,
+    pub udp_sport: u16,
+    pub dest_qp: u32,
+}
+
+impl FlowId {
+    pub fn of_key(k: &FlowKey) -> Self {
+        Self {
+            src: k.src,
+            dst: k.dst,
+            ip_version: k.ip_version,
+            udp_sport: k.udp_sport,
+            dest_qp: k.dest_qp,
+        }
+    }
+    pub fn src_ip(&self) -> IpAddr {
+        ip_of(self.ip_version, &self.src)
+    }
+    pub fn dst_ip(&self) -> IpAddr {
+        ip_of(self.ip_version, &self.dst)
+    }
+    /// A stable text id, for URLs and reports: `src:sport>dst/qp`.
+    pub fn label(&self) -> String {
+        format!(
+            "{}:{}>{}/{:#x}",
+            self.src_ip(),
+            self.udp_sport,
+            self.dst_ip(),
+            self.dest_qp
+        )
+    }
+}
+
+/// What stays the same for one packet everywhere: flow, PSN, opcode and the ICRC (over
+/// exactly the fields the fabric may not change). Retransmissions share it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PacketId {
+    pub flow: FlowId,
+    pub psn: u32,
+    pub opcode: u8,
+    pub icrc: [u8; 4],
+}
+
+pub const OBS_HAS_PCP: u8 = 1;
+pub const OBS_HAS_AETH: u8 = 2;
+
+/// One packet at one observation point (the point is an index the agent declared).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Observation {
+    pub point: u16,
+    /// Unix nanoseconds by the agent's clock.
+    pub time_ns: u64,
+    pub id: PacketId,
+    pub udp_dport: u16,
+    pub dscp: u8,
+    pub ecn: u8,
+    pub ttl: u8,
+    pub pcp: u8,
+    pub frame_len: u16,
+    /// `REASON_*` bits of the datapath.
+    pub reasons: u8,
+    pub aeth_syndrome: u8,
+    /// `OBS_HAS_*` bits.
+    pub flags: u8,
+}
+
+impl Observation {
+    pub fn from_sample(s: &Sample, point: u16, clock: &KernelClock) -> Self {
+        let mut flags = 0;
+        if s.present & HAS_PCP != 0 {
+            flags |= OBS_HAS_PCP;
+        }
+        if s.present & HAS_AETH != 0 {
+            flags |= OBS_HAS_AETH;
+        }
+        Self {
+            point,
+            time_ns: clock.to_unix_ns(s.ts_ns),
+            id: PacketId {
+                flow: FlowId::of_key(&s.key),
+                psn: s.psn,
+                opcode: s.opcode,
+                icrc: s.icrc,
+            },
+            udp_dport: s.udp_dport,
+            dscp: s.dscp,
+            ecn: s.ecn,
+            ttl: s.ttl,
+            pcp: s.pcp,
+            frame_len: s.frame_len.min(u16::MAX as u32) as u16,
+            reasons: s.reasons as u8,
+            aeth_syndrome: s.aeth_syndrome,
+            flags,
+        }
+    }
+
+    /// Selected by the shared hash (as opposed to reported only as an anomaly): only such
+    /// packets are expected at every point, so only they say "lost".
+    pub fn hash_sampled(&self) -> bool {
+        self.reasons as u32 & REASON_HASH != 0
+    }
+}
+
+/// Change of one flow's exact counters at one point over an interval.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct CounterDelta {
+    #[serde(skip)]
+    pub point: u16,
+    #[serde(skip)]
+    pub flow: FlowId,
+    pub packets: u64,
+    pub bytes: u64,
+    pub ecn: [u64; 4],
+    pub cnp: u64,
+    pub ack: u64,
+    pub nak_psn_seq_err: u64,
+    pub nak_rnr: u64,
+    pub nak_other: u64,
+    pub psn_gaps: u64,
+    pub dscp_changed: u64,
+    pub last_dscp: u8,
+    pub last_pcp: u8,
+    pub last_ttl: u8,
+}
+
+impl CounterDelta {
+    /// `now - before` (a flow the LRU evicted and re-created counts from zero again).
+    pub fn between(point: u16, key: &FlowKey, now: &FlowCounters, before: Option<&FlowCounters>) -> Self {
+        let zero = FlowCounters::default();
+        let b = match before {
+            Some(b) if b.packets <= now.packets => b,
+            _ => &zero,
+        };
+        let d = |x: u64, y: u64| x.saturating_sub(y);
+        Self {
+            point,
+            flow: FlowId::of_key(key),
+            packets: d(now.packets, b.packets),
+            bytes: d(now.bytes, b.bytes),
+            ecn: [0, 1, 2, 3].map(|i| d(now.ecn[i], b.ecn[i])),
+            cnp: d(now.cnp, b.cnp),
+            ack: d(now.ack, b.ack),
+            nak_psn_seq_err: d(now.nak_psn_seq_err, b.nak_psn_seq_err),
+            nak_rnr: d(now.nak_rnr, b.nak_rnr),
+            nak_other: d(now.nak_other, b.nak_other),
+            psn_gaps: d(now.psn_gaps, b.psn_gaps),
+            dscp_changed: d(now.dscp_changed, b.dscp_changed),
+            last_dscp: now.last_dscp,
+            last_pcp: now.last_pcp,
+            last_ttl: now.last_ttl,
+        }
+    }
+
+    pub fn add(&mut self, o: &CounterDelta) {
+        self.packets += o.packets;
+        self.bytes += o.bytes;
+        for i in 0..4 {
+            self.ecn[i] += o.ecn[i];
+        }
+        self.cnp += o.cnp;
+        self.ack += o.ack;
+        self.nak_psn_seq_err += o.nak_psn_seq_err;
+        self.nak_rnr += o.nak_rnr;
+        self.nak_other += o.nak_other;
+        self.psn_gaps += o.psn_gaps;
+        self.dscp_changed += o.dscp_changed;
+        self.last_dscp = o.last_dscp;
+        self.last_pcp = o.last_pcp;
+        self.last_ttl = o.last_ttl;
+    }
+}
+
+/// An observation point as the agent declares it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PointDecl {
+    pub index: u16,
+    pub iface: String,
+    pub ifindex: u32,
+    pub direction: u8,
+}

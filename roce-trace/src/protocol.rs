@@ -1,0 +1,538 @@
+//! The agent → collector wire protocol (see PROTOCOL.md): length-delimited binary frames,
+//! versioned, sequence-numbered, opened by a handshake that names the node and carries a
+//! shared token. Decoding never trusts a length or a count it has not checked.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use thiserror::Error;
+
+use crate::observation::{CounterDelta, FlowId, Observation, PacketId, PointDecl};
+
+pub const VERSION: u16 = 1;
+/// Largest frame either side accepts (length field included).
+pub const MAX_FRAME: usize = 4 << 20;
+/// Observations per OBSERVATIONS frame a sender should not exceed.
+pub const MAX_BATCH: usize = 4096;
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Frame {
+    Hello {
+        version: u16,
+        node: String,
+        token: String,
+        clock_synced: bool,
+    },
+    Welcome {
+        version: u16,
+    },
+    Points(Vec<PointDecl>),
+    Observations(Vec<Observation>),
+    Counters {
+        interval_end_ns: u64,
+        deltas: Vec<CounterDelta>,
+    },
+    Dropped {
+        observations: u64,
+        counters: u64,
+    },
+    Heartbeat {
+        unix_ns: u64,
+    },
+    Bye {
+        reason: String,
+    },
+}
+
+impl Frame {
+    fn kind(&self) -> u8 {
+        match self {
+            Frame::Hello { .. } => 1,
+            Frame::Welcome { .. } => 2,
+            Frame::Points(_) => 3,
+            Frame::Observations(_) => 4,
+            Frame::Counters { .. } => 5,
+            Frame::Dropped { .. } => 6,
+            Frame::Heartbeat { .. } => 7,
+            Frame::Bye { .. } => 8,
+        }
+    }
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ProtoError {
+    #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit")]
+    Oversized(usize),
+    #[error("malformed frame: {0}")]
+    Malformed(&'static str),
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    #[error("frame out of order: sequence {got}, expected {want}")]
+    OutOfOrder { got: u64, want: u64 },
+    #[error("protocol version {0} is not supported (this side speaks {VERSION})")]
+    Version(u16),
+}
+
+const OBS_LEN: usize = 2 + 8 + 16 + 16 + 1 + 2 + 4 + 4 + 1 + 4 + 2 + 1 + 1 + 1 + 1 + 2 + 1 + 1 + 1;
+const FLOW_LEN: usize = 16 + 16 + 1 + 2 + 4;
+const DELTA_LEN: usize = 2 + FLOW_LEN + 8 * 13 + 3;
+
+fn put_str(b: &mut BytesMut, s: &str) {
+    let s = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
+    b.put_u16(s.len() as u16);
+    b.put_slice(s);
+}
+
+fn put_flow(b: &mut BytesMut, f: &FlowId) {
+    b.put_slice(&f.src);
+    b.put_slice(&f.dst);
+    b.put_u8(f.ip_version);
+    b.put_u16(f.udp_sport);
+    b.put_u32(f.dest_qp);
+}
+
+/// Encodes `f` as frame number `seq`.
+pub fn encode(f: &Frame, seq: u64) -> Bytes {
+    let mut b = BytesMut::with_capacity(64);
+    b.put_u32(0); // length, filled in below
+    b.put_u8(f.kind());
+    b.put_u64(seq);
+    match f {
+        Frame::Hello {
+            version,
+            node,
+            token,
+            clock_synced,
+        } => {
+            b.put_u16(*version);
+            b.put_u8(*clock_synced as u8);
+            put_str(&mut b, node);
+            put_str(&mut b, token);
+        }
+        Frame::Welcome { version } => b.put_u16(*version),
+        Frame::Points(points) => {
+            b.put_u16(points.len() as u16);
+            for p in points {
+                b.put_u16(p.index);
+                b.put_u8(p.direction);
+                b.put_u32(p.ifindex);
+                put_str(&mut b, &p.iface);
+            }
+        }
+        Frame::Observations(obs) => {
+            b.reserve(4 + obs.len() * OBS_LEN);
+            b.put_u32(obs.len() as u32);
+            for o in obs {
+                b.put_u16(o.point);
+                b.put_u64(o.time_ns);
+                put_flow(&mut b, &o.id.flow);
+                b.put_u32(o.id.psn);
+                b.put_u8(o.id.opcode);
+                b.put_slice(&o.id.icrc);
+                b.put_u16(o.udp_dport);
+                b.put_u8(o.dscp);
+                b.put_u8(o.ecn);
+                b.put_u8(o.ttl);
+                b.put_u8(o.pcp);
+                b.put_u16(o.frame_len);
+                b.put_u8(o.reasons);
+                b.put_u8(o.aeth_syndrome);
+                b.put_u8(o.flags);
+            }
+        }
+        Frame::Counters {
+            interval_end_ns,
+            deltas,
+        } => {
+            b.reserve(12 + deltas.len() * DELTA_LEN);
+            b.put_u64(*interval_end_ns);
+            b.put_u32(deltas.len() as u32);
+            for d in deltas {
+                b.put_u16(d.point);
+                put_flow(&mut b, &d.flow);
+                for v in [
+                    d.packets, d.bytes, d.ecn[0], d.ecn[1], d.ecn[2], d.ecn[3], d.cnp, d.ack,
+                ]
+                .into_iter()
+                .chain([
+                    d.nak_psn_seq_err,
+                    d.nak_rnr,
+                    d.nak_other,
+                    d.psn_gaps,
+                    d.dscp_changed,
+                ]) {
+                    b.put_u64(v);
+                }
+                b.put_u8(d.last_dscp);
+                b.put_u8(d.last_pcp);
+                b.put_u8(d.last_ttl);
+            }
+        }
+        Frame::Dropped {
+            observations,
+            counters,
+        } => {
+            b.put_u64(*observations);
+            b.put_u64(*counters);
+        }
+        Frame::Heartbeat { unix_ns } => b.put_u64(*unix_ns),
+        Frame::Bye { reason } => put_str(&mut b, reason),
+    }
+    let len = (b.len() - 4) as u32;
+    b[..4].copy_from_slice(&len.to_be_bytes());
+    b.freeze()
+}
+
+/// Reads frames from a byte stream and enforces their order.
+#[derive(Default)]
+pub struct Decoder {
+    next_seq: u64,
+}
+
+fn need(b: &impl Buf, n: usize) -> Result<(), ProtoError> {
+    if b.remaining() < n {
+        Err(ProtoError::Malformed("body shorter than its fields"))
+    } else {
+        Ok(())
+    }
+}
+
+fn get_str(b: &mut Bytes) -> Result<String, ProtoError> {
+    need(b, 2)?;
+    let n = b.get_u16() as usize;
+    need(b, n)?;
+    String::from_utf8(b.split_to(n).to_vec()).map_err(|_| ProtoError::Malformed("string is not UTF-8"))
+}
+
+fn get_flow(b: &mut Bytes) -> FlowId {
+    let mut src = [0; 16];
+    let mut dst = [0; 16];
+    b.copy_to_slice(&mut src);
+    b.copy_to_slice(&mut dst);
+    FlowId {
+        src,
+        dst,
+        ip_version: b.get_u8(),
+        udp_sport: b.get_u16(),
+        dest_qp: b.get_u32(),
+    }
+}
+
+impl Decoder {
+    /// The next whole frame in `buf`, if one is there; consumed from `buf`.
+    pub fn decode(&mut self, buf: &mut BytesMut) -> Result<Option<Frame>, ProtoError> {
+        if buf.len() < 4 {
+            return Ok(None);
+        }
+        let len = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+        if len + 4 > MAX_FRAME {
+            return Err(ProtoError::Oversized(len + 4));
+        }
+        if len < 9 {
+            return Err(ProtoError::Malformed("frame shorter than its header"));
+        }
+        if buf.len() < 4 + len {
+            buf.reserve(4 + len - buf.len());
+            return Ok(None);
+        }
+        buf.advance(4);
+        let mut b = buf.split_to(len).freeze();
+        let kind = b.get_u8();
+        let seq = b.get_u64();
+        if seq != self.next_seq {
+            return Err(ProtoError::OutOfOrder {
+                got: seq,
+                want: self.next_seq,
+            });
+        }
+        self.next_seq += 1;
+        let f = match kind {
+            1 => {
+                need(&b, 3)?;
+                let version = b.get_u16();
+                let clock_synced = b.get_u8() != 0;
+                let node = get_str(&mut b)?;
+                let token = get_str(&mut b)?;
+                Frame::Hello {
+                    version,
+                    node,
+                    token,
+                    clock_synced,
+                }
+            }
+            2 => {
+                need(&b, 2)?;
+                Frame::Welcome { version: b.get_u16() }
+            }
+            3 => {
+                need(&b, 2)?;
+                let n = b.get_u16() as usize;
+                let mut v = Vec::with_capacity(n.min(1024));
+                for _ in 0..n {
+                    need(&b, 7)?;
+                    let index = b.get_u16();
+                    let direction = b.get_u8();
+                    let ifindex = b.get_u32();
+                    v.push(PointDecl {
+                        index,
+                        direction,
+                        ifindex,
+                        iface: get_str(&mut b)?,
+                    });
+                }
+                Frame::Points(v)
+            }
+            4 => {
+                need(&b, 4)?;
+                let n = b.get_u32() as usize;
+                if b.remaining() != n * OBS_LEN {
+                    return Err(ProtoError::Malformed(
+                        "observation count does not match the frame length",
+                    ));
+                }
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let point = b.get_u16();
+                    let time_ns = b.get_u64();
+                    let flow = get_flow(&mut b);
+                    let psn = b.get_u32();
+                    let opcode = b.get_u8();
+                    let mut icrc = [0; 4];
+                    b.copy_to_slice(&mut icrc);
+                    v.push(Observation {
+                        point,
+                        time_ns,
+                        id: PacketId {
+                            flow,
+                            psn,
+                            opcode,
+                            icrc,
+                        },
+                        udp_dport: b.get_u16(),
+                        dscp: b.get_u8(),
+                        ecn: b.get_u8(),
+                        ttl: b.get_u8(),
+                        pcp: b.get_u8(),
+                        frame_len: b.get_u16(),
+                        reasons: b.get_u8(),
+                        aeth_syndrome: b.get_u8(),
+                        flags: b.get_u8(),
+                    });
+                }
+                Frame::Observations(v)
+            }
+            5 => {
+                need(&b, 12)?;
+                let interval_end_ns = b.get_u64();
+                let n = b.get_u32() as usize;
+                if b.remaining() != n * DELTA_LEN {
+                    return Err(ProtoError::Malformed(
+                        "counter count does not match the frame length",
+                    ));
+                }
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let point = b.get_u16();
+                    let flow = get_flow(&mut b);
+                    let mut x = [0u64; 13];
+                    for s in &mut x {
+                        *s = b.get_u64();
+                    }
+                    v.push(CounterDelta {
+                        point,
+                        flow,
+                        packets: x[0],
+                        bytes: x[1],
+                        ecn: [x[2], x[3], x[4], x[5]],
+                        cnp: x[6],
+                        ack: x[7],
+                        nak_psn_seq_err: x[8],
+                        nak_rnr: x[9],
+                        nak_other: x[10],
+                        psn_gaps: x[11],
+                        dscp_changed: x[12],
+                        last_dscp: b.get_u8(),
+                        last_pcp: b.get_u8(),
+                        last_ttl: b.get_u8(),
+                    });
+                }
+                Frame::Counters {
+                    interval_end_ns,
+                    deltas: v,
+                }
+            }
+            6 => {
+                need(&b, 16)?;
+                Frame::Dropped {
+                    observations: b.get_u64(),
+                    counters: b.get_u64(),
+                }
+            }
+            7 => {
+                need(&b, 8)?;
+                Frame::Heartbeat { unix_ns: b.get_u64() }
+            }
+            8 => Frame::Bye {
+                reason: get_str(&mut b)?,
+            },
+            k => return Err(ProtoError::UnknownKind(k)),
+        };
+        if b.has_remaining() {
+            return Err(ProtoError::Malformed("trailing bytes after the frame's fields"));
+        }
+        Ok(Some(f))
+    }
+}
+
+/// Stamps outgoing frames with their sequence numbers.
+#[derive(Default)]
+pub struct Encoder {
+    next_seq: u64,
+}
+
+impl Encoder {
+    pub fn encode(&mut self, f: &Frame) -> Bytes {
+        let b = encode(f, self.next_seq);
+        self.next_seq += 1;
+        b
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn obs(i: u32) -> Observation {
+        Observation {
+            point: 3,
+            time_ns: 1_700_000_000_000_000_000 + i as u64,
+            id: PacketId {
+                flow: FlowId {
+                    src: [1; 16],
+                    dst: [2; 16],
+                    ip_version: 6,
+                    udp_sport: 49152,
+                    dest_qp: 0x101,
+                },
+                psn: i,
+                opcode: 7,
+                icrc: [1, 2, 3, 4],
+            },
+            udp_dport: 4791,
+            dscp: 26,
+            ecn: 2,
+            ttl: 63,
+            pcp: 3,
+            frame_len: 1090,
+            reasons: 1,
+            aeth_syndrome: 0,
+            flags: 1,
+        }
+    }
+
+    fn all_frames() -> Vec<Frame> {
+        vec![
+            Frame::Hello {
+                version: VERSION,
+                node: "h1".into(),
+                token: "s3cret".into(),
+                clock_synced: true,
+            },
+            Frame::Welcome { version: VERSION },
+            Frame::Points(vec![PointDecl {
+                index: 0,
+                iface: "eth0".into(),
+                ifindex: 2,
+                direction: 1,
+            }]),
+            Frame::Observations((0..100).map(obs).collect()),
+            Frame::Counters {
+                interval_end_ns: 5,
+                deltas: vec![CounterDelta {
+                    point: 1,
+                    packets: 10,
+                    ecn: [1, 2, 3, 4],
+                    last_pcp: 0xff,
+                    ..Default::default()
+                }],
+            },
+            Frame::Dropped {
+                observations: 7,
+                counters: 1,
+            },
+            Frame::Heartbeat { unix_ns: 42 },
+            Frame::Bye {
+                reason: "shutdown".into(),
+            },
+        ]
+    }
+
+    #[test]
+    fn every_frame_round_trips_even_split_into_single_bytes() {
+        let frames = all_frames();
+        let mut enc = Encoder::default();
+        let wire: Vec<u8> = frames.iter().flat_map(|f| enc.encode(f).to_vec()).collect();
+        let mut dec = Decoder::default();
+        let mut buf = BytesMut::new();
+        let mut got = Vec::new();
+        for byte in wire {
+            buf.put_u8(byte);
+            while let Some(f) = dec.decode(&mut buf).unwrap() {
+                got.push(f);
+            }
+        }
+        assert_eq!(got, frames);
+    }
+
+    #[test]
+    fn bad_input_is_refused_with_a_reason() {
+        let mut dec = Decoder::default();
+        let mut b = BytesMut::from(&[0xff, 0xff, 0xff, 0xff][..]);
+        assert!(matches!(dec.decode(&mut b), Err(ProtoError::Oversized(_))));
+
+        let mut dec = Decoder::default();
+        let mut b = BytesMut::from(&encode(&Frame::Heartbeat { unix_ns: 1 }, 5)[..]);
+        assert_eq!(
+            dec.decode(&mut b),
+            Err(ProtoError::OutOfOrder { got: 5, want: 0 })
+        );
+
+        let mut dec = Decoder::default();
+        let mut f = encode(&Frame::Observations(vec![obs(1), obs(2)]), 0).to_vec();
+        f[13] = 3; // claims 3 observations, carries 2
+        assert!(matches!(
+            dec.decode(&mut BytesMut::from(&f[..])),
+            Err(ProtoError::Malformed(_))
+        ));
+
+        let mut dec = Decoder::default();
+        let mut f = encode(&Frame::Heartbeat { unix_ns: 1 }, 0).to_vec();
+        f[4] = 99;
+        assert_eq!(
+            dec.decode(&mut BytesMut::from(&f[..])),
+            Err(ProtoError::UnknownKind(99))
+        );
+
+        let mut dec = Decoder::default();
+        let f = encode(
+            &Frame::Hello {
+                version: 1,
+                node: "n".into(),
+                token: "t".into(),
+                clock_synced: false,
+            },
+            0,
+        );
+        let mut cut = f.to_vec();
+        cut.truncate(cut.len() - 1);
+        let l = (cut.len() - 4) as u32;
+        cut[..4].copy_from_slice(&l.to_be_bytes());
+        assert!(matches!(
+            dec.decode(&mut BytesMut::from(&cut[..])),
+            Err(ProtoError::Malformed(_))
+        ));
+
+        // A partial frame is not an error: more bytes may come.
+        let mut dec = Decoder::default();
+        let f = encode(&Frame::Heartbeat { unix_ns: 1 }, 0);
+        assert_eq!(dec.decode(&mut BytesMut::from(&f[..6])), Ok(None));
+    }
+}
