@@ -73,20 +73,7 @@ pub async fn run(
     anyhow::ensure!(!opts.ifaces.is_empty(), "no interface given (use -i IFACE)");
     anyhow::ensure!(opts.ingress || opts.egress, "neither ingress nor egress selected");
     let mut dp = Datapath::load(&opts.datapath)?;
-    let mut hooks = Vec::new();
-    for iface in &opts.ifaces {
-        if opts.ingress {
-            hooks.push(dp.attach_xdp(iface, opts.xdp_mode)?);
-        }
-        if opts.egress {
-            hooks.push(dp.attach_tc_egress(iface)?);
-        }
-    }
-    for h in &hooks {
-        if let Some(w) = &h.warning {
-            tracing::warn!("{w}");
-        }
-    }
+    let hooks = dp.attach_all(&opts.ifaces, opts.ingress, opts.egress, opts.xdp_mode)?;
     let names: HashMap<u32, String> = hooks.iter().map(|h| (h.ifindex, h.iface.clone())).collect();
     let name_of = |idx: u32| names.get(&idx).cloned().unwrap_or_else(|| idx.to_string());
 

@@ -251,6 +251,32 @@ impl Datapath {
         })
     }
 
+    /// XDP on ingress and/or TC on egress of every interface, in that order; warnings
+    /// (a mode fallen back to) are logged.
+    pub fn attach_all(
+        &mut self,
+        ifaces: &[String],
+        ingress: bool,
+        egress: bool,
+        xdp_mode: XdpModeChoice,
+    ) -> Result<Vec<Attachment>, DatapathError> {
+        let mut hooks = Vec::new();
+        for iface in ifaces {
+            if ingress {
+                hooks.push(self.attach_xdp(iface, xdp_mode)?);
+            }
+            if egress {
+                hooks.push(self.attach_tc_egress(iface)?);
+            }
+        }
+        for h in &hooks {
+            if let Some(w) = &h.warning {
+                tracing::warn!("{w}");
+            }
+        }
+        Ok(hooks)
+    }
+
     /// Every flow in the kernel, per-CPU copies merged.
     pub fn flows(&self) -> Result<HashMap<FlowKey, FlowCounters>, DatapathError> {
         let map = self

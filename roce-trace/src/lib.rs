@@ -3,10 +3,13 @@
 //! Stages, one direction: parse + count/sample in the kernel (`roce-trace-ebpf`, loaded by
 //! [`datapath`]) → observe ([`record`], [`capture`]) → report.
 
+pub mod agent;
 pub mod capture;
+pub mod collector;
 pub mod correlate;
 pub mod datapath;
 pub mod frame;
+pub mod http;
 pub mod observation;
 pub mod protocol;
 pub mod record;

@@ -27,6 +27,113 @@ enum Command {
     /// Send RoCEv2 like an RDMA NIC (RC requester with DCQCN) and answer it like one
     /// (ACK, NAK, CNP), for fabrics and hosts without RDMA NICs.
     Gen(GenArgs),
+    /// Continuous sampling service: stream observations and counters to a collector.
+    Agent(AgentArgs),
+    /// Join what the agents observe into each flow's path and class.
+    Collect(CollectArgs),
+}
+
+#[derive(clap::Args)]
+struct AgentArgs {
+    /// The collector, host:port.
+    #[arg(long)]
+    collector: Option<String>,
+    /// Interface to observe (repeat for several).
+    #[arg(short = 'i', long = "interface")]
+    interfaces: Vec<String>,
+    /// Node name of this host's observation points (default: the hostname).
+    #[arg(long)]
+    node: Option<String>,
+    /// Config file (TOML; see dist/agent.toml). Flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[command(flatten)]
+    token: TokenArgs,
+    #[arg(long)]
+    sample_rate: Option<u32>,
+    #[arg(long)]
+    seed: Option<u32>,
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u8).range(0..=63))]
+    expect_dscp: Vec<u8>,
+    #[arg(long)]
+    port: Option<u16>,
+    /// How often counter deltas are sent.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    interval: Option<Duration>,
+    /// Observations held while the collector is away.
+    #[arg(long)]
+    queue: Option<usize>,
+    /// This host's clock is synchronised (PTP/NTP).
+    #[arg(long)]
+    clock_synced: bool,
+    /// Serve Prometheus metrics on ADDR (e.g. 127.0.0.1:9464).
+    #[arg(long)]
+    metrics: Option<std::net::SocketAddr>,
+    #[arg(long, value_enum, default_value_t = XdpModeArg::Auto)]
+    xdp_mode: XdpModeArg,
+}
+
+#[derive(clap::Args)]
+struct TokenArgs {
+    /// Shared secret of agents and collector (or ROCE_TRACE_TOKEN).
+    #[arg(long, env = "ROCE_TRACE_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Read the token from FILE (first line).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+}
+
+fn read_token(
+    t: &TokenArgs,
+    file_from_config: Option<&PathBuf>,
+    from_config: Option<&String>,
+) -> anyhow::Result<String> {
+    if let Some(t) = &t.token {
+        return Ok(t.clone());
+    }
+    if let Some(f) = t.token_file.as_ref().or(file_from_config) {
+        let s =
+            std::fs::read_to_string(f).with_context(|| format!("reading the token file {}", f.display()))?;
+        let tok = s.lines().next().unwrap_or("").trim().to_owned();
+        anyhow::ensure!(!tok.is_empty(), "the token file {} is empty", f.display());
+        return Ok(tok);
+    }
+    from_config
+        .cloned()
+        .ok_or_else(|| anyhow::anyhow!("a token is required: --token, --token-file or ROCE_TRACE_TOKEN"))
+}
+
+#[derive(clap::Args)]
+struct CollectArgs {
+    /// Address agents connect to.
+    #[arg(long, default_value = "0.0.0.0:4792")]
+    listen: std::net::SocketAddr,
+    /// Serve the JSON API and Prometheus metrics on ADDR.
+    #[arg(long)]
+    http: Option<std::net::SocketAddr>,
+    #[command(flatten)]
+    token: TokenArgs,
+    /// Write the final report (JSON) here on exit.
+    #[arg(long, default_value = "roce-trace-report.json")]
+    report: PathBuf,
+    /// Stop after this long.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    duration: Option<Duration>,
+    /// A packet's trajectory is complete this long after its first observation.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
+    trajectory_timeout: Duration,
+    /// Flows tracked at most (more are refused and counted).
+    #[arg(long, default_value_t = 100_000)]
+    max_flows: usize,
+    /// Forget flows idle this long.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "5m")]
+    flow_idle: Duration,
+    /// No live view on stdout.
+    #[arg(long)]
+    quiet: bool,
+    /// Live view refresh.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
+    interval: Duration,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -218,6 +325,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         .context("starting runtime")?;
     match cli.cmd {
         Command::Gen(a) => rt.block_on(run_gen(a)),
+        Command::Agent(a) => rt.block_on(run_agent(a)),
+        Command::Collect(a) => rt.block_on(run_collect(a)),
         Command::Capture(a) => {
             let opts = CaptureOptions {
                 ifaces: a.interfaces,
@@ -340,5 +449,128 @@ async fn run_gen(a: GenArgs) -> anyhow::Result<()> {
     } else {
         print!("{}", traffic::render_report(&report));
     }
+    Ok(())
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: buf is writable for its length.
+    let r = unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) };
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    if r == 0 {
+        String::from_utf8_lossy(&buf[..end]).into_owned()
+    } else {
+        "unknown".into()
+    }
+}
+
+async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
+    use roce_trace::agent::{self, AgentConfig, AgentOptions};
+    let cfg = match &a.config {
+        Some(p) => AgentConfig::load(p)?,
+        None => AgentConfig::default(),
+    };
+    let token = read_token(&a.token, cfg.token_file.as_ref(), cfg.token.as_ref())?;
+    let interval = match (a.interval, &cfg.interval) {
+        (Some(i), _) => i,
+        (None, Some(s)) => humantime::parse_duration(s)?,
+        (None, None) => Duration::from_secs(2),
+    };
+    let opts = AgentOptions {
+        collector: a
+            .collector
+            .or(cfg.collector)
+            .context("no collector: --collector HOST:PORT or `collector` in the config")?,
+        ifaces: if a.interfaces.is_empty() {
+            cfg.interfaces.unwrap_or_default()
+        } else {
+            a.interfaces
+        },
+        ingress: true,
+        egress: true,
+        xdp_mode: match a.xdp_mode {
+            XdpModeArg::Auto => XdpModeChoice::Auto,
+            XdpModeArg::Native => XdpModeChoice::Native,
+            XdpModeArg::Generic => XdpModeChoice::Generic,
+        },
+        node: a.node.or(cfg.node).unwrap_or_else(hostname),
+        token,
+        datapath: DatapathOptions {
+            udp_port: a.port.or(cfg.port).unwrap_or(4791),
+            sample_rate: a.sample_rate.or(cfg.sample_rate).unwrap_or(1000),
+            seed: a.seed.or(cfg.seed).unwrap_or(0),
+            expected_dscp: if a.expect_dscp.is_empty() {
+                cfg.expect_dscp.unwrap_or_default()
+            } else {
+                a.expect_dscp
+            },
+            max_flows: DEFAULT_MAX_FLOWS,
+        },
+        interval,
+        queue: a.queue.or(cfg.queue).unwrap_or(100_000),
+        clock_synced: a.clock_synced || cfg.clock_synced.unwrap_or(false),
+        metrics: a.metrics.or(cfg.metrics),
+    };
+    let node = opts.node.clone();
+    let collector = opts.collector.clone();
+    let stats = agent::run(opts, shutdown_signal(), |hooks, metrics| {
+        let list: Vec<String> = hooks
+            .iter()
+            .map(|h| format!("{} {} ({})", h.iface, h.hook, h.mode))
+            .collect();
+        tracing::info!(
+            "agent `{node}` observing on {}, streaming to {collector}{}",
+            list.join(", "),
+            metrics
+                .map(|m| format!(", metrics on http://{m}/metrics"))
+                .unwrap_or_default()
+        );
+    })
+    .await?;
+    tracing::info!(
+        "agent stopped: {} observations ({} sent, {} dropped while the collector was away), {} counter deltas sent, {} connections, {} ring-buffer drops",
+        stats.observations,
+        stats.observations_sent,
+        stats.observations_dropped,
+        stats.counters_sent,
+        stats.connections,
+        stats.ringbuf_drops
+    );
+    Ok(())
+}
+
+async fn run_collect(a: CollectArgs) -> anyhow::Result<()> {
+    use roce_trace::{collector, correlate::JoinConfig};
+    let token = read_token(&a.token, None, None)?;
+    let opts = collector::CollectorOptions {
+        listen: a.listen,
+        http: a.http,
+        token,
+        report: Some(a.report.clone()),
+        join: JoinConfig {
+            trajectory_timeout_ns: a.trajectory_timeout.as_nanos() as u64,
+            flow_idle_ns: a.flow_idle.as_nanos() as u64,
+            max_flows: a.max_flows,
+            ..JoinConfig::default()
+        },
+        live: !a.quiet,
+        interval: a.interval,
+    };
+    let stop = async {
+        match a.duration {
+            Some(d) => tokio::select! { _ = tokio::time::sleep(d) => {}, _ = shutdown_signal() => {} },
+            None => shutdown_signal().await,
+        }
+    };
+    let r = collector::run(opts, stop, |listen, http| {
+        tracing::info!(
+            "collecting on {listen}{}",
+            http.map(|h| format!(", API on http://{h}/flows"))
+                .unwrap_or_default()
+        );
+    })
+    .await?;
+    print!("{}", collector::render(&r));
+    tracing::info!("report written to {}", a.report.display());
     Ok(())
 }

@@ -24,6 +24,8 @@ use anyhow::{Context as _, bail};
 pub const HOSTS: [u8; 4] = [1, 2, 3, 4];
 pub const LEAVES: [u8; 2] = [1, 2];
 pub const SPINES: [u8; 2] = [1, 2];
+/// Where a collector listens, on the management network (`mgmt` namespace).
+pub const MGMT_COLLECTOR: &str = "10.255.0.1";
 
 /// The leaf a host hangs off.
 pub fn leaf_of(host: u8) -> u8 {
@@ -148,7 +150,10 @@ impl Lab {
 
     pub fn is_up(&self) -> anyhow::Result<bool> {
         let have = self.existing()?;
-        Ok(Self::nodes().iter().all(|n| have.contains(&self.ns(n))))
+        Ok(Self::nodes()
+            .iter()
+            .chain(std::iter::once(&"mgmt".to_owned()))
+            .all(|n| have.contains(&self.ns(n))))
     }
 
     /// Builds the fabric; a lab that is already up is left as it is.
@@ -242,12 +247,50 @@ impl Lab {
                 )?;
             }
         }
+        self.mgmt()?;
         for n in Self::nodes() {
             for ifname in self.interfaces(&n)? {
                 self.exec(&n, &["ip", "link", "set", &ifname, "up"])?;
             }
         }
         self.routes()
+    }
+
+    /// The out-of-band management network: every node's `mgmt` port on one bridge in the
+    /// `mgmt` namespace (10.255.0.1), where a collector listens apart from the fabric.
+    fn mgmt(&self) -> anyhow::Result<()> {
+        run(&["ip", "netns", "add", &self.ns("mgmt")])?;
+        self.exec("mgmt", &["ip", "link", "set", "lo", "up"])?;
+        self.exec("mgmt", &["ip", "link", "add", "br0", "type", "bridge"])?;
+        self.exec(
+            "mgmt",
+            &["ip", "addr", "add", &format!("{MGMT_COLLECTOR}/24"), "dev", "br0"],
+        )?;
+        self.exec("mgmt", &["ip", "link", "set", "br0", "up"])?;
+        for n in Self::nodes() {
+            let port = format!("m{n}");
+            self.veth(&n, "mgmt", "mgmt", &port, "1500")?;
+            self.exec("mgmt", &["ip", "link", "set", &port, "master", "br0"])?;
+            self.exec("mgmt", &["ip", "link", "set", &port, "up"])?;
+            self.exec(
+                &n,
+                &[
+                    "ip",
+                    "addr",
+                    "add",
+                    &format!("{}/24", Self::mgmt_addr(&n)),
+                    "dev",
+                    "mgmt",
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// A node's address on the management network.
+    pub fn mgmt_addr(node: &str) -> String {
+        let k = Self::nodes().iter().position(|n| n == node).expect("a lab node") + 11;
+        format!("10.255.0.{k}")
     }
 
     fn veth(&self, a: &str, a_if: &str, b: &str, b_if: &str, mtu: &str) -> anyhow::Result<()> {
@@ -287,13 +330,22 @@ impl Lab {
         Ok(())
     }
 
-    /// Interfaces of a node other than lo.
+    /// Interfaces of a node other than lo (the fabric ports and `mgmt`).
     pub fn interfaces(&self, node: &str) -> anyhow::Result<Vec<String>> {
         let out = self.exec(node, &["ls", "/sys/class/net"])?;
         Ok(out
             .split_whitespace()
             .filter(|i| *i != "lo")
             .map(str::to_owned)
+            .collect())
+    }
+
+    /// The fabric ports of a node: what an agent there observes.
+    pub fn fabric_ports(&self, node: &str) -> anyhow::Result<Vec<String>> {
+        Ok(self
+            .interfaces(node)?
+            .into_iter()
+            .filter(|i| i != "mgmt")
             .collect())
     }
 
@@ -451,7 +503,7 @@ impl Lab {
             };
             let ifs: Vec<String> = links
                 .lines()
-                .filter(|l| !l.starts_with("lo "))
+                .filter(|l| !l.starts_with("lo ") && !l.starts_with("mgmt"))
                 .map(|l| {
                     let f: Vec<&str> = l.split_whitespace().collect();
                     format!(

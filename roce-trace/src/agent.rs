@@ -1,0 +1,572 @@
+//! `roce-trace agent`: the datapath as `capture` runs it, streaming sampled observations
+//! and per-flow counter deltas to a collector. The datapath never waits for the network:
+//! a bounded queue sits between them, and what overflows it is counted and reported.
+
+use std::{
+    collections::{BTreeMap, HashMap, VecDeque},
+    future::Future,
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use bytes::BytesMut;
+use roce_trace_common::datapath::*;
+use serde::Serialize;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpStream,
+    sync::Notify,
+};
+
+use crate::{
+    datapath::{Attachment, Datapath, DatapathOptions, XdpModeChoice},
+    http::{self, Response},
+    observation::{CounterDelta, Observation, PointDecl},
+    protocol::{Decoder, Encoder, Frame, MAX_BATCH, VERSION},
+    record::{ECN_NAMES, direction_name},
+    sys::KernelClock,
+};
+
+#[derive(Clone, Debug)]
+pub struct AgentOptions {
+    /// host:port of the collector.
+    pub collector: String,
+    pub ifaces: Vec<String>,
+    pub ingress: bool,
+    pub egress: bool,
+    pub xdp_mode: XdpModeChoice,
+    pub node: String,
+    pub token: String,
+    pub datapath: DatapathOptions,
+    /// Counter deltas are sent this often.
+    pub interval: Duration,
+    /// Observations (and, separately, counter deltas) held while the collector is away.
+    pub queue: usize,
+    /// This host's clock is synchronised (PTP/NTP): one-way delays are meaningful.
+    pub clock_synced: bool,
+    pub metrics: Option<SocketAddr>,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct AgentStats {
+    pub observations: u64,
+    pub observations_sent: u64,
+    pub observations_dropped: u64,
+    pub counters_sent: u64,
+    pub counters_dropped: u64,
+    pub connections: u64,
+    pub ringbuf_drops: u64,
+}
+
+#[derive(Default)]
+struct Outbox {
+    obs: VecDeque<Observation>,
+    counters: VecDeque<CounterDelta>,
+    cap: usize,
+    stats: AgentStats,
+}
+
+impl Outbox {
+    fn push_obs(&mut self, o: Observation) {
+        self.stats.observations += 1;
+        if self.obs.len() >= self.cap {
+            // The oldest goes: the newest say most about now.
+            self.obs.pop_front();
+            self.stats.observations_dropped += 1;
+        }
+        self.obs.push_back(o);
+    }
+    fn push_counter(&mut self, d: CounterDelta) {
+        if self.counters.len() >= self.cap {
+            self.counters.pop_front();
+            self.stats.counters_dropped += 1;
+        }
+        self.counters.push_back(d);
+    }
+}
+
+/// Per (interface, direction): totals for the Prometheus endpoint.
+#[derive(Clone, Debug, Default)]
+struct PointMetrics {
+    /// By the flow's current DSCP.
+    packets_by_dscp: BTreeMap<u8, (u64, u64)>,
+    ecn: [u64; 4],
+    cnp: u64,
+    nak: [u64; 3],
+    psn_gaps: u64,
+}
+
+struct Shared {
+    outbox: Mutex<Outbox>,
+    notify: Notify,
+    metrics: Mutex<(Vec<(String, PointMetrics)>, GlobalTotals)>,
+}
+
+use crate::datapath::GlobalTotals;
+
+pub async fn run(
+    opts: AgentOptions,
+    shutdown: impl Future<Output = ()>,
+    ready: impl FnOnce(&[Attachment], Option<SocketAddr>),
+) -> anyhow::Result<AgentStats> {
+    anyhow::ensure!(
+        !opts.token.is_empty(),
+        "a token is required (--token or --token-file)"
+    );
+    anyhow::ensure!(!opts.ifaces.is_empty(), "no interface given (use -i IFACE)");
+    anyhow::ensure!(opts.queue > 0, "--queue must be at least 1");
+    let mut dp = Datapath::load(&opts.datapath)?;
+    let hooks = dp.attach_all(&opts.ifaces, opts.ingress, opts.egress, opts.xdp_mode)?;
+    let points: Vec<PointDecl> = hooks
+        .iter()
+        .enumerate()
+        .map(|(i, h)| PointDecl {
+            index: i as u16,
+            iface: h.iface.clone(),
+            ifindex: h.ifindex,
+            direction: if h.hook == "xdp" { DIR_INGRESS } else { DIR_EGRESS },
+        })
+        .collect();
+    let point_of: HashMap<(u32, u8), u16> = points
+        .iter()
+        .map(|p| ((p.ifindex, p.direction), p.index))
+        .collect();
+    let shared = Arc::new(Shared {
+        outbox: Mutex::new(Outbox {
+            cap: opts.queue,
+            ..Outbox::default()
+        }),
+        notify: Notify::new(),
+        metrics: Mutex::new((Vec::new(), GlobalTotals::default())),
+    });
+
+    let mut metrics_addr = None;
+    if let Some(addr) = opts.metrics {
+        let sh = shared.clone();
+        let (bound, serve) = http::bind(addr, move |path, _| match path {
+            "/metrics" => Response::metrics(render_metrics(&sh)),
+            _ => Response::text(404, "try /metrics\n".into()),
+        })
+        .await
+        .with_context(|| format!("metrics on {addr}"))?;
+        metrics_addr = Some(bound);
+        tokio::spawn(serve);
+    }
+
+    let clock = KernelClock::now();
+    let ring = dp.take_samples()?;
+    // SAFETY: the RingBuf owns its map fd and keeps it open for as long as this AsyncFd.
+    let mut ring = unsafe { tokio::io::unix::AsyncFd::register(ring) }
+        .map_err(|e| anyhow::anyhow!("polling the sample ring buffer: {e}"))?;
+    let sender = tokio::spawn(send_loop(opts.clone(), points.clone(), shared.clone()));
+    ready(&hooks, metrics_addr);
+
+    let mut prev: HashMap<FlowKey, FlowCounters> = HashMap::new();
+    let mut tick = tokio::time::interval(opts.interval);
+    tick.tick().await;
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            guard = ring.readable_mut() => {
+                let mut guard = guard.context("waiting for samples")?;
+                let n = drain(guard.get_inner_mut(), &clock, &point_of, &shared);
+                guard.clear_ready();
+                if n > 0 {
+                    shared.notify.notify_one();
+                }
+            }
+            _ = tick.tick() => {
+                let flows = dp.flows()?;
+                let globals = dp.globals()?;
+                let mut by_point: BTreeMap<u16, PointMetrics> = BTreeMap::new();
+                {
+                    let mut ob = shared.outbox.lock().expect("outbox");
+                    for (k, c) in &flows {
+                        let Some(&p) = point_of.get(&(k.ifindex, k.direction)) else { continue };
+                        let d = CounterDelta::between(p, k, c, prev.get(k));
+                        if d.packets > 0 {
+                            ob.push_counter(d);
+                        }
+                        let m = by_point.entry(p).or_default();
+                        let e = m.packets_by_dscp.entry(c.last_dscp).or_default();
+                        e.0 += c.packets;
+                        e.1 += c.bytes;
+                        for i in 0..4 {
+                            m.ecn[i] += c.ecn[i];
+                        }
+                        m.cnp += c.cnp;
+                        m.nak[0] += c.nak_psn_seq_err;
+                        m.nak[1] += c.nak_rnr;
+                        m.nak[2] += c.nak_other;
+                        m.psn_gaps += c.psn_gaps;
+                    }
+                    ob.stats.ringbuf_drops = globals.total(GlobalCounter::RingbufFull);
+                }
+                *shared.metrics.lock().expect("metrics") = (
+                    points
+                        .iter()
+                        .map(|p| (format!("{}\t{}", p.iface, direction_name(p.direction)), by_point.remove(&p.index).unwrap_or_default()))
+                        .collect(),
+                    globals,
+                );
+                prev = flows;
+                shared.notify.notify_one();
+            }
+        }
+    }
+    // Whatever the kernel queued still goes, and the sender gets a moment to deliver.
+    drain(ring.get_mut(), &clock, &point_of, &shared);
+    shared.notify.notify_one();
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < deadline && !shared.outbox.lock().expect("outbox").obs.is_empty() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sender.abort();
+    let stats = shared.outbox.lock().expect("outbox").stats;
+    Ok(stats)
+}
+
+fn drain(
+    ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
+    clock: &KernelClock,
+    point_of: &HashMap<(u32, u8), u16>,
+    sh: &Shared,
+) -> usize {
+    let mut batch = Vec::new();
+    while let Some(item) = ring.next() {
+        if item.len() < std::mem::size_of::<Sample>() {
+            continue;
+        }
+        // SAFETY: a whole Sample (size checked); read_unaligned copes with any alignment.
+        let s: Sample = unsafe { std::ptr::read_unaligned(item.as_ptr() as *const Sample) };
+        if let Some(&p) = point_of.get(&(s.key.ifindex, s.key.direction)) {
+            batch.push(Observation::from_sample(&s, p, clock));
+        }
+    }
+    let n = batch.len();
+    let mut ob = sh.outbox.lock().expect("outbox");
+    for o in batch {
+        ob.push_obs(o);
+    }
+    n
+}
+
+/// Connects, shakes hands, streams; on any failure waits (100 ms doubling to 5 s) and
+/// connects again. Never touches the datapath.
+async fn send_loop(opts: AgentOptions, points: Vec<PointDecl>, sh: Arc<Shared>) {
+    let mut backoff = Duration::from_millis(100);
+    let mut last_error = String::new();
+    loop {
+        match session(&opts, &points, &sh).await {
+            Ok(()) => backoff = Duration::from_millis(100),
+            Err(e) => {
+                if e != last_error {
+                    tracing::warn!("collector {}: {e}; retrying", opts.collector);
+                    last_error = e;
+                }
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+async fn session(opts: &AgentOptions, points: &[PointDecl], sh: &Shared) -> Result<(), String> {
+    let mut sock = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(&opts.collector))
+        .await
+        .map_err(|_| "connect timed out".to_owned())?
+        .map_err(|e| format!("connect: {e}"))?;
+    let _ = sock.set_nodelay(true);
+    let mut enc = Encoder::default();
+    let hello = Frame::Hello {
+        version: VERSION,
+        node: opts.node.clone(),
+        token: opts.token.clone(),
+        clock_synced: opts.clock_synced,
+    };
+    sock.write_all(&enc.encode(&hello))
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+    let mut buf = BytesMut::new();
+    let mut dec = Decoder::default();
+    let reply = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            if let Some(f) = dec.decode(&mut buf).map_err(|e| e.to_string())? {
+                return Ok::<Frame, String>(f);
+            }
+            if sock.read_buf(&mut buf).await.map_err(|e| e.to_string())? == 0 {
+                return Err("the collector closed the connection during the handshake".into());
+            }
+        }
+    })
+    .await
+    .map_err(|_| "no answer to HELLO within 5 s".to_owned())??;
+    match reply {
+        Frame::Welcome { .. } => {}
+        Frame::Bye { reason } => return Err(format!("refused: {reason}")),
+        other => return Err(format!("unexpected answer to HELLO: {other:?}")),
+    }
+    tracing::info!("connected to collector {}", opts.collector);
+    sh.outbox.lock().expect("outbox").stats.connections += 1;
+    sock.write_all(&enc.encode(&Frame::Points(points.to_vec())))
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut last_dropped = (u64::MAX, u64::MAX);
+    let mut last_beat = Instant::now();
+    loop {
+        let _ = tokio::time::timeout(Duration::from_millis(500), sh.notify.notified()).await;
+        loop {
+            // Take a batch; put it back at the front if it cannot be written.
+            let (obs, counters, dropped) = {
+                let mut ob = sh.outbox.lock().expect("outbox");
+                let n = ob.obs.len().min(MAX_BATCH);
+                let obs: Vec<Observation> = ob.obs.drain(..n).collect();
+                let m = ob.counters.len().min(MAX_BATCH);
+                let counters: Vec<CounterDelta> = ob.counters.drain(..m).collect();
+                (
+                    obs,
+                    counters,
+                    (ob.stats.observations_dropped, ob.stats.counters_dropped),
+                )
+            };
+            if obs.is_empty()
+                && counters.is_empty()
+                && dropped == last_dropped
+                && last_beat.elapsed() < Duration::from_secs(5)
+            {
+                break;
+            }
+            let unix_now = || {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_nanos() as u64
+            };
+            // Each frame written or given back: what was written is not sent twice.
+            let mut obs_left = obs;
+            let mut counters_left = counters;
+            let mut result: Result<(), std::io::Error> = Ok(());
+            if !obs_left.is_empty() {
+                result = sock
+                    .write_all(&enc.encode(&Frame::Observations(obs_left.clone())))
+                    .await;
+                if result.is_ok() {
+                    sh.outbox.lock().expect("outbox").stats.observations_sent += obs_left.len() as u64;
+                    obs_left.clear();
+                }
+            }
+            if result.is_ok() && !counters_left.is_empty() {
+                let f = Frame::Counters {
+                    interval_end_ns: unix_now(),
+                    deltas: counters_left.clone(),
+                };
+                result = sock.write_all(&enc.encode(&f)).await;
+                if result.is_ok() {
+                    sh.outbox.lock().expect("outbox").stats.counters_sent += counters_left.len() as u64;
+                    counters_left.clear();
+                }
+            }
+            if result.is_ok() && dropped != last_dropped {
+                result = sock
+                    .write_all(&enc.encode(&Frame::Dropped {
+                        observations: dropped.0,
+                        counters: dropped.1,
+                    }))
+                    .await;
+                last_dropped = dropped;
+            }
+            if result.is_ok() && last_beat.elapsed() >= Duration::from_secs(5) {
+                result = sock
+                    .write_all(&enc.encode(&Frame::Heartbeat { unix_ns: unix_now() }))
+                    .await;
+                last_beat = Instant::now();
+            }
+            if let Err(e) = result {
+                let mut ob = sh.outbox.lock().expect("outbox");
+                for o in obs_left.into_iter().rev() {
+                    ob.obs.push_front(o);
+                }
+                for c in counters_left.into_iter().rev() {
+                    ob.counters.push_front(c);
+                }
+                return Err(format!("sending: {e}"));
+            }
+        }
+    }
+}
+
+fn render_metrics(sh: &Shared) -> String {
+    let (points, globals) = sh.metrics.lock().expect("metrics").clone();
+    let stats = sh.outbox.lock().expect("outbox").stats;
+    let mut m = String::new();
+    let mut family = |name: &str, help: &str, kind: &str, rows: Vec<(String, u64)>| {
+        m.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+        for (labels, v) in rows {
+            m.push_str(&format!("{name}{{{labels}}} {v}\n"));
+        }
+    };
+    let lp = |k: &str| {
+        let (iface, dir) = k.split_once('\t').unwrap_or((k, ""));
+        format!("interface=\"{iface}\",direction=\"{dir}\"")
+    };
+    let mut pk = Vec::new();
+    let mut by = Vec::new();
+    let mut ecn = Vec::new();
+    let (mut ce, mut cnp, mut nak, mut gaps) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (k, p) in &points {
+        for (dscp, (n, b)) in &p.packets_by_dscp {
+            pk.push((format!("{},dscp=\"{dscp}\"", lp(k)), *n));
+            by.push((format!("{},dscp=\"{dscp}\"", lp(k)), *b));
+        }
+        for (i, name) in ECN_NAMES.iter().enumerate() {
+            ecn.push((format!("{},ecn=\"{name}\"", lp(k)), p.ecn[i]));
+        }
+        ce.push((lp(k), p.ecn[3]));
+        cnp.push((lp(k), p.cnp));
+        for (i, kind) in ["psn_seq_err", "rnr", "other"].iter().enumerate() {
+            nak.push((format!("{},kind=\"{kind}\"", lp(k)), p.nak[i]));
+        }
+        gaps.push((lp(k), p.psn_gaps));
+    }
+    family(
+        "roce_trace_packets_total",
+        "RoCEv2 packets, by the flow's current DSCP.",
+        "counter",
+        pk,
+    );
+    family(
+        "roce_trace_bytes_total",
+        "RoCEv2 bytes, by the flow's current DSCP.",
+        "counter",
+        by,
+    );
+    family(
+        "roce_trace_ecn_packets_total",
+        "RoCEv2 packets by ECN codepoint.",
+        "counter",
+        ecn,
+    );
+    family(
+        "roce_trace_ce_marks_total",
+        "CE-marked RoCEv2 packets.",
+        "counter",
+        ce,
+    );
+    family("roce_trace_cnp_total", "CNPs.", "counter", cnp);
+    family("roce_trace_nak_total", "NAKs by kind.", "counter", nak);
+    family(
+        "roce_trace_psn_gaps_total",
+        "Request PSNs that skipped ahead.",
+        "counter",
+        gaps,
+    );
+    family(
+        "roce_trace_ringbuf_drops_total",
+        "Samples the kernel could not queue (the packets passed).",
+        "counter",
+        [(DIR_INGRESS, "ingress"), (DIR_EGRESS, "egress")]
+            .iter()
+            .map(|(d, n)| {
+                (
+                    format!("direction=\"{n}\""),
+                    globals.get(GlobalCounter::RingbufFull, *d),
+                )
+            })
+            .collect(),
+    );
+    family(
+        "roce_trace_samples_sent_total",
+        "Observations delivered to the collector.",
+        "counter",
+        vec![(String::new(), stats.observations_sent)],
+    );
+    family(
+        "roce_trace_samples_dropped_total",
+        "Observations dropped: queue full while the collector was away.",
+        "counter",
+        vec![(String::new(), stats.observations_dropped)],
+    );
+    m.replace("{}", "")
+}
+
+/// The agent's config file (TOML). Every key is optional; flags override it.
+#[derive(Clone, Debug, Default, serde::Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    pub collector: Option<String>,
+    pub interfaces: Option<Vec<String>>,
+    pub node: Option<String>,
+    pub token: Option<String>,
+    pub token_file: Option<std::path::PathBuf>,
+    pub sample_rate: Option<u32>,
+    pub seed: Option<u32>,
+    pub expect_dscp: Option<Vec<u8>>,
+    pub port: Option<u16>,
+    /// e.g. "2s".
+    pub interval: Option<String>,
+    pub queue: Option<usize>,
+    pub clock_synced: Option<bool>,
+    pub metrics: Option<SocketAddr>,
+}
+
+impl AgentConfig {
+    /// Reads and validates a config file; errors name the file, and the line and column.
+    pub fn load(path: &std::path::Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let c: Self = toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        c.validate()
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        Ok(c)
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        if let Some(d) = self
+            .expect_dscp
+            .as_ref()
+            .and_then(|v| v.iter().find(|&&d| d > 63))
+        {
+            return Err(format!("expect_dscp: {d} is out of range 0..=63"));
+        }
+        if let Some(i) = &self.interval {
+            humantime::parse_duration(i).map_err(|e| format!("interval `{i}`: {e}"))?;
+        }
+        if self.queue == Some(0) {
+            return Err("queue must be at least 1".into());
+        }
+        if self.interfaces.as_ref().is_some_and(|v| v.is_empty()) {
+            return Err("interfaces is empty".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_example_config_is_valid() {
+        let p = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../dist/agent.toml"));
+        let c = AgentConfig::load(p).unwrap();
+        assert_eq!(c.collector.as_deref(), Some("collector.example.net:4792"));
+        assert_eq!(c.expect_dscp, Some(vec![26, 48]));
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_refused_with_the_line() {
+        let e = toml::from_str::<AgentConfig>("collector = \"x:1\"\nsampel_rate = 5\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("unknown field `sampel_rate`") && e.contains("line 2"),
+            "{e}"
+        );
+        let c: AgentConfig = toml::from_str("expect_dscp = [26, 99]").unwrap();
+        assert!(c.validate().unwrap_err().contains("99"));
+        let c: AgentConfig = toml::from_str("interval = \"soon\"").unwrap();
+        assert!(c.validate().unwrap_err().contains("soon"));
+    }
+}

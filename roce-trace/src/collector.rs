@@ -1,0 +1,481 @@
+//! `roce-trace collect`: accepts many agents, joins what they observe (correlate.rs), and
+//! serves the result: a live view, JSON over HTTP, Prometheus metrics, a report on exit.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    future::Future,
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use bytes::BytesMut;
+use serde::Serialize;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
+};
+
+use crate::{
+    correlate::{Anomaly, FlowReport, JoinConfig, JoinStats, Joiner, PointId, PointInfo},
+    http::{self, Response},
+    protocol::{Decoder, Encoder, Frame, ProtoError, VERSION},
+    record::direction_name,
+};
+
+#[derive(Clone, Debug)]
+pub struct CollectorOptions {
+    pub listen: SocketAddr,
+    pub http: Option<SocketAddr>,
+    pub token: String,
+    pub report: Option<PathBuf>,
+    pub join: JoinConfig,
+    /// Print the flow view every interval.
+    pub live: bool,
+    pub interval: Duration,
+}
+
+/// What the collector knows of one agent.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct AgentInfo {
+    pub node: String,
+    pub peer: String,
+    pub connected: bool,
+    pub connections: u64,
+    pub clock_synced: bool,
+    pub observations: u64,
+    pub counter_deltas: u64,
+    /// What the agent reported it had to drop (its queue was full while we were away).
+    pub dropped_observations: u64,
+    pub dropped_counters: u64,
+    pub last_disconnect: Option<String>,
+}
+
+#[derive(Default)]
+struct State {
+    joiner: Option<Joiner>,
+    agents: BTreeMap<String, AgentInfo>,
+    refused: u64,
+}
+
+type Shared = Arc<Mutex<State>>;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct CollectorReport {
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub stats: JoinStats,
+    pub refused_connections: u64,
+    pub agents: Vec<AgentInfo>,
+    pub points: Vec<PointInfo>,
+    pub flows: Vec<FlowReport>,
+    pub anomalies: Vec<Anomaly>,
+}
+
+fn now_ns(start: Instant) -> u64 {
+    start.elapsed().as_nanos() as u64
+}
+
+fn report(st: &State) -> CollectorReport {
+    let j = st.joiner.as_ref().expect("joiner");
+    CollectorReport {
+        kind: "collector_report",
+        stats: j.stats,
+        refused_connections: st.refused,
+        agents: st.agents.values().cloned().collect(),
+        points: j.points().to_vec(),
+        flows: j.flow_ids().iter().filter_map(|id| j.flow_report(id)).collect(),
+        anomalies: j.anomalies(),
+    }
+}
+
+/// Runs until `shutdown`; `ready` gets the bound agent and HTTP addresses.
+pub async fn run(
+    opts: CollectorOptions,
+    shutdown: impl Future<Output = ()>,
+    ready: impl FnOnce(SocketAddr, Option<SocketAddr>),
+) -> anyhow::Result<CollectorReport> {
+    anyhow::ensure!(
+        !opts.token.is_empty(),
+        "a token is required (--token or --token-file)"
+    );
+    let start = Instant::now();
+    let state: Shared = Arc::new(Mutex::new(State {
+        joiner: Some(Joiner::new(opts.join)),
+        ..State::default()
+    }));
+    let listener = TcpListener::bind(opts.listen)
+        .await
+        .with_context(|| format!("listening on {}", opts.listen))?;
+    let local = listener.local_addr()?;
+    let mut http_addr = None;
+    if let Some(addr) = opts.http {
+        let st = state.clone();
+        let (bound, serve) = http::bind(addr, move |path, query| api(&st, path, query))
+            .await
+            .with_context(|| format!("HTTP on {addr}"))?;
+        http_addr = Some(bound);
+        tokio::spawn(serve);
+    }
+    ready(local, http_addr);
+
+    let token = Arc::new(opts.token.clone());
+    let st = state.clone();
+    let accept = async move {
+        loop {
+            let Ok((sock, peer)) = listener.accept().await else {
+                continue;
+            };
+            let st = st.clone();
+            let token = token.clone();
+            tokio::spawn(async move {
+                if let Err(reason) = serve_agent(sock, peer, &st, &token, start).await {
+                    tracing::warn!("agent {peer}: connection closed: {reason}");
+                }
+            });
+        }
+    };
+    let st = state.clone();
+    let live = opts.live;
+    let ticker = async move {
+        let mut t = tokio::time::interval(Duration::from_millis(200));
+        let mut last_view = Instant::now();
+        loop {
+            t.tick().await;
+            let mut s = st.lock().expect("state");
+            s.joiner.as_mut().expect("joiner").tick(now_ns(start));
+            if live && last_view.elapsed() >= opts.interval {
+                last_view = Instant::now();
+                print!("{}", render(&report(&s)));
+            }
+        }
+    };
+    tokio::select! {
+        _ = shutdown => {}
+        _ = accept => {}
+        _ = ticker => {}
+    }
+    let mut s = state.lock().expect("state");
+    s.joiner.as_mut().expect("joiner").flush();
+    let r = report(&s);
+    if let Some(path) = &opts.report {
+        std::fs::write(path, serde_json::to_vec_pretty(&r)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(r)
+}
+
+/// One agent's connection: handshake, then frames into the join. Any protocol error
+/// closes this connection only.
+async fn serve_agent(
+    mut sock: TcpStream,
+    peer: SocketAddr,
+    st: &Shared,
+    token: &str,
+    start: Instant,
+) -> Result<(), String> {
+    let mut buf = BytesMut::with_capacity(64 * 1024);
+    let mut dec = Decoder::default();
+    let mut enc = Encoder::default();
+    let first = tokio::time::timeout(Duration::from_secs(5), read_frame(&mut sock, &mut buf, &mut dec))
+        .await
+        .map_err(|_| "no HELLO within 5 s".to_owned())??;
+    let Some(Frame::Hello {
+        version,
+        node,
+        token: t,
+        clock_synced,
+    }) = first
+    else {
+        st.lock().expect("state").refused += 1;
+        return Err("the first frame was not HELLO".into());
+    };
+    let refusal = if version != VERSION {
+        Some(ProtoError::Version(version).to_string())
+    } else if t != token {
+        Some(format!("node `{node}` presented a wrong token"))
+    } else {
+        None
+    };
+    if let Some(why) = refusal {
+        st.lock().expect("state").refused += 1;
+        let _ = sock
+            .write_all(&Encoder::default().encode(&Frame::Bye { reason: why.clone() }))
+            .await;
+        return Err(why);
+    }
+    sock.write_all(&enc.encode(&Frame::Welcome { version: VERSION }))
+        .await
+        .map_err(|e| e.to_string())?;
+    tracing::info!("agent `{node}` connected from {peer}");
+    {
+        let mut s = st.lock().expect("state");
+        let a = s.agents.entry(node.clone()).or_default();
+        a.node = node.clone();
+        a.peer = peer.to_string();
+        a.connected = true;
+        a.connections += 1;
+        a.clock_synced = clock_synced;
+    }
+    let mut points: HashMap<u16, PointId> = HashMap::new();
+    let result = loop {
+        let f = match read_frame(&mut sock, &mut buf, &mut dec).await {
+            Ok(Some(f)) => f,
+            Ok(None) => break Err("the agent went away".to_owned()),
+            Err(e) => break Err(e),
+        };
+        let now = now_ns(start);
+        let mut s = st.lock().expect("state");
+        let State { joiner, agents, .. } = &mut *s;
+        let j = joiner.as_mut().expect("joiner");
+        let a = agents.get_mut(&node).expect("registered");
+        match f {
+            Frame::Points(decls) => {
+                for d in decls {
+                    let p = j.point(PointInfo {
+                        node: node.clone(),
+                        iface: d.iface,
+                        direction: direction_name(d.direction).into(),
+                        clock_synced,
+                    });
+                    points.insert(d.index, p);
+                }
+            }
+            Frame::Observations(obs) => {
+                for o in &obs {
+                    let Some(&p) = points.get(&o.point) else {
+                        return close(
+                            st,
+                            &node,
+                            format!("observation from undeclared point {}", o.point),
+                        );
+                    };
+                    j.add(p, o, now);
+                }
+                a.observations += obs.len() as u64;
+            }
+            Frame::Counters { deltas, .. } => {
+                for d in &deltas {
+                    let Some(&p) = points.get(&d.point) else {
+                        return close(st, &node, format!("counters from undeclared point {}", d.point));
+                    };
+                    j.add_counters(p, d, now);
+                }
+                a.counter_deltas += deltas.len() as u64;
+            }
+            Frame::Dropped {
+                observations,
+                counters,
+            } => {
+                a.dropped_observations = observations;
+                a.dropped_counters = counters;
+            }
+            Frame::Heartbeat { .. } => {}
+            Frame::Bye { reason } => break Err(format!("agent said goodbye: {reason}")),
+            Frame::Hello { .. } | Frame::Welcome { .. } => break Err("unexpected handshake frame".into()),
+        }
+    };
+    match result {
+        Err(reason) => close(st, &node, reason),
+        Ok(()) => Ok(()),
+    }
+}
+
+fn close(st: &Shared, node: &str, reason: String) -> Result<(), String> {
+    let mut s = st.lock().expect("state");
+    if let Some(a) = s.agents.get_mut(node) {
+        a.connected = false;
+        a.last_disconnect = Some(reason.clone());
+    }
+    Err(reason)
+}
+
+/// Reads until one whole frame is decoded; `Ok(None)` on a clean end of stream.
+async fn read_frame(
+    sock: &mut TcpStream,
+    buf: &mut BytesMut,
+    dec: &mut Decoder,
+) -> Result<Option<Frame>, String> {
+    loop {
+        if let Some(f) = dec.decode(buf).map_err(|e| e.to_string())? {
+            return Ok(Some(f));
+        }
+        let n = sock.read_buf(buf).await.map_err(|e| e.to_string())?;
+        if n == 0 {
+            return if buf.is_empty() {
+                Ok(None)
+            } else {
+                Err(format!("stream ended inside a frame ({} bytes)", buf.len()))
+            };
+        }
+    }
+}
+
+fn api(st: &Shared, path: &str, query: &str) -> Response {
+    let s = st.lock().expect("state");
+    let j = s.joiner.as_ref().expect("joiner");
+    match path {
+        "/flows" => Response::json(
+            &j.flow_ids()
+                .iter()
+                .filter_map(|id| j.flow_report(id))
+                .collect::<Vec<_>>(),
+        ),
+        "/flow" => {
+            let id = query
+                .split('&')
+                .find_map(|kv| kv.strip_prefix("id="))
+                .map(http::percent_decode)
+                .unwrap_or_default();
+            match j.find(&id).and_then(|f| j.flow_report(&f)) {
+                Some(r) => Response::json(&r),
+                None => Response::text(404, format!("no flow `{id}` (see /flows)\n")),
+            }
+        }
+        "/anomalies" => Response::json(&j.anomalies()),
+        "/agents" => Response::json(&s.agents.values().collect::<Vec<_>>()),
+        "/stats" => Response::json(&j.stats),
+        "/report" => Response::json(&report(&s)),
+        "/metrics" => Response::metrics(metrics(&s)),
+        _ => Response::text(
+            404,
+            "try /flows, /flow?id=…, /anomalies, /agents, /stats, /report, /metrics\n".into(),
+        ),
+    }
+}
+
+fn metrics(s: &State) -> String {
+    let j = s.joiner.as_ref().expect("joiner");
+    let st = j.stats;
+    let mut m = String::new();
+    for (name, help, v) in [
+        (
+            "roce_trace_collector_observations_total",
+            "Observations received.",
+            st.observations,
+        ),
+        (
+            "roce_trace_collector_duplicates_total",
+            "Duplicate observations dropped.",
+            st.duplicates,
+        ),
+        (
+            "roce_trace_collector_trajectories_total",
+            "Trajectories completed.",
+            st.trajectories,
+        ),
+        (
+            "roce_trace_collector_retransmissions_total",
+            "Packet identities seen again at a point.",
+            st.retransmissions,
+        ),
+        (
+            "roce_trace_collector_pending_dropped_total",
+            "Identities dropped: pending limit reached.",
+            st.pending_dropped,
+        ),
+        (
+            "roce_trace_collector_flows_refused_total",
+            "Observations of new flows refused: flow limit reached.",
+            st.flows_refused,
+        ),
+        (
+            "roce_trace_collector_flows_expired_total",
+            "Idle flows forgotten.",
+            st.flows_expired,
+        ),
+        (
+            "roce_trace_collector_refused_connections_total",
+            "Connections refused (handshake, token, version).",
+            s.refused,
+        ),
+    ] {
+        m.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}\n"
+        ));
+    }
+    m.push_str(&format!(
+        "# TYPE roce_trace_collector_flows gauge\nroce_trace_collector_flows {}\n",
+        st.flows
+    ));
+    m.push_str(&format!(
+        "# TYPE roce_trace_collector_pending gauge\nroce_trace_collector_pending {}\n",
+        st.pending
+    ));
+    m.push_str("# TYPE roce_trace_collector_agent_connected gauge\n");
+    for a in s.agents.values() {
+        m.push_str(&format!(
+            "roce_trace_collector_agent_connected{{node=\"{}\"}} {}\n",
+            a.node, a.connected as u8
+        ));
+    }
+    let mut kinds: BTreeMap<String, u64> = BTreeMap::new();
+    for a in j.anomalies() {
+        *kinds.entry(a.kind).or_default() += 1;
+    }
+    m.push_str("# HELP roce_trace_collector_anomalies Flows with an anomaly, by kind.\n# TYPE roce_trace_collector_anomalies gauge\n");
+    for (k, v) in kinds {
+        m.push_str(&format!("roce_trace_collector_anomalies{{kind=\"{k}\"}} {v}\n"));
+    }
+    m
+}
+
+fn short(point: &str) -> String {
+    // node:iface:direction → node/iface(in|out)
+    let mut it = point.split(':');
+    match (it.next(), it.next(), it.next()) {
+        (Some(n), Some(i), Some(d)) => format!("{n}/{i}{}", if d == "ingress" { "<" } else { ">" }),
+        _ => point.to_owned(),
+    }
+}
+
+/// The live view: per flow its path, and what happened along it.
+pub fn render(r: &CollectorReport) -> String {
+    let mut s = format!(
+        "roce-trace collect — {} agents ({} connected), {} flows, {} observations, {} trajectories\n",
+        r.agents.len(),
+        r.agents.iter().filter(|a| a.connected).count(),
+        r.flows.len(),
+        r.stats.observations,
+        r.stats.trajectories
+    );
+    for f in r.flows.iter().filter(|f| !f.path.is_empty()) {
+        let dscps: Vec<String> = f.class.iter().map(|c| c.dscp.to_string()).collect();
+        s.push_str(&format!(
+            "{:<44} path {}  dscp {}",
+            f.id,
+            f.path.iter().map(|p| short(p)).collect::<Vec<_>>().join(" "),
+            dscps.join("/")
+        ));
+        for c in &f.class_changes {
+            s.push_str(&format!(
+                "  CLASS {}→{} between {} and {}",
+                c.from_dscp,
+                c.to_dscp,
+                short(&c.between[0]),
+                short(&c.between[1])
+            ));
+        }
+        for l in &f.lost {
+            s.push_str(&format!(
+                "  LOST {} between {} and {}",
+                l.span.packets,
+                short(&l.between[0]),
+                short(&l.between[1])
+            ));
+        }
+        if let Some(c) = f.ce_onset.first() {
+            s.push_str(&format!("  CE from {}", short(&c.at)));
+        }
+        if let Some(x) = f.answered_by.cnps_per_ce_mark {
+            s.push_str(&format!("  CNP/CE {x:.2}"));
+        }
+        if f.path_history.len() > 1 {
+            s.push_str(&format!("  MOVED ({} paths)", f.path_history.len()));
+        }
+        s.push('\n');
+    }
+    s
+}

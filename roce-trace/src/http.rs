@@ -1,0 +1,141 @@
+//! A small HTTP/1.1 server for GET requests: the collector's JSON API and the Prometheus
+//! endpoints. Each request is answered and the connection closed.
+
+use std::{future::Future, net::SocketAddr, sync::Arc};
+
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpListener,
+};
+
+pub struct Response {
+    pub status: u16,
+    pub content_type: &'static str,
+    pub body: String,
+}
+
+impl Response {
+    pub fn json<T: serde::Serialize>(v: &T) -> Self {
+        match serde_json::to_string_pretty(v) {
+            Ok(body) => Self {
+                status: 200,
+                content_type: "application/json",
+                body,
+            },
+            Err(e) => Self::text(500, format!("encoding failed: {e}\n")),
+        }
+    }
+    pub fn text(status: u16, body: String) -> Self {
+        Self {
+            status,
+            content_type: "text/plain; charset=utf-8",
+            body,
+        }
+    }
+    pub fn metrics(body: String) -> Self {
+        Self {
+            status: 200,
+            content_type: "text/plain; version=0.0.4",
+            body,
+        }
+    }
+}
+
+/// Decodes `%XX` escapes and `+` in a query value.
+pub fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' if i + 2 < b.len() => {
+                match u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16) {
+                    Ok(v) => {
+                        out.push(v);
+                        i += 3;
+                        continue;
+                    }
+                    Err(_) => out.push(b'%'),
+                }
+            }
+            b'+' => out.push(b' '),
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Binds `addr`; returns the bound address and a future serving `handler(path, query)`.
+pub async fn bind<H>(addr: SocketAddr, handler: H) -> std::io::Result<(SocketAddr, impl Future<Output = ()>)>
+where
+    H: Fn(&str, &str) -> Response + Send + Sync + 'static,
+{
+    let listener = TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    let handler = Arc::new(handler);
+    Ok((local, async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                continue;
+            };
+            let handler = handler.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 8192];
+                let mut n = 0;
+                // Read the request head (bounded); the body of a GET is ignored.
+                while n < buf.len() {
+                    match tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut buf[n..]))
+                        .await
+                    {
+                        Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
+                        Ok(Ok(k)) => n += k,
+                    }
+                    if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                        break;
+                    }
+                }
+                let head = String::from_utf8_lossy(&buf[..n]);
+                let mut parts = head.split_whitespace();
+                let resp = match (parts.next(), parts.next()) {
+                    (Some("GET"), Some(target)) => {
+                        let (path, query) = target.split_once('?').unwrap_or((target, ""));
+                        handler(path, query)
+                    }
+                    (Some(_), Some(_)) => Response::text(405, "only GET\n".into()),
+                    _ => Response::text(400, "bad request\n".into()),
+                };
+                let reason = match resp.status {
+                    200 => "OK",
+                    404 => "Not Found",
+                    405 => "Method Not Allowed",
+                    _ => "Error",
+                };
+                let out = format!(
+                    "HTTP/1.1 {} {reason}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",
+                    resp.status,
+                    resp.content_type,
+                    resp.body.len(),
+                    resp.body
+                );
+                let _ = sock.write_all(out.as_bytes()).await;
+                let _ = sock.shutdown().await;
+            });
+        }
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percent_decoding() {
+        assert_eq!(
+            percent_decode("10.0.0.1%3A49152%3E10.0.0.2%2F0x101"),
+            "10.0.0.1:49152>10.0.0.2/0x101"
+        );
+        assert_eq!(percent_decode("a+b%"), "a b%");
+        assert_eq!(percent_decode("%zz"), "%zz");
+    }
+}
