@@ -179,9 +179,18 @@ async fn serve_agent(
     let mut buf = BytesMut::with_capacity(64 * 1024);
     let mut dec = Decoder::default();
     let mut enc = Encoder::default();
-    let first = tokio::time::timeout(Duration::from_secs(5), read_frame(&mut sock, &mut buf, &mut dec))
-        .await
-        .map_err(|_| "no HELLO within 5 s".to_owned())??;
+    let first =
+        match tokio::time::timeout(Duration::from_secs(5), read_frame(&mut sock, &mut buf, &mut dec)).await {
+            Ok(Ok(f)) => f,
+            Ok(Err(e)) => {
+                st.lock().expect("state").refused += 1;
+                return Err(format!("handshake: {e}"));
+            }
+            Err(_) => {
+                st.lock().expect("state").refused += 1;
+                return Err("no HELLO within 5 s".into());
+            }
+        };
     let Some(Frame::Hello {
         version,
         node,
@@ -244,24 +253,20 @@ async fn serve_agent(
                 }
             }
             Frame::Observations(obs) => {
+                if let Some(o) = obs.iter().find(|o| !points.contains_key(&o.point)) {
+                    break Err(format!("observation from undeclared point {}", o.point));
+                }
                 for o in &obs {
-                    let Some(&p) = points.get(&o.point) else {
-                        return close(
-                            st,
-                            &node,
-                            format!("observation from undeclared point {}", o.point),
-                        );
-                    };
-                    j.add(p, o, now);
+                    j.add(points[&o.point], o, now);
                 }
                 a.observations += obs.len() as u64;
             }
             Frame::Counters { deltas, .. } => {
+                if let Some(d) = deltas.iter().find(|d| !points.contains_key(&d.point)) {
+                    break Err(format!("counters from undeclared point {}", d.point));
+                }
                 for d in &deltas {
-                    let Some(&p) = points.get(&d.point) else {
-                        return close(st, &node, format!("counters from undeclared point {}", d.point));
-                    };
-                    j.add_counters(p, d, now);
+                    j.add_counters(points[&d.point], d, now);
                 }
                 a.counter_deltas += deltas.len() as u64;
             }

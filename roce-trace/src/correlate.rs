@@ -76,9 +76,8 @@ struct Obs {
 }
 
 struct Pending {
-    /// Transmissions of this identity (a retransmission is a second instance); each sees a
-    /// point at most once.
-    instances: Vec<Vec<Obs>>,
+    /// Every observation of this identity; split into transmissions when complete.
+    obs: Vec<Obs>,
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize, PartialEq)]
@@ -135,8 +134,9 @@ pub struct FlowState {
     delays: BTreeMap<(PointId, PointId), Delay>,
     counters: BTreeMap<PointId, CounterDelta>,
     trajectories: u64,
-    /// Recent request PSNs, ACK PSNs (for pairing the two directions of a connection).
-    request_psns: VecDeque<u32>,
+    /// The span of sampled request PSNs, and recent ACK PSNs: the two directions of a
+    /// connection agree on PSNs (QPs start at random PSNs, so flows rarely overlap).
+    request_psns: Option<(u32, u32)>,
     ack_psns: VecDeque<u32>,
     /// Recent CE-marked arrivals and CNP departures, per node: (node, time).
     ce_times: VecDeque<(u32, u64)>,
@@ -245,9 +245,19 @@ impl Joiner {
             f.carries_cnp = true;
             push_recent(&mut f.cnp_times, (node, o.time_ns));
         } else if roce::is_ack_opcode(opcode) {
-            push_recent(&mut f.ack_psns, o.id.psn);
+            // The same ACK is reported at every point it crosses: keep it once.
+            if !f.ack_psns.contains(&o.id.psn) {
+                push_recent(&mut f.ack_psns, o.id.psn);
+            }
         } else if roce::is_request(opcode) && o.hash_sampled() {
-            push_recent(&mut f.request_psns, o.id.psn);
+            let p = o.id.psn;
+            f.request_psns = Some(match f.request_psns {
+                // A jump of half the PSN space is a wrap: start the span again.
+                Some((lo, hi)) if lo.abs_diff(p) < 0x80_0000 && hi.abs_diff(p) < 0x80_0000 => {
+                    (lo.min(p), hi.max(p))
+                }
+                _ => (p, p),
+            });
         }
         if !o.hash_sampled() {
             // Anomaly reports are partial by design (a CE mark reported downstream has no
@@ -259,32 +269,48 @@ impl Joiner {
                 self.stats.pending_dropped += 1;
                 return;
             }
-            self.pending.insert(
-                o.id,
-                Pending {
-                    instances: Vec::new(),
-                },
-            );
+            self.pending.insert(o.id, Pending { obs: Vec::new() });
             self.order.push_back((now_ns, o.id));
         }
         let p = self.pending.get_mut(&o.id).expect("inserted");
-        for inst in &mut p.instances {
-            match inst.iter().find(|x| x.point == point) {
-                Some(x) if x.time_ns == obs.time_ns && x.ttl == obs.ttl => {
-                    self.stats.duplicates += 1;
-                    return;
-                }
-                Some(_) => continue, // this point saw an earlier transmission
-                None => {
-                    inst.push(obs);
-                    return;
-                }
+        if p.obs
+            .iter()
+            .any(|x| x.point == point && x.time_ns == obs.time_ns && x.ttl == obs.ttl)
+        {
+            self.stats.duplicates += 1;
+            return;
+        }
+        p.obs.push(obs);
+    }
+
+    /// Splits one identity's observations into transmissions: in time order, a packet
+    /// passes each node at most once each way, so seeing a (node, direction) again starts
+    /// the next transmission (a retransmission of the same PSN). This needs clocks that
+    /// agree to better than the retransmission interval.
+    fn transmissions(&self, mut obs: Vec<Obs>) -> Vec<Vec<Obs>> {
+        obs.sort_by_key(|o| o.time_ns);
+        let key = |o: &Obs| {
+            (
+                self.point_node[o.point as usize],
+                self.points[o.point as usize].direction == "ingress",
+            )
+        };
+        let mut out: Vec<Vec<Obs>> = Vec::new();
+        for o in obs {
+            match out.last_mut() {
+                Some(cur) if !cur.iter().any(|x| key(x) == key(&o)) => cur.push(o),
+                _ => out.push(vec![o]),
             }
         }
-        if !p.instances.is_empty() {
-            self.stats.retransmissions += 1;
+        out
+    }
+
+    fn complete(&mut self, id: PacketId, p: Pending) {
+        let instances = self.transmissions(p.obs);
+        self.stats.retransmissions += instances.len().saturating_sub(1) as u64;
+        for inst in instances {
+            self.finish(id.flow, inst);
         }
-        p.instances.push(vec![obs]);
     }
 
     /// Counter deltas from `point`.
@@ -305,9 +331,7 @@ impl Joiner {
             }
             self.order.pop_front();
             if let Some(p) = self.pending.remove(&id) {
-                for inst in p.instances {
-                    self.finish(id.flow, inst);
-                }
+                self.complete(id, p);
             }
         }
         let idle = self.cfg.flow_idle_ns;
@@ -323,9 +347,7 @@ impl Joiner {
         let ids: Vec<PacketId> = self.order.drain(..).map(|(_, id)| id).collect();
         for id in ids {
             if let Some(p) = self.pending.remove(&id) {
-                for inst in p.instances {
-                    self.finish(id.flow, inst);
-                }
+                self.complete(id, p);
             }
         }
     }
@@ -403,20 +425,15 @@ impl Joiner {
                 id.src == rev_id.dst
                     && id.dst == rev_id.src
                     && !f.carries_cnp
-                    && (!f.request_psns.is_empty() || !f.counters.is_empty())
+                    && (f.request_psns.is_some() || !f.counters.is_empty())
             })
             .collect();
         if cands.len() == 1 {
             return Some(*cands[0].0);
         }
         let score = |f: &FlowState| {
-            let (Some(lo), Some(hi)) = (f.request_psns.iter().min(), f.request_psns.iter().max()) else {
-                return 0;
-            };
-            rev.ack_psns
-                .iter()
-                .filter(|p| (*lo..=*hi + 1).contains(*p))
-                .count()
+            let Some((lo, hi)) = f.request_psns else { return 0 };
+            rev.ack_psns.iter().filter(|p| (lo..=hi + 1).contains(*p)).count()
         };
         let best = cands
             .iter()

@@ -488,3 +488,57 @@ pub fn interrupt(mut c: std::process::Child) {
     unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
     c.wait().unwrap();
 }
+
+/// A roce-trace process in a namespace, started and waited for until its stderr says
+/// `ready`; the rest of its stderr is kept for failure messages.
+pub struct Daemon {
+    pub child: std::process::Child,
+    pub stderr: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Daemon {
+    pub fn start(ns: &str, args: &[&str], ready: &str) -> Self {
+        use std::io::BufRead;
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", ns])
+            .arg(roce_trace_bin())
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let all = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let err = child.stderr.take().unwrap();
+        let all2 = all.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+                all2.lock().unwrap().push_str(&format!("{line}\n"));
+                let _ = tx.send(line);
+            }
+        });
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(l) if l.contains(ready) => return Self { child, stderr: all },
+                Ok(_) => {}
+                Err(_) => panic!("{args:?} did not print `{ready}`: {}", all.lock().unwrap()),
+            }
+        }
+    }
+
+    /// SIGINT, then waits; panics with its stderr when it failed.
+    pub fn stop(mut self) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        let st = self.child.wait().unwrap();
+        assert!(st.success(), "exited with {st}: {}", self.stderr.lock().unwrap());
+    }
+
+    /// SIGKILL: the process gets no chance to clean up.
+    pub fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}

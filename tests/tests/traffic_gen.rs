@@ -95,7 +95,9 @@ fn generated_packets_decode_in_tshark_and_carry_scapys_icrc() {
             for (i, r) in reqs.iter().enumerate() {
                 let want_op = [6, 7, 7, 8][i % 4];
                 assert_eq!(r[0], want_op.to_string(), "QP {qp:#x} packet {i} opcode");
-                assert_eq!(r[2], i.to_string(), "QP {qp:#x} packet {i} PSN");
+                // Each QP starts at its own PSN, as NICs do.
+                let psn = (roce_trace::traffic::initial_psn(qp as u32 - 1) + i as u32) & 0xff_ffff;
+                assert_eq!(r[2], psn.to_string(), "QP {qp:#x} packet {i} PSN");
                 assert_eq!(r[3], sport.to_string());
                 assert_eq!(
                     r[4],

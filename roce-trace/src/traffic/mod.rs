@@ -342,6 +342,11 @@ struct Rx {
     cnp_builders: HashMap<IpAddr, PayloadBuilder>,
 }
 
+/// The first PSN of QP `qpn`.
+pub fn initial_psn(qpn: u32) -> u32 {
+    qpn.wrapping_mul(0x9e37_79b1).rotate_left(7) & roce::PSN_MASK
+}
+
 /// Wire bytes of a datagram with `udp_payload` bytes (Ethernet, IP, UDP headers, FCS).
 fn wire_bytes(udp_payload: usize, v6: bool) -> f64 {
     (udp_payload + UdpHdr::LEN + if v6 { 40 } else { 20 } + 14 + 4) as f64
@@ -426,7 +431,9 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
                 .map_err(io_err(format!("binding {src} UDP {sport}")))?;
             let qp = s.qp_base + 2 * i;
             qps.push(SenderQp {
-                req: Requester::new(s.verb, s.msg_size, s.mtu, 0),
+                // NICs start each QP at a random PSN; a fixed scramble of the QPN keeps
+                // runs repeatable (and lets the collector tell QPs apart by PSN).
+                req: Requester::new(s.verb, s.msg_size, s.mtu, initial_psn(qp)),
                 dcqcn: Dcqcn::new(DcqcnParams::for_line_rate(line), Duration::ZERO),
                 builder: PayloadBuilder::new(src, s.dst, sport, s.dscp, s.ecn),
                 sock,
