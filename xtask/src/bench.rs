@@ -23,12 +23,14 @@ pub fn run(which: &str, repeat: u32) -> anyhow::Result<()> {
         "datapath" => datapath(repeat),
         "gen" => generator(bin),
         "capture" => capture(bin),
+        "collector" => collector(),
         "all" => {
             datapath(repeat)?;
             generator(bin)?;
-            capture(bin)
+            capture(bin)?;
+            collector()
         }
-        other => bail!("unknown benchmark `{other}` (datapath, gen, capture, all)"),
+        other => bail!("unknown benchmark `{other}` (datapath, gen, capture, collector, all)"),
     }
 }
 
@@ -412,6 +414,132 @@ fn capture_on_lab(lab: &Lab, bin: &Path) -> anyhow::Result<()> {
         counted == requests + replies,
         "roce-trace counted {counted}, the wire carried {}",
         requests + replies
+    );
+    Ok(())
+}
+
+fn rss_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    pages * unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64
+}
+
+/// The collector's join on one core: a synthetic fabric of many agents, each packet seen
+/// at 8 points (host out, leaf in/out, spine in/out, leaf in/out, host in).
+fn collector() -> anyhow::Result<()> {
+    use roce_trace::{
+        correlate::{JoinConfig, Joiner, PointInfo},
+        observation::{FlowId, Observation, PacketId},
+    };
+    use roce_trace_common::datapath::REASON_HASH;
+    ensure!(
+        !cfg!(debug_assertions),
+        "build it optimised: cargo run --release -p xtask -- bench collector"
+    );
+    const AGENTS: u32 = 64;
+    const FLOWS: u32 = 20_000;
+    const PACKETS_PER_FLOW: u32 = 25;
+    let mut j = Joiner::new(JoinConfig {
+        trajectory_timeout_ns: 1_000_000_000,
+        ..JoinConfig::default()
+    });
+    // 64 nodes with 4 points each: 16 hosts' NICs, 24 leaves, 24 spines in spirit.
+    let points: Vec<u32> = (0..AGENTS)
+        .flat_map(|n| (0..4).map(move |i| (n, i)))
+        .map(|(n, i)| {
+            j.point(PointInfo {
+                node: format!("node{n}"),
+                iface: format!("p{}", i / 2),
+                direction: if i % 2 == 0 { "ingress" } else { "egress" }.into(),
+                clock_synced: true,
+            })
+        })
+        .collect();
+    // Observations in the order a collector receives them: agent batches interleaved.
+    let mut obs: Vec<(u32, Observation)> = Vec::with_capacity((FLOWS * PACKETS_PER_FLOW * 8) as usize);
+    for f in 0..FLOWS {
+        let flow = FlowId {
+            src: [(f % 250) as u8; 16],
+            dst: [(f / 250) as u8; 16],
+            ip_version: 6,
+            udp_sport: 49152 + (f % 4096) as u16,
+            dest_qp: f,
+        };
+        // A path across 4 nodes (8 points), chosen by the flow.
+        let a = (f * 7) % AGENTS;
+        let nodes = [a, (a + 1) % AGENTS, (a + 2) % AGENTS, (a + 3) % AGENTS];
+        for p in 0..PACKETS_PER_FLOW {
+            let id = PacketId {
+                flow,
+                psn: p * 977,
+                opcode: 7,
+                icrc: (f ^ p).to_le_bytes(),
+            };
+            for (hop, n) in nodes.iter().enumerate() {
+                for dir in 0..2u32 {
+                    let point = points[(n * 4 + dir) as usize];
+                    let ttl = 64 - hop as u8 - (dir == 1 && hop > 0) as u8;
+                    obs.push((
+                        point,
+                        Observation {
+                            point: 0,
+                            // A packet per flow every 100 ms; flows staggered.
+                            time_ns: (p as u64) * 100_000_000
+                                + f as u64 * 4_000
+                                + hop as u64 * 2000
+                                + dir as u64 * 500,
+                            id,
+                            udp_dport: 4791,
+                            dscp: 26,
+                            ecn: 2,
+                            ttl,
+                            reasons: REASON_HASH as u8,
+                            ..Default::default()
+                        },
+                    ));
+                }
+            }
+        }
+    }
+    // Arrival order: by the time a packet was seen, the way batches from many agents mix.
+    obs.sort_by_key(|(_, o)| o.time_ns);
+    let n = obs.len() as u64;
+    let rss0 = rss_bytes();
+    let started = std::time::Instant::now();
+    for (i, (p, o)) in obs.iter().enumerate() {
+        // Collector time advances with the stream; ticks complete trajectories as it goes.
+        let now = o.time_ns;
+        j.add(*p, o, now);
+        if i % 4096 == 0 {
+            j.tick(now);
+        }
+    }
+    j.flush();
+    let secs = started.elapsed().as_secs_f64();
+    let rss1 = rss_bytes();
+    println!(
+        "== collector join: {AGENTS} agents x 4 points, {FLOWS} flows, {PACKETS_PER_FLOW} packets each seen at 8 points, one core"
+    );
+    println!(
+        "{n} observations in {secs:.3}s = {:.0} observations/s; {} trajectories, {} flows tracked",
+        n as f64 / secs,
+        j.stats.trajectories,
+        j.flow_ids().len()
+    );
+    println!(
+        "memory: {:.1} MiB more resident for {} flows = {:.0} bytes per tracked flow (trajectories complete)",
+        rss1.saturating_sub(rss0) as f64 / (1 << 20) as f64,
+        FLOWS,
+        rss1.saturating_sub(rss0) as f64 / FLOWS as f64
+    );
+    ensure!(
+        j.stats.trajectories == (FLOWS * PACKETS_PER_FLOW) as u64,
+        "every packet joined"
     );
     Ok(())
 }
