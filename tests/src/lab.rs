@@ -479,9 +479,16 @@ impl Lab {
         Ok(out.contains(",UP") || out.contains("<UP"))
     }
 
-    /// Removes every namespace of this lab (their links and rules go with them).
+    /// Removes every namespace of this lab (their links and rules go with them), after
+    /// ending any process still running in one.
     pub fn down(&self) -> anyhow::Result<()> {
         for ns in self.existing()? {
+            for pid in run(&["ip", "netns", "pids", &ns])?.split_whitespace() {
+                if let Ok(pid) = pid.parse::<i32>() {
+                    // SAFETY: sending SIGKILL to a process of the lab's own namespace.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+            }
             run(&["ip", "netns", "del", &ns])?;
         }
         Ok(())

@@ -1,18 +1,18 @@
 //! The README's first command: the virtual leaf-spine fabric, RoCEv2 traffic between host
-//! pairs, roce-trace capture on every host, a fault injected mid-run, and what roce-trace
-//! saw. Exits non-zero when roce-trace did not see the injected faults.
+//! pairs, a roce-trace agent on every node (hosts and switches) streaming to a collector,
+//! faults injected mid-run, and what roce-trace found: each flow's path, where its class
+//! changed, where CE marks began and the CNPs that answered them. Exits non-zero when
+//! roce-trace did not see the injected faults.
 
 use std::{
-    collections::BTreeMap,
     io::{BufRead, BufReader},
-    path::{Path, PathBuf},
+    path::Path,
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, bail, ensure};
-use roce_trace::{capture::render_flows, record::FlowRecord};
-use roce_trace_tests::lab::{Fault, Lab};
+use roce_trace_tests::lab::{Fault, HOSTS, LEAVES, Lab, MGMT_COLLECTOR, SPINES};
 use serde_json::Value;
 
 fn say(s: &str) {
@@ -20,18 +20,15 @@ fn say(s: &str) {
 }
 
 const QPS: u32 = 8;
+const TOKEN: &str = "demo";
 
+/// Tears the lab down (and every process in it) however the demo ends.
 struct Run {
     lab: Lab,
-    children: Vec<Child>,
 }
 
 impl Drop for Run {
     fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
         say("tearing the lab down");
         if let Err(e) = self.lab.down() {
             eprintln!("lab down: {e:#}");
@@ -39,7 +36,8 @@ impl Drop for Run {
     }
 }
 
-fn spawn(lab: &Lab, node: &str, bin: &Path, args: &[&str], wait_for: Option<&str>) -> anyhow::Result<Child> {
+/// Starts roce-trace in `node`, waits for `ready` on its stderr, passes warnings on.
+fn spawn(lab: &Lab, node: &str, bin: &Path, args: &[&str], ready: &str) -> anyhow::Result<Child> {
     let mut c = Command::new("ip")
         .args(["netns", "exec", &lab.ns(node)])
         .arg(bin)
@@ -48,26 +46,24 @@ fn spawn(lab: &Lab, node: &str, bin: &Path, args: &[&str], wait_for: Option<&str
         .stderr(Stdio::piped())
         .spawn()
         .with_context(|| format!("starting roce-trace in {node}"))?;
-    let mut err = BufReader::new(c.stderr.take().unwrap());
-    if let Some(w) = wait_for {
-        let mut line = String::new();
-        loop {
-            line.clear();
-            if err.read_line(&mut line)? == 0 {
-                bail!("roce-trace in {node} exited before `{w}`");
-            }
-            if line.contains("WARN") || line.contains("error") {
-                eprint!("  [{node}] {line}");
-            }
-            if line.contains(w) {
-                break;
-            }
+    let mut err = BufReader::new(c.stderr.take().expect("piped"));
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if err.read_line(&mut line)? == 0 {
+            bail!("roce-trace {} in {node} exited before `{ready}`", args[0]);
+        }
+        if line.contains("WARN") || line.contains("error") {
+            eprint!("  [{node}] {line}");
+        }
+        if line.contains(ready) {
+            break;
         }
     }
     let node = node.to_owned();
     std::thread::spawn(move || {
         for l in err.lines().map_while(Result::ok) {
-            if l.contains("WARN") || l.contains("error") {
+            if l.contains("ERROR") || l.contains("error:") {
                 eprintln!("  [{node}] {l}");
             }
         }
@@ -75,7 +71,9 @@ fn spawn(lab: &Lab, node: &str, bin: &Path, args: &[&str], wait_for: Option<&str
     Ok(c)
 }
 
-fn finish(c: Child, what: &str) -> anyhow::Result<String> {
+fn interrupt_and_wait(c: Child, what: &str) -> anyhow::Result<String> {
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
     let out = c.wait_with_output()?;
     ensure!(out.status.success(), "{what} failed ({})", out.status);
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
@@ -91,10 +89,7 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
     let bin = bin.canonicalize()?;
     let started = Instant::now();
     let lab = Lab::default();
-    let mut run = Run {
-        lab: lab.clone(),
-        children: Vec::new(),
-    };
+    let run = Run { lab: lab.clone() };
 
     say(
         "building the virtual fabric: 2 spines, 2 leaves, 4 hosts (Linux namespaces), ECMP on the UDP source port",
@@ -105,32 +100,62 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
 
     let dir = std::env::temp_dir().join(format!("roce-trace-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let json = |h: u8| -> PathBuf { dir.join(format!("h{h}.jsonl")) };
-    let total = seconds + 3;
+    let report = dir.join("report.json");
+    let listen = format!("{MGMT_COLLECTOR}:4792");
     say(&format!(
-        "roce-trace capture on every host (XDP ingress + TC egress on eth0) for {total}s"
+        "roce-trace collect on the management network ({listen})"
     ));
-    for h in [1u8, 2, 3, 4] {
-        let file = json(h);
-        let dur = format!("{total}s");
-        let args = [
-            "capture",
-            "-i",
-            "eth0",
-            "--json",
-            "--expect-dscp",
-            "26,48",
-            "--sample-rate",
-            "100",
-            "--duration",
-            &dur,
-            "-w",
-        ];
-        let mut a: Vec<&str> = args.to_vec();
-        let f = file.to_string_lossy().into_owned();
-        a.push(&f);
-        run.children
-            .push(spawn(&lab, &format!("h{h}"), &bin, &a, Some("capturing on"))?);
+    let rep = report.to_string_lossy().into_owned();
+    let collector = spawn(
+        &lab,
+        "mgmt",
+        &bin,
+        &[
+            "collect",
+            "--listen",
+            &listen,
+            "--token",
+            TOKEN,
+            "--quiet",
+            "--report",
+            &rep,
+            "--trajectory-timeout",
+            "1s",
+        ],
+        "collecting on",
+    )?;
+    say(
+        "a roce-trace agent on every node: XDP ingress + TC egress on every port of hosts, leaves and spines",
+    );
+    let mut agents = Vec::new();
+    let nodes: Vec<String> = SPINES
+        .iter()
+        .map(|s| format!("s{s}"))
+        .chain(LEAVES.iter().map(|l| format!("l{l}")))
+        .chain(HOSTS.iter().map(|h| format!("h{h}")))
+        .collect();
+    for n in &nodes {
+        let mut args: Vec<String> = ["agent", "--collector", &listen, "--node", n, "--token", TOKEN]
+            .into_iter()
+            .map(String::from)
+            .collect();
+        args.extend(
+            [
+                "--sample-rate",
+                "10",
+                "--interval",
+                "1s",
+                "--expect-dscp",
+                "26,48",
+            ]
+            .map(String::from),
+        );
+        for p in lab.fabric_ports(n)? {
+            args.push("-i".into());
+            args.push(p);
+        }
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        agents.push(spawn(&lab, n, &bin, &a, "connected to collector")?);
     }
     say("RDMA responders on h3 and h4 (ACK, NAK on PSN gaps, CNP on CE)");
     let mut responders = Vec::new();
@@ -142,7 +167,7 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
             &format!("h{h}"),
             &bin,
             &["gen", "--bind", &ip, "--duration", &dur, "--json"],
-            Some("answering"),
+            "answering",
         )?);
     }
     say(&format!(
@@ -153,147 +178,123 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
         let ip = Lab::host_ip(dst, false).to_string();
         let dur = format!("{seconds}s");
         let q = QPS.to_string();
-        senders.push((
-            src,
-            spawn(
-                &lab,
-                &format!("h{src}"),
-                &bin,
-                &[
-                    "gen",
-                    "--to",
-                    &ip,
-                    "--qps",
-                    &q,
-                    "--rate",
-                    "20mbit",
-                    "--duration",
-                    &dur,
-                    "--json",
-                ],
-                Some("answering"),
-            )?,
-        ));
+        senders.push(spawn(
+            &lab,
+            &format!("h{src}"),
+            &bin,
+            &[
+                "gen",
+                "--to",
+                &ip,
+                "--qps",
+                &q,
+                "--rate",
+                "20mbit",
+                "--duration",
+                &dur,
+                "--json",
+            ],
+            "answering",
+        )?);
     }
     std::thread::sleep(Duration::from_secs(seconds / 2));
-    let rewrite = Fault::DscpRewrite {
+    say("fault injected: spine s1 remarks DSCP 26 -> 0; leaf l2 CE-marks 5% of what it sends to h4");
+    lab.apply(&Fault::DscpRewrite {
         spine: 1,
         from: 26,
         to: 0,
-    };
-    let congestion = Fault::CeMark {
+    })?;
+    lab.apply(&Fault::CeMark {
         node: "l2".into(),
         iface: "h4".into(),
         percent: 5,
-    };
-    say("fault injected: spine s1 remarks DSCP 26 -> 0; leaf l2 CE-marks 5% of what it sends to h4");
-    lab.apply(&rewrite)?;
-    lab.apply(&congestion)?;
+    })?;
 
-    let mut sent: BTreeMap<(u8, u16), Value> = BTreeMap::new();
-    for (src, c) in senders {
-        let r: Value = serde_json::from_str(&finish(c, "gen")?)?;
-        for q in r["senders"].as_array().cloned().unwrap_or_default() {
-            sent.insert((src, q["udp_sport"].as_u64().unwrap_or(0) as u16), q);
-        }
+    for c in senders {
+        let out = c.wait_with_output()?;
+        ensure!(out.status.success(), "gen failed");
     }
     for c in responders {
-        finish(c, "gen responder")?;
+        let out = c.wait_with_output()?;
+        ensure!(out.status.success(), "gen responder failed");
     }
-    for c in run.children.drain(..) {
-        finish(c, "roce-trace capture")?;
+    std::thread::sleep(Duration::from_millis(1500)); // the last counters and samples
+    for a in agents {
+        interrupt_and_wait(a, "roce-trace agent")?;
     }
+    let view = interrupt_and_wait(collector, "roce-trace collect")?;
 
-    say("what roce-trace saw");
-    let flows = |h: u8| -> anyhow::Result<Vec<FlowRecord>> {
-        let text = std::fs::read_to_string(json(h))?;
-        let mut v = Vec::new();
-        for line in text.lines() {
-            let r: Value = serde_json::from_str(line)?;
-            if r["type"] == "flow" && r["final"] == true {
-                v.push(serde_json::from_value(r)?);
-            }
-        }
-        Ok(v)
-    };
-    for h in [3u8, 2] {
-        println!("h{h} (final flow counters):");
-        print!("{}", render_flows(&flows(h)?));
-    }
+    say("what the collector found (path: node/port, < in, > out)");
+    print!("{view}");
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report)?)?;
+    let _ = std::fs::remove_dir_all(&dir);
 
     println!(
-        "\nper QP: class sent (h1/h2 egress) vs class received (h3/h4 ingress), hops from TTL, spine from the leaf's FIB"
+        "\nper QP: the spine the leaf's FIB picks, where roce-trace saw the class change, CE onset, CNPs per CE mark"
     );
     println!(
-        "{:<10} {:>6} {:>6} {:>9} {:>9} {:>5} {:>8} {:>6} {:>6}  verdict",
-        "FLOW", "SPORT", "SPINE", "DSCP OUT", "DSCP IN", "HOPS", "CHANGED", "CE", "CNP"
+        "{:<10} {:>6} {:>6}  {:<36} {:<32} {:>8}  verdict",
+        "FLOW", "SPORT", "SPINE", "CLASS CHANGE", "CE MARKS BEGIN", "CNP/CE"
     );
     let mut failures = Vec::new();
     let mut rewrites_seen = 0;
     for (src, dst) in [(1u8, 3u8), (2, 4)] {
-        let out = flows(src)?;
-        let inn = flows(dst)?;
         for i in 0..QPS as u16 {
             let sport = 49152 + i;
             let spine = lab.spine_for(src, dst, sport, false)?;
-            let tx = out
-                .iter()
-                .find(|f| f.direction == "egress" && f.udp_sport == sport && f.dst_qp != 0);
-            let rx = inn
-                .iter()
-                .find(|f| f.direction == "ingress" && f.udp_sport == sport);
-            let cnp: u64 = out
-                .iter()
-                .filter(|f| f.direction == "ingress" && tx.is_some_and(|t| f.dst_qp == t.dst_qp - 1))
-                .map(|f| f.cnp)
-                .sum();
-            let (Some(tx), Some(rx)) = (tx, rx) else {
-                failures.push(format!("h{src}->h{dst} sport {sport}: not seen on both ends"));
+            let f = r["flows"].as_array().and_then(|v| {
+                v.iter().find(|f| {
+                    f["src_ip"] == Lab::host_ip(src, false).to_string()
+                        && f["dst_ip"] == Lab::host_ip(dst, false).to_string()
+                        && f["udp_sport"] == sport
+                })
+            });
+            let Some(f) = f else {
+                failures.push(format!("h{src}->h{dst} sport {sport}: not seen by the collector"));
                 continue;
             };
-            let hops = tx.ttl.saturating_sub(rx.ttl);
-            let changed = rx.dscp_changed > 0;
-            let verdict = match (spine, changed, rx.dscp) {
-                (1, true, 0) => {
-                    rewrites_seen += 1;
-                    "class rewritten on the way (through s1)".to_owned()
-                }
-                (2, false, 26) => "class kept".to_owned(),
-                _ => {
-                    failures.push(format!(
-                        "h{src}->h{dst} sport {sport} via s{spine}: DSCP {} changed={changed}",
-                        rx.dscp
-                    ));
-                    "UNEXPECTED".to_owned()
-                }
+            let change = f["class_changes"].as_array().and_then(|c| c.first()).map(|c| {
+                format!(
+                    "{}->{} {} .. {}",
+                    c["from_dscp"],
+                    c["to_dscp"],
+                    c["between"][0].as_str().unwrap_or(""),
+                    c["between"][1].as_str().unwrap_or("")
+                )
+            });
+            let ce = f["ce_onset"]
+                .as_array()
+                .and_then(|c| c.first())
+                .map(|c| c["at"].as_str().unwrap_or("").to_owned());
+            let per = f["answered_by"]["cnps_per_ce_mark"].as_f64();
+            let ok_class = match (spine, &change) {
+                (1, Some(c)) => c.contains("s1:l1:ingress .. s1:l2:egress") && c.starts_with("26->0"),
+                (2, None) => true,
+                _ => false,
             };
+            let ok_ce = dst != 4 || (ce.as_deref() == Some("l2:h4:egress") && per.is_some_and(|p| p > 0.0));
+            if spine == 1 && ok_class {
+                rewrites_seen += 1;
+            }
+            let verdict = match (ok_class, ok_ce) {
+                (true, true) if spine == 1 => "rewrite located at s1",
+                (true, true) => "class kept",
+                _ => "UNEXPECTED",
+            };
+            if !ok_class || !ok_ce {
+                failures.push(format!(
+                    "h{src}->h{dst} sport {sport} via s{spine}: change {change:?}, CE {ce:?}, CNP/CE {per:?}"
+                ));
+            }
             println!(
-                "h{src}->h{dst} {sport:>8} {:>6} {:>9} {:>9} {hops:>5} {:>8} {:>6} {cnp:>6}  {verdict}",
+                "h{src}->h{dst} {sport:>8} {:>6}  {:<36} {:<32} {:>8}  {verdict}",
                 format!("s{spine}"),
-                tx.dscp,
-                rx.dscp,
-                rx.dscp_changed,
-                rx.ecn.ce
+                change.unwrap_or_else(|| "-".into()),
+                ce.unwrap_or_else(|| "-".into()),
+                per.map(|p| format!("{p:.2}")).unwrap_or_else(|| "-".into()),
             );
-            if dst == 4 && rx.ecn.ce == 0 {
-                failures.push(format!(
-                    "h{src}->h{dst} sport {sport}: no CE marks seen behind the marking leaf"
-                ));
-            }
-            if dst == 4 && cnp == 0 {
-                failures.push(format!("h{src}->h{dst} sport {sport}: no CNP seen coming back"));
-            }
-            if let Some(q) = sent.get(&(src, sport))
-                && q["packets"].as_u64().unwrap_or(0) != tx.packets
-            {
-                failures.push(format!(
-                    "sport {sport}: gen sent {} packets, capture counted {}",
-                    q["packets"], tx.packets
-                ));
-            }
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
     drop(run);
     println!("demo took {:.0}s", started.elapsed().as_secs_f64());
     ensure!(
@@ -302,7 +303,7 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
     );
     if failures.is_empty() {
         say(&format!(
-            "roce-trace saw the faults: {rewrites_seen} flows through s1 rewritten, flows through s2 intact, CE marks and CNPs on h2 -> h4"
+            "roce-trace saw the faults: the rewrite located at s1 on the {rewrites_seen} flows through it, flows through s2 intact, CE marks from l2's port to h4 and the CNPs that answered them"
         ));
         Ok(())
     } else {
