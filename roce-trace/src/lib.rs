@@ -14,4 +14,5 @@ pub mod observation;
 pub mod protocol;
 pub mod record;
 pub mod sys;
+pub mod trace;
 pub mod traffic;

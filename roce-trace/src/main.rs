@@ -31,6 +31,53 @@ enum Command {
     Agent(AgentArgs),
     /// Join what the agents observe into each flow's path and class.
     Collect(CollectArgs),
+    /// In-band probes on a flow's own 5-tuple and class: its hops, and its class at each.
+    Trace(TraceArgs),
+}
+
+#[derive(clap::Args)]
+struct TraceArgs {
+    /// Destination host (omit with --flow).
+    dst: Option<std::net::IpAddr>,
+    /// UDP source port of the flow to follow.
+    #[arg(long, default_value_t = 49152, conflicts_with = "flow")]
+    sport: u16,
+    /// Follow a flow the collector knows (its id, as in /flows), with its addresses, port
+    /// and class.
+    #[arg(long, requires = "collector_http")]
+    flow: Option<String>,
+    /// The collector's HTTP address, for --flow.
+    #[arg(long)]
+    collector_http: Option<std::net::SocketAddr>,
+    /// Source address (default: the one the kernel uses to reach DST).
+    #[arg(long)]
+    src: Option<std::net::IpAddr>,
+    #[arg(long, default_value_t = 26, value_parser = clap::value_parser!(u8).range(0..=63))]
+    dscp: u8,
+    #[arg(long, value_enum, default_value_t = EcnArg::Ect0)]
+    ecn: EcnArg,
+    #[arg(long, default_value_t = 16)]
+    max_hops: u8,
+    /// Probes per hop.
+    #[arg(long, default_value_t = 3)]
+    probes: u32,
+    /// Wait this long for the answers of one hop.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "1s")]
+    timeout: Duration,
+    /// Probes per second at most.
+    #[arg(long, default_value_t = 100)]
+    rate: u32,
+    /// Map ECMP: vary the source port until new ports stop revealing new paths.
+    #[arg(long)]
+    paths: bool,
+    /// With --paths: stop after this many ports in a row with no new path.
+    #[arg(long, default_value_t = 16)]
+    patience: u32,
+    /// With --paths: try at most this many ports.
+    #[arg(long, default_value_t = 256)]
+    max_ports: u32,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
@@ -327,6 +374,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Gen(a) => rt.block_on(run_gen(a)),
         Command::Agent(a) => rt.block_on(run_agent(a)),
         Command::Collect(a) => rt.block_on(run_collect(a)),
+        Command::Trace(a) => run_trace(a),
         Command::Capture(a) => {
             let opts = CaptureOptions {
                 ifaces: a.interfaces,
@@ -572,5 +620,109 @@ async fn run_collect(a: CollectArgs) -> anyhow::Result<()> {
     .await?;
     print!("{}", collector::render(&r));
     tracing::info!("report written to {}", a.report.display());
+    Ok(())
+}
+
+/// GET a JSON document from the collector's API.
+fn http_get_json(addr: std::net::SocketAddr, path: &str) -> anyhow::Result<serde_json::Value> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(3))
+        .with_context(|| format!("connecting to {addr}"))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    let (head, body) = out.split_once("\r\n\r\n").context("malformed HTTP answer")?;
+    anyhow::ensure!(head.starts_with("HTTP/1.1 200"), "{addr}{path}: {}", body.trim());
+    Ok(serde_json::from_str(body)?)
+}
+
+fn run_trace(a: TraceArgs) -> anyhow::Result<()> {
+    use roce_trace::trace::{self, TraceOptions};
+    let (dst, src, sport, dscp, ecn) = match (&a.flow, a.collector_http) {
+        (Some(id), Some(http)) => {
+            let enc: String = id
+                .bytes()
+                .map(|b| {
+                    if b.is_ascii_alphanumeric() {
+                        (b as char).to_string()
+                    } else {
+                        format!("%{b:02X}")
+                    }
+                })
+                .collect();
+            let f = http_get_json(http, &format!("/flow?id={enc}"))?;
+            let ip = |k: &str| -> anyhow::Result<std::net::IpAddr> {
+                Ok(f[k].as_str().context("flow without addresses")?.parse()?)
+            };
+            let class = &f["class"][0];
+            (
+                ip("dst_ip")?,
+                Some(ip("src_ip")?),
+                f["udp_sport"].as_u64().context("flow without a port")? as u16,
+                class["dscp"].as_u64().map(|d| d as u8).unwrap_or(a.dscp),
+                class["ecn"].as_u64().map(|e| e as u8).unwrap_or(a.ecn as u8),
+            )
+        }
+        _ => (
+            a.dst.context("give DST, or --flow ID with --collector-http")?,
+            a.src,
+            a.sport,
+            a.dscp,
+            a.ecn as u8,
+        ),
+    };
+    let src = match a.src.or(src) {
+        Some(s) => s,
+        None => roce_trace::traffic::net::source_for(dst).with_context(|| format!("no route to {dst}"))?,
+    };
+    let opts = TraceOptions {
+        dst,
+        src,
+        sport,
+        dscp,
+        ecn,
+        max_hops: a.max_hops,
+        probes: a.probes,
+        timeout: a.timeout,
+        rate: a.rate,
+    };
+    if a.paths {
+        let r = trace::paths(&opts, a.patience, a.max_ports)?;
+        if a.json {
+            println!("{}", serde_json::to_string(&r)?);
+        } else {
+            println!(
+                "{} distinct paths {} -> {} ({} source ports tried, stopped after {} in a row showed nothing new)",
+                r.paths.len(),
+                r.src,
+                r.dst,
+                r.ports_tried,
+                r.patience
+            );
+            for (i, p) in r.paths.iter().enumerate() {
+                let hops: Vec<String> = p
+                    .hops
+                    .iter()
+                    .map(|h| h.map(|a| a.to_string()).unwrap_or_else(|| "*".into()))
+                    .collect();
+                println!(
+                    "path {}: {}\n  source ports: {:?}",
+                    i + 1,
+                    hops.join(" -> "),
+                    p.udp_sports
+                );
+            }
+        }
+    } else {
+        let r = trace::trace(&opts)?;
+        if a.json {
+            println!("{}", serde_json::to_string(&r)?);
+        } else {
+            print!("{}", trace::render(&r));
+        }
+    }
     Ok(())
 }

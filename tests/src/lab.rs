@@ -193,6 +193,8 @@ impl Lab {
             } else {
                 // Otherwise the sender's skb hash crosses the veth and the leaf hashes on it.
                 sysctls.push("net.ipv6.auto_flowlabels=0");
+                // Port unreachable answers to every probe (traces end there).
+                sysctls.extend(["net.ipv4.icmp_ratelimit=0", "net.ipv6.icmp.ratelimit=0"]);
             }
             let mut args = vec!["sysctl", "-qw"];
             args.extend(sysctls);

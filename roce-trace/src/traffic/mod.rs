@@ -239,6 +239,13 @@ impl PayloadBuilder {
         buf.extend_from_slice(&icrc);
     }
 
+    /// The ICRC a packet of this flow with this UDP payload (up to the ICRC) must carry.
+    pub fn icrc_of(&mut self, upto_icrc: &[u8]) -> [u8; 4] {
+        let udp_len = (UdpHdr::LEN + upto_icrc.len() + ICRC_LEN) as u16;
+        let (prefix, _) = self.headers(udp_len);
+        icrc_finish(prefix.clone(), upto_icrc)
+    }
+
     fn headers(&mut self, udp_len: u16) -> &(crc32fast::Hasher, Vec<u8>) {
         let template = &self.template;
         self.prefixes.entry(udp_len).or_insert_with(|| {
@@ -319,6 +326,8 @@ pub struct GenReport {
     pub duration_s: f64,
     pub senders: Vec<SenderReport>,
     pub responders: Vec<ResponderReport>,
+    /// Requests dropped for a bad ICRC, as a RoCE NIC drops them (probes among them).
+    pub icrc_errors: u64,
 }
 
 struct SenderQp {
@@ -340,6 +349,9 @@ struct Rx {
     local: IpAddr,
     builders: HashMap<IpAddr, PayloadBuilder>,
     cnp_builders: HashMap<IpAddr, PayloadBuilder>,
+    /// ICRC checkers for arriving requests, per (peer, source port).
+    checkers: HashMap<(IpAddr, u16), PayloadBuilder>,
+    icrc_errors: u64,
 }
 
 /// The first PSN of QP `qpn`.
@@ -377,6 +389,8 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
                 local: ip,
                 builders: HashMap::new(),
                 cnp_builders: HashMap::new(),
+                checkers: HashMap::new(),
+                icrc_errors: 0,
             })
         })
         .collect::<Result<_, GenError>>()?;
@@ -590,12 +604,16 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
         duration_s,
         senders,
         responders,
+        icrc_errors: rxs.iter().map(|r| r.icrc_errors).sum(),
     })
 }
 
 /// The report as a network engineer reads it.
 pub fn render_report(r: &GenReport) -> String {
-    let mut s = format!("gen ran {:.1}s\n", r.duration_s);
+    let mut s = format!(
+        "gen ran {:.1}s; {} requests dropped for a bad ICRC\n",
+        r.duration_s, r.icrc_errors
+    );
     if !r.senders.is_empty() {
         s.push_str(&format!(
             "{:<39} {:>8} {:>6} {:>10} {:>12} {:>7} {:>7} {:>8} {:>6} {:>6} {:>6} {:>9} {:>9}\n",
@@ -700,6 +718,16 @@ fn handle(
     let qpn = b.dest_qp();
     let peer = d.from.ip();
     if roce::is_request(opcode) {
+        // A NIC drops a request whose ICRC is wrong before any QP sees it.
+        let n = payload.len();
+        let checker = rx
+            .checkers
+            .entry((peer, d.from.port()))
+            .or_insert_with(|| PayloadBuilder::new(peer, rx.local, d.from.port(), 0, 0));
+        if n < Bth::LEN + ICRC_LEN || checker.icrc_of(&payload[..n - ICRC_LEN]) != payload[n - ICRC_LEN..] {
+            rx.icrc_errors += 1;
+            return Ok(());
+        }
         let ce = d.tos & 3 == 3;
         let r = responders.entry((peer, qpn)).or_default();
         let replies = r.on_request(opcode, b.psn(), b.ack_req(), ce, now, opts.cnp_interval);

@@ -1,0 +1,570 @@
+//! `roce-trace trace`: in-band probes that ride a flow's own 5-tuple and class, varying
+//! only the TTL (Paris-traceroute style, so every probe hashes onto the flow's path), and
+//! report per hop the router, RTTs, and the DSCP/ECN the probe had *as that hop received
+//! it* (from the IP header the ICMP Time Exceeded quotes) — so a class rewrite is located
+//! at the first hop where it shows.
+//!
+//! A probe's payload is a BTH to a QP number no QP uses, with a deliberately wrong ICRC:
+//! a RoCE NIC drops it, so a probe that reaches the destination never touches a QP.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    io,
+    mem::zeroed,
+    net::{IpAddr, SocketAddr, UdpSocket},
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    time::{Duration, Instant},
+};
+
+use roce_trace_common::wire::ROCEV2_UDP_PORT;
+use serde::Serialize;
+use thiserror::Error;
+
+use crate::frame::RoceFrame;
+
+/// The DestQP of probes: the largest QPN, which no RoCE NIC hands out.
+pub const PROBE_QP: u32 = 0xff_ffff;
+
+#[derive(Debug, Error)]
+pub enum TraceError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{what}")]
+    Io {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> TraceError {
+    let what = what.into();
+    move |source| TraceError::Io { what, source }
+}
+
+#[derive(Clone, Debug)]
+pub struct TraceOptions {
+    pub dst: IpAddr,
+    pub src: IpAddr,
+    pub sport: u16,
+    pub dscp: u8,
+    pub ecn: u8,
+    pub max_hops: u8,
+    /// Probes per hop.
+    pub probes: u32,
+    pub timeout: Duration,
+    /// Probes per second at most.
+    pub rate: u32,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Hop {
+    pub ttl: u8,
+    /// None: silent (no answer to any probe).
+    pub addr: Option<IpAddr>,
+    pub sent: u32,
+    pub answered: u32,
+    pub rtt_min_us: Option<f64>,
+    pub rtt_avg_us: Option<f64>,
+    pub rtt_max_us: Option<f64>,
+    /// The probe's class as this hop received it (from the quoted IP header).
+    pub dscp: Option<u8>,
+    pub ecn: Option<u8>,
+    /// `time-exceeded`, `port-unreachable` (the destination), `net-unreachable`, …
+    pub answer: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct TraceReport {
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub udp_sport: u16,
+    pub dscp: u8,
+    pub ecn: u8,
+    pub hops: Vec<Hop>,
+    /// The destination answered (port unreachable) — or nothing answered past the last
+    /// router, as when a RoCE NIC or a responder silently drops the probe.
+    pub reached: bool,
+    /// The first hop whose quoted class differs from what was sent.
+    pub class_changed_at: Option<u8>,
+    pub probes_sent: u32,
+}
+
+/// One answer: who, what it quoted, which probe.
+struct Answer {
+    from: IpAddr,
+    kind: String,
+    final_hop: bool,
+    tos: u8,
+    psn: u32,
+}
+
+fn raw_icmp(v6: bool) -> io::Result<OwnedFd> {
+    let (family, proto) = if v6 {
+        (libc::AF_INET6, libc::IPPROTO_ICMPV6)
+    } else {
+        (libc::AF_INET, libc::IPPROTO_ICMP)
+    };
+    // SAFETY: plain socket creation; the fd is owned below.
+    let fd = unsafe { libc::socket(family, libc::SOCK_RAW | libc::SOCK_NONBLOCK, proto) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh socket we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn set_int(fd: i32, level: i32, name: i32, v: i32) -> io::Result<()> {
+    // SAFETY: a valid int option on an open socket.
+    let r = unsafe { libc::setsockopt(fd, level, name, &v as *const i32 as *const libc::c_void, 4) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Parses an ICMP(v6) error addressed to a probe of (`sport` → `dst`:4791). `msg` starts
+/// at the ICMP header; `from` is its source.
+fn parse_answer(msg: &[u8], from: IpAddr, v6: bool, sport: u16, dst: IpAddr) -> Option<Answer> {
+    let (ty, code) = (*msg.first()?, *msg.get(1)?);
+    let (kind, final_hop) = match (v6, ty, code) {
+        (false, 11, _) | (true, 3, _) => ("time-exceeded", false),
+        (false, 3, 3) | (true, 1, 4) => ("port-unreachable", true),
+        (false, 3, 0) | (true, 1, 0) => ("net-unreachable", true),
+        (false, 3, 1) | (true, 1, 3) => ("host-unreachable", true),
+        (false, 3, 4) => ("fragmentation-needed", true),
+        (true, 2, _) => ("packet-too-big", true),
+        (false, 3, _) | (true, 1, _) => ("unreachable", true),
+        _ => return None,
+    };
+    let inner = msg.get(8..)?;
+    let (tos, udp) = if v6 {
+        if inner.len() < 40 || inner[0] >> 4 != 6 || inner[6] != 17 {
+            return None;
+        }
+        let d: [u8; 16] = inner[24..40].try_into().ok()?;
+        if IpAddr::from(d) != dst {
+            return None;
+        }
+        ((inner[0] << 4) | (inner[1] >> 4), inner.get(40..)?)
+    } else {
+        if inner.len() < 20 || inner[0] >> 4 != 4 || inner[9] != 17 {
+            return None;
+        }
+        let ihl = ((inner[0] & 0x0f) as usize) * 4;
+        let d: [u8; 4] = inner[16..20].try_into().ok()?;
+        if IpAddr::from(d) != dst {
+            return None;
+        }
+        (inner[1], inner.get(ihl..)?)
+    };
+    if udp.len() < 8 + 12
+        || u16::from_be_bytes([udp[0], udp[1]]) != sport
+        || u16::from_be_bytes([udp[2], udp[3]]) != ROCEV2_UDP_PORT
+    {
+        return None;
+    }
+    let bth = &udp[8..20];
+    if u32::from_be_bytes([0, bth[5], bth[6], bth[7]]) != PROBE_QP {
+        return None;
+    }
+    let psn = u32::from_be_bytes([0, bth[9], bth[10], bth[11]]);
+    Some(Answer {
+        from,
+        kind: kind.into(),
+        final_hop,
+        tos,
+        psn,
+    })
+}
+
+/// The probe datagram: a SEND ONLY to [`PROBE_QP`], PSN = probe number, wrong ICRC.
+fn probe_payload(opts: &TraceOptions, psn: u32) -> Vec<u8> {
+    let f = RoceFrame {
+        src: opts.src,
+        dst: opts.dst,
+        udp_sport: opts.sport,
+        dscp: opts.dscp,
+        ecn: opts.ecn,
+        dest_qp: PROBE_QP,
+        psn,
+        payload: vec![0; 4],
+        ..Default::default()
+    };
+    let mut p = f.udp_payload();
+    let good = crate::frame::icrc(&f.ip_packet()).expect("well formed");
+    let n = p.len();
+    // Deliberately invalid: the correct ICRC with every bit flipped.
+    p[n - 4..].copy_from_slice(&good.map(|b| !b));
+    p
+}
+
+/// Traces one flow's path.
+pub fn trace(opts: &TraceOptions) -> Result<TraceReport, TraceError> {
+    if opts.src.is_ipv4() != opts.dst.is_ipv4() {
+        return Err(TraceError::Invalid(format!(
+            "{} and {} are not the same IP version",
+            opts.src, opts.dst
+        )));
+    }
+    if opts.max_hops == 0 || opts.probes == 0 || opts.rate == 0 {
+        return Err(TraceError::Invalid(
+            "--max-hops, --probes and --rate must be at least 1".into(),
+        ));
+    }
+    let v6 = opts.dst.is_ipv6();
+    let icmp = raw_icmp(v6).map_err(io_err("opening a raw ICMP socket (needs CAP_NET_RAW)"))?;
+    let sock = UdpSocket::bind(SocketAddr::new(opts.src, opts.sport)).map_err(io_err(format!(
+        "binding {}:{} (is the flow's source this host?)",
+        opts.src, opts.sport
+    )))?;
+    let fd = sock.as_raw_fd();
+    let tos = ((opts.dscp << 2) | (opts.ecn & 3)) as i32;
+    if v6 {
+        set_int(fd, libc::IPPROTO_IPV6, libc::IPV6_TCLASS, tos).map_err(io_err("IPV6_TCLASS"))?;
+        set_int(fd, libc::IPPROTO_IPV6, libc::IPV6_DONTFRAG, 1).map_err(io_err("IPV6_DONTFRAG"))?;
+    } else {
+        set_int(fd, libc::IPPROTO_IP, libc::IP_TOS, tos).map_err(io_err("IP_TOS"))?;
+        set_int(
+            fd,
+            libc::IPPROTO_IP,
+            libc::IP_MTU_DISCOVER,
+            libc::IP_PMTUDISC_PROBE,
+        )
+        .map_err(io_err("IP_MTU_DISCOVER"))?;
+    }
+    let dst = SocketAddr::new(opts.dst, ROCEV2_UDP_PORT);
+    let gap = Duration::from_secs_f64(1.0 / opts.rate as f64);
+    let mut hops = Vec::new();
+    let mut psn = 1u32;
+    let mut reached = false;
+    let mut silent_run = 0;
+    let mut last_send = Instant::now() - gap;
+    for ttl in 1..=opts.max_hops {
+        if v6 {
+            set_int(fd, libc::IPPROTO_IPV6, libc::IPV6_UNICAST_HOPS, ttl as i32)
+                .map_err(io_err("IPV6_UNICAST_HOPS"))?;
+        } else {
+            set_int(fd, libc::IPPROTO_IP, libc::IP_TTL, ttl as i32).map_err(io_err("IP_TTL"))?;
+        }
+        // One probe at a time, its answer awaited: the RTT is the answer's arrival.
+        let mut answers = Vec::new();
+        for _ in 0..opts.probes {
+            if let Some(wait) = (last_send + gap).checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+            let p = probe_payload(opts, psn);
+            let sent_at: HashMap<u32, Instant> = [(psn, Instant::now())].into();
+            last_send = Instant::now();
+            sock.send_to(&p, dst)
+                .map_err(io_err(format!("sending a probe to {dst}")))?;
+            psn += 1;
+            answers.extend(collect(&icmp, v6, opts, &sent_at)?);
+        }
+        let mut hop = Hop {
+            ttl,
+            addr: None,
+            sent: opts.probes,
+            answered: answers.len() as u32,
+            rtt_min_us: None,
+            rtt_avg_us: None,
+            rtt_max_us: None,
+            dscp: None,
+            ecn: None,
+            answer: None,
+        };
+        if let Some((a, _)) = answers.first() {
+            hop.addr = Some(a.from);
+            hop.dscp = Some(a.tos >> 2);
+            hop.ecn = Some(a.tos & 3);
+            hop.answer = Some(a.kind.clone());
+            let rtts: Vec<f64> = answers.iter().map(|(_, r)| r.as_secs_f64() * 1e6).collect();
+            hop.rtt_min_us = rtts.iter().copied().reduce(f64::min);
+            hop.rtt_max_us = rtts.iter().copied().reduce(f64::max);
+            hop.rtt_avg_us = Some(rtts.iter().sum::<f64>() / rtts.len() as f64);
+        }
+        let done = answers.iter().any(|(a, _)| a.final_hop);
+        silent_run = if hop.addr.is_none() { silent_run + 1 } else { 0 };
+        hops.push(hop);
+        if done {
+            reached = answers
+                .iter()
+                .any(|(a, _)| a.kind == "port-unreachable" && a.from == opts.dst);
+            break;
+        }
+        // Two silent hops after routers that answered: the destination took the probe
+        // without a word (a RoCE NIC or responder drops it).
+        if silent_run >= 2 && hops.len() > 2 {
+            hops.truncate(hops.len() - 1);
+            reached = true;
+            break;
+        }
+    }
+    let class_changed_at = hops
+        .iter()
+        .find(|h| h.dscp.is_some_and(|d| d != opts.dscp))
+        .map(|h| h.ttl);
+    Ok(TraceReport {
+        kind: "trace",
+        src: opts.src,
+        dst: opts.dst,
+        udp_sport: opts.sport,
+        dscp: opts.dscp,
+        ecn: opts.ecn,
+        hops,
+        reached,
+        class_changed_at,
+        probes_sent: psn - 1,
+    })
+}
+
+/// Waits up to the timeout for the answers to `sent`; returns them with their RTTs.
+fn collect(
+    icmp: &OwnedFd,
+    v6: bool,
+    opts: &TraceOptions,
+    sent: &HashMap<u32, Instant>,
+) -> Result<Vec<(Answer, Duration)>, TraceError> {
+    let deadline = Instant::now() + opts.timeout;
+    let mut got: BTreeMap<u32, (Answer, Duration)> = BTreeMap::new();
+    let mut buf = vec![0u8; 2048];
+    while got.len() < sent.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        let mut pfd = libc::pollfd {
+            fd: icmp.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut pfd, 1, left.as_millis().max(1) as i32) };
+        loop {
+            // SAFETY: zeroed sockaddr_storage is valid; recvfrom fills it.
+            let mut from: libc::sockaddr_storage = unsafe { zeroed() };
+            let mut len = std::mem::size_of::<libc::sockaddr_storage>() as u32;
+            // SAFETY: buf and from are valid for the lengths given.
+            let n = unsafe {
+                libc::recvfrom(
+                    icmp.as_raw_fd(),
+                    buf.as_mut_ptr() as *mut libc::c_void,
+                    buf.len(),
+                    0,
+                    &mut from as *mut _ as *mut libc::sockaddr,
+                    &mut len,
+                )
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::WouldBlock {
+                    break;
+                }
+                return Err(io_err("receiving ICMP")(e));
+            }
+            let now = Instant::now();
+            let data = &buf[..n as usize];
+            let (src, msg) = if v6 {
+                // SAFETY: an AF_INET6 raw socket reports sockaddr_in6 sources.
+                let a = unsafe { &*(&from as *const _ as *const libc::sockaddr_in6) };
+                (IpAddr::from(a.sin6_addr.s6_addr), data)
+            } else {
+                // Raw IPv4 sockets deliver the IP header too.
+                if data.len() < 20 {
+                    continue;
+                }
+                let ihl = ((data[0] & 0x0f) as usize) * 4;
+                let s: [u8; 4] = data[12..16].try_into().expect("4 bytes");
+                (IpAddr::from(s), &data[ihl.min(data.len())..])
+            };
+            if let Some(a) = parse_answer(msg, src, v6, opts.sport, opts.dst)
+                && let Some(t) = sent.get(&a.psn)
+            {
+                let rtt = now - *t;
+                got.entry(a.psn).or_insert((a, rtt));
+            }
+        }
+    }
+    Ok(got.into_values().collect())
+}
+
+/// ECMP map: which source ports take which path.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct PathsReport {
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    /// Each distinct path (hop addresses, `null` for a silent hop) and the ports on it.
+    pub paths: Vec<PathPorts>,
+    pub ports_tried: u32,
+    /// Stopped after this many ports in a row showed no new path.
+    pub patience: u32,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct PathPorts {
+    pub hops: Vec<Option<IpAddr>>,
+    pub udp_sports: Vec<u16>,
+}
+
+/// Varies the source port from `opts.sport` until `patience` ports in a row reveal no new
+/// path, or `max_ports` were tried.
+pub fn paths(opts: &TraceOptions, patience: u32, max_ports: u32) -> Result<PathsReport, TraceError> {
+    let mut found: Vec<PathPorts> = Vec::new();
+    let mut since_new = 0;
+    let mut tried = 0;
+    while since_new < patience && tried < max_ports {
+        let sport = opts
+            .sport
+            .checked_add(tried as u16)
+            .ok_or_else(|| TraceError::Invalid("source ports exhausted".into()))?;
+        let r = trace(&TraceOptions {
+            sport,
+            probes: 1,
+            ..opts.clone()
+        })?;
+        tried += 1;
+        // Silent hops (rate-limited ICMP, say) say nothing about the path: compare the
+        // routers that answered.
+        let hops: Vec<Option<IpAddr>> = r
+            .hops
+            .iter()
+            .filter(|h| h.addr.is_some())
+            .map(|h| h.addr)
+            .collect();
+        match found.iter_mut().find(|p| p.hops == hops) {
+            Some(p) => {
+                p.udp_sports.push(sport);
+                since_new += 1;
+            }
+            None => {
+                found.push(PathPorts {
+                    hops,
+                    udp_sports: vec![sport],
+                });
+                since_new = 0;
+            }
+        }
+    }
+    Ok(PathsReport {
+        kind: "paths",
+        src: opts.src,
+        dst: opts.dst,
+        paths: found,
+        ports_tried: tried,
+        patience,
+    })
+}
+
+pub fn render(r: &TraceReport) -> String {
+    let mut s = format!(
+        "trace {}:{} -> {}:4791, DSCP {} ECN {}, Paris-style (only the TTL varies)\n",
+        r.src,
+        r.udp_sport,
+        r.dst,
+        r.dscp,
+        crate::record::ECN_NAMES[(r.ecn & 3) as usize]
+    );
+    for h in &r.hops {
+        match h.addr {
+            None => s.push_str(&format!("{:>3}  *  ({} probes, no answer)\n", h.ttl, h.sent)),
+            Some(a) => {
+                let changed = h.dscp.is_some_and(|d| d != r.dscp);
+                s.push_str(&format!(
+                    "{:>3}  {:<39} {:>8.1} / {:>8.1} / {:>8.1} us   as received: DSCP {}{} ECN {}   {}\n",
+                    h.ttl,
+                    a.to_string(),
+                    h.rtt_min_us.unwrap_or(0.0),
+                    h.rtt_avg_us.unwrap_or(0.0),
+                    h.rtt_max_us.unwrap_or(0.0),
+                    h.dscp.map(|d| d.to_string()).unwrap_or_else(|| "?".into()),
+                    if changed { " (CHANGED)" } else { "" },
+                    h.ecn.map(|e| crate::record::ECN_NAMES[e as usize]).unwrap_or("?"),
+                    h.answer.as_deref().unwrap_or("")
+                ));
+            }
+        }
+    }
+    match (r.reached, r.class_changed_at) {
+        (_, Some(t)) => s.push_str(&format!("class rewritten: first seen changed at hop {t}\n")),
+        (true, None) => s.push_str("class kept all the way\n"),
+        (false, None) => s.push_str("destination not reached\n"),
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probes_carry_a_bad_icrc_and_the_unused_qp() {
+        let o = TraceOptions {
+            dst: "10.0.0.2".parse().unwrap(),
+            src: "10.0.0.1".parse().unwrap(),
+            sport: 50000,
+            dscp: 26,
+            ecn: 2,
+            max_hops: 8,
+            probes: 1,
+            timeout: Duration::from_millis(100),
+            rate: 100,
+        };
+        let p = probe_payload(&o, 77);
+        assert_eq!(u32::from_be_bytes([0, p[5], p[6], p[7]]), PROBE_QP);
+        assert_eq!(u32::from_be_bytes([0, p[9], p[10], p[11]]), 77);
+        let good = RoceFrame {
+            src: o.src,
+            dst: o.dst,
+            udp_sport: 50000,
+            dscp: 26,
+            ecn: 2,
+            dest_qp: PROBE_QP,
+            psn: 77,
+            payload: vec![0; 4],
+            ..Default::default()
+        }
+        .ip_packet();
+        assert_ne!(
+            &p[p.len() - 4..],
+            &good[good.len() - 4..],
+            "the ICRC is wrong on purpose"
+        );
+    }
+
+    #[test]
+    fn a_time_exceeded_quote_gives_hop_class_and_probe() {
+        let dst: IpAddr = "10.0.0.2".parse().unwrap();
+        let f = RoceFrame {
+            dst,
+            udp_sport: 50000,
+            dscp: 0,
+            ecn: 3,
+            ttl: 1,
+            dest_qp: PROBE_QP,
+            psn: 9,
+            payload: vec![0; 4],
+            ..Default::default()
+        };
+        let mut icmp = vec![11, 0, 0, 0, 0, 0, 0, 0];
+        icmp.extend_from_slice(&f.ip_packet());
+        let a = parse_answer(&icmp, "10.1.1.1".parse().unwrap(), false, 50000, dst).unwrap();
+        assert_eq!(
+            (a.kind.as_str(), a.final_hop, a.tos >> 2, a.tos & 3, a.psn),
+            ("time-exceeded", false, 0, 3, 9)
+        );
+        // Another flow's error, or a non-probe, is not ours.
+        assert!(parse_answer(&icmp, "10.1.1.1".parse().unwrap(), false, 50001, dst).is_none());
+        let mut unreachable = vec![3, 3, 0, 0, 0, 0, 0, 0];
+        unreachable.extend_from_slice(&f.ip_packet());
+        assert!(
+            parse_answer(&unreachable, dst, false, 50000, dst)
+                .unwrap()
+                .final_hop
+        );
+    }
+}
