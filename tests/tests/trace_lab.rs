@@ -1,0 +1,246 @@
+//! `roce-trace trace` in the lab: hop addresses and count match the topology (IPv4 and
+//! IPv6), a DSCP rewrite is located at the spine for exactly the ports hashed through it,
+//! `--paths` finds every spine, a probe that reaches a responder is dropped there, and
+//! unreachable destinations and silent hops read clearly.
+
+use std::{process::Command, sync::Mutex};
+
+use roce_trace_tests::{
+    lab::{Fault, Lab},
+    *,
+};
+use serde_json::Value;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+struct Up(Lab);
+
+impl Up {
+    fn new(tag: &str) -> Self {
+        let l = Lab {
+            prefix: format!("rtt{tag}"),
+            ..Lab::default()
+        };
+        l.down().unwrap();
+        l.up().unwrap();
+        Self(l)
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        let _ = self.0.down();
+    }
+}
+
+fn trace(l: &Lab, node: &str, args: &[&str]) -> Value {
+    let out = Command::new("ip")
+        .args(["netns", "exec", &l.ns(node)])
+        .arg(roce_trace_bin())
+        .arg("trace")
+        .args(args)
+        .args(["--json", "--timeout", "500ms"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "trace failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn hop_addrs(r: &Value) -> Vec<String> {
+    r["hops"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h["addr"].as_str().unwrap_or("*").to_owned())
+        .collect()
+}
+
+#[test]
+fn hops_follow_the_flows_spine_in_ipv4_and_ipv6_and_locate_a_rewrite() {
+    if !require_root() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let up = Up::new("a");
+    let l = &up.0;
+    for v6 in [false, true] {
+        for sport in 49152u16..49156 {
+            let y = l.spine_for(1, 3, sport, v6).unwrap();
+            let dst = Lab::host_ip(3, v6).to_string();
+            let r = trace(l, "h1", &[&dst, "--sport", &sport.to_string()]);
+            let want: Vec<String> = if v6 {
+                vec![
+                    "fd00:10:1::1".into(),
+                    format!("fd00:21:{y}::2"),
+                    format!("fd00:22:{y}::1"),
+                    "fd00:10:3::2".into(),
+                ]
+            } else {
+                vec![
+                    "10.10.1.1".into(),
+                    format!("10.21.{y}.2"),
+                    format!("10.22.{y}.1"),
+                    "10.10.3.2".into(),
+                ]
+            };
+            assert_eq!(hop_addrs(&r), want, "v6={v6} sport {sport}");
+            assert_eq!(r["reached"], true);
+            assert!(r["class_changed_at"].is_null());
+            assert!(
+                r["hops"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .all(|h| h["dscp"] == 26 && h["ecn"] == 2 && h["answered"] == 3)
+            );
+        }
+    }
+    l.apply(&Fault::DscpRewrite {
+        spine: 1,
+        from: 26,
+        to: 0,
+    })
+    .unwrap();
+    for sport in 49152u16..49160 {
+        let y = l.spine_for(1, 3, sport, false).unwrap();
+        let r = trace(
+            l,
+            "h1",
+            &["10.10.3.2", "--sport", &sport.to_string(), "--probes", "1"],
+        );
+        let dscps: Vec<u64> = r["hops"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h["dscp"].as_u64().unwrap())
+            .collect();
+        if y == 1 {
+            assert_eq!(
+                r["class_changed_at"], 2,
+                "sport {sport}: located at hop 2, the spine"
+            );
+            assert_eq!(r["hops"][1]["addr"], "10.21.1.2");
+            assert_eq!(dscps, [26, 0, 0, 0]);
+        } else {
+            assert!(r["class_changed_at"].is_null(), "sport {sport} through s2");
+            assert_eq!(dscps, [26, 26, 26, 26]);
+        }
+    }
+}
+
+#[test]
+fn paths_finds_every_spine_and_maps_ports_to_them() {
+    if !require_root() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let up = Up::new("b");
+    let l = &up.0;
+    let r = trace(
+        l,
+        "h2",
+        &["10.10.4.2", "--paths", "--patience", "12", "--max-ports", "64"],
+    );
+    let paths = r["paths"].as_array().unwrap();
+    assert_eq!(paths.len(), 2, "{r}");
+    let tried = r["ports_tried"].as_u64().unwrap();
+    assert!(tried >= 12 && tried <= 64);
+    let mut spines = Vec::new();
+    for p in paths {
+        let spine_addr = p["hops"][1].as_str().unwrap().to_owned();
+        let y: u8 = spine_addr.split('.').nth(2).unwrap().parse().unwrap();
+        spines.push(y);
+        for sport in p["udp_sports"].as_array().unwrap() {
+            assert_eq!(
+                l.spine_for(2, 4, sport.as_u64().unwrap() as u16, false).unwrap(),
+                y,
+                "sport {sport}"
+            );
+        }
+    }
+    spines.sort();
+    assert_eq!(spines, [1, 2]);
+}
+
+#[test]
+fn a_probe_reaching_a_responder_touches_no_qp() {
+    if !require_root() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let up = Up::new("c");
+    let l = &up.0;
+    let resp = spawn_gen(&l.ns("h3"), &["--bind", "10.10.3.2", "--duration", "20s"]);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let r = trace(l, "h1", &["10.10.3.2", "--probes", "2"]);
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(resp.id() as i32, libc::SIGINT) };
+    let g = gen_report(resp);
+    // The responder answers nothing: after the last router, the destination is silent.
+    let hops = hop_addrs(&r);
+    assert_eq!(hops.len(), 4, "{r}");
+    assert_eq!((hops[0].as_str(), hops[3].as_str()), ("10.10.1.1", "*"));
+    assert_eq!(r["reached"], true);
+    // Every probe that got there was dropped for its ICRC; no QP was created for it.
+    assert!(g["icrc_errors"].as_u64().unwrap() >= 2, "{g}");
+    assert_eq!(g["responders"], serde_json::json!([]), "no QP touched");
+}
+
+#[test]
+fn unreachable_destinations_and_silent_hops_read_clearly() {
+    if !require_root() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let up = Up::new("d");
+    let l = &up.0;
+    // No route anywhere for 10.10.9.0/24: the first router says so.
+    let r = trace(l, "h1", &["10.10.9.2", "--probes", "1"]);
+    assert_eq!(hop_addrs(&r), ["10.10.1.1"]);
+    assert_eq!(r["hops"][0]["answer"], "net-unreachable");
+    assert_eq!(r["reached"], false);
+    // Spines that send no Time Exceeded: a `*` at hop 2, the rest still answer.
+    for s in ["s1", "s2"] {
+        l.exec(s, &["nft", "add", "table", "inet", "rtt_quiet"]).unwrap();
+        l.exec(
+            s,
+            &[
+                "nft",
+                "add",
+                "chain",
+                "inet",
+                "rtt_quiet",
+                "c",
+                "{ type filter hook output priority 0; }",
+            ],
+        )
+        .unwrap();
+        l.exec(
+            s,
+            &[
+                "nft",
+                "add",
+                "rule",
+                "inet",
+                "rtt_quiet",
+                "c",
+                "icmp",
+                "type",
+                "time-exceeded",
+                "drop",
+            ],
+        )
+        .unwrap();
+    }
+    let r = trace(l, "h1", &["10.10.3.2", "--probes", "1"]);
+    let hops = hop_addrs(&r);
+    assert_eq!(hops.len(), 4, "{r}");
+    assert_eq!(hops[1], "*");
+    assert_eq!(r["hops"][1]["answered"], 0);
+    assert_eq!(hops[3], "10.10.3.2");
+    assert_eq!(r["reached"], true);
+}
