@@ -148,7 +148,7 @@ fn paths_finds_every_spine_and_maps_ports_to_them() {
     let paths = r["paths"].as_array().unwrap();
     assert_eq!(paths.len(), 2, "{r}");
     let tried = r["ports_tried"].as_u64().unwrap();
-    assert!(tried >= 12 && tried <= 64);
+    assert!((12..=64).contains(&tried));
     let mut spines = Vec::new();
     for p in paths {
         let spine_addr = p["hops"][1].as_str().unwrap().to_owned();
