@@ -100,6 +100,8 @@ struct PointMetrics {
 
 struct Shared {
     outbox: Mutex<Outbox>,
+    /// Results of traces the collector asked for, waiting to be sent.
+    traces: Mutex<VecDeque<crate::protocol::ProbeResult>>,
     notify: Notify,
     metrics: Mutex<(Vec<(String, PointMetrics)>, GlobalTotals)>,
 }
@@ -138,6 +140,7 @@ pub async fn run(
             cap: opts.queue,
             ..Outbox::default()
         }),
+        traces: Mutex::new(VecDeque::new()),
         notify: Notify::new(),
         metrics: Mutex::new((Vec::new(), GlobalTotals::default())),
     });
@@ -274,7 +277,7 @@ async fn send_loop(opts: AgentOptions, points: Vec<PointDecl>, sh: Arc<Shared>) 
     }
 }
 
-async fn session(opts: &AgentOptions, points: &[PointDecl], sh: &Shared) -> Result<(), String> {
+async fn session(opts: &AgentOptions, points: &[PointDecl], sh: &Arc<Shared>) -> Result<(), String> {
     let mut sock = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(&opts.collector))
         .await
         .map_err(|_| "connect timed out".to_owned())?
@@ -314,6 +317,77 @@ async fn session(opts: &AgentOptions, points: &[PointDecl], sh: &Shared) -> Resu
     sock.write_all(&enc.encode(&Frame::Points(points.to_vec())))
         .await
         .map_err(|e| e.to_string())?;
+    // The collector may ask for traces: read its frames beside the sending below.
+    let (mut rd, mut sock) = sock.into_split();
+    let reader = {
+        let sh = sh.clone();
+        tokio::spawn(async move {
+            loop {
+                let f = match dec.decode(&mut buf) {
+                    Ok(Some(f)) => f,
+                    Ok(None) => match rd.read_buf(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => continue,
+                    },
+                    Err(e) => {
+                        tracing::warn!("collector sent a bad frame: {e}");
+                        return;
+                    }
+                };
+                if let Frame::TraceRequest { id, flow, dscp, ecn } = f {
+                    let sh = sh.clone();
+                    tokio::task::spawn_blocking(move || {
+                        let opts = crate::trace::TraceOptions {
+                            dst: flow.dst_ip(),
+                            src: flow.src_ip(),
+                            sport: flow.udp_sport,
+                            dscp,
+                            ecn,
+                            max_hops: 16,
+                            probes: 2,
+                            timeout: Duration::from_millis(300),
+                            rate: 200,
+                        };
+                        match crate::trace::trace(&opts) {
+                            Ok(r) => {
+                                sh.traces
+                                    .lock()
+                                    .expect("traces")
+                                    .push_back(crate::protocol::ProbeResult {
+                                        id,
+                                        flow,
+                                        reached: r.reached,
+                                        class_changed_at: r.class_changed_at,
+                                        hops: r
+                                            .hops
+                                            .iter()
+                                            .map(|h| crate::protocol::ProbeHop {
+                                                ttl: h.ttl,
+                                                addr: h.addr,
+                                                dscp: h.dscp,
+                                                ecn: h.ecn,
+                                                rtt_avg_us: h.rtt_avg_us.map(|u| u as u32),
+                                            })
+                                            .collect(),
+                                    });
+                                sh.notify.notify_one();
+                            }
+                            Err(e) => {
+                                tracing::warn!("trace of {} asked by the collector: {e:#}", flow.label())
+                            }
+                        }
+                    });
+                }
+            }
+        })
+    };
+    struct AbortOnDrop(tokio::task::JoinHandle<()>);
+    impl Drop for AbortOnDrop {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
+    }
+    let _reader = AbortOnDrop(reader);
     let mut last_dropped = (u64::MAX, u64::MAX);
     let mut last_beat = Instant::now();
     loop {
@@ -334,6 +408,7 @@ async fn session(opts: &AgentOptions, points: &[PointDecl], sh: &Shared) -> Resu
             };
             if obs.is_empty()
                 && counters.is_empty()
+                && sh.traces.lock().expect("traces").is_empty()
                 && dropped == last_dropped
                 && last_beat.elapsed() < Duration::from_secs(5)
             {
@@ -377,6 +452,13 @@ async fn session(opts: &AgentOptions, points: &[PointDecl], sh: &Shared) -> Resu
                     }))
                     .await;
                 last_dropped = dropped;
+            }
+            let traces: Vec<crate::protocol::ProbeResult> =
+                sh.traces.lock().expect("traces").drain(..).collect();
+            for t in traces {
+                if result.is_ok() {
+                    result = sock.write_all(&enc.encode(&Frame::TraceResult(t))).await;
+                }
             }
             if result.is_ok() && last_beat.elapsed() >= Duration::from_secs(5) {
                 result = sock

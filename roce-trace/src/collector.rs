@@ -34,6 +34,8 @@ pub struct CollectorOptions {
     pub join: JoinConfig,
     /// Print the flow view every interval.
     pub live: bool,
+    /// Ask each flow's source agent to trace it once (in-band probes); hops in the report.
+    pub trace: bool,
     pub interval: Duration,
 }
 
@@ -58,6 +60,43 @@ struct State {
     joiner: Option<Joiner>,
     agents: BTreeMap<String, AgentInfo>,
     refused: u64,
+    /// Per connected agent, where to send it requests.
+    requesters: HashMap<String, tokio::sync::mpsc::UnboundedSender<Frame>>,
+    /// Probe results per flow, and the flows a trace was asked for.
+    probes: HashMap<crate::observation::FlowId, crate::protocol::ProbeResult>,
+    traced: std::collections::HashSet<crate::observation::FlowId>,
+    next_trace: u32,
+}
+
+impl State {
+    fn flow_reports(&self) -> Vec<FlowReport> {
+        let j = self.joiner.as_ref().expect("joiner");
+        j.flow_ids()
+            .iter()
+            .filter_map(|id| {
+                j.flow_report(id).map(|mut r| {
+                    r.probe = self.probes.get(id).cloned();
+                    r
+                })
+            })
+            .collect()
+    }
+
+    /// Asks the agent on the flow's source node to trace it; where it went.
+    fn request_trace(&mut self, id: crate::observation::FlowId) -> Option<String> {
+        let (node, dscp, ecn) = self.joiner.as_ref()?.trace_target(&id)?;
+        let tx = self.requesters.get(&node)?;
+        self.next_trace += 1;
+        tx.send(Frame::TraceRequest {
+            id: self.next_trace,
+            flow: id,
+            dscp,
+            ecn,
+        })
+        .ok()?;
+        self.traced.insert(id);
+        Some(node)
+    }
 }
 
 type Shared = Arc<Mutex<State>>;
@@ -86,7 +125,7 @@ fn report(st: &State) -> CollectorReport {
         refused_connections: st.refused,
         agents: st.agents.values().cloned().collect(),
         points: j.points().to_vec(),
-        flows: j.flow_ids().iter().filter_map(|id| j.flow_report(id)).collect(),
+        flows: st.flow_reports(),
         anomalies: j.anomalies(),
     }
 }
@@ -139,6 +178,7 @@ pub async fn run(
     };
     let st = state.clone();
     let live = opts.live;
+    let trace_flows = opts.trace;
     let ticker = async move {
         let mut t = tokio::time::interval(Duration::from_millis(200));
         let mut last_view = Instant::now();
@@ -146,6 +186,15 @@ pub async fn run(
             t.tick().await;
             let mut s = st.lock().expect("state");
             s.joiner.as_mut().expect("joiner").tick(now_ns(start));
+            if trace_flows {
+                // Each flow is traced once, from its source, as soon as it has a path.
+                let ids: Vec<_> = s.joiner.as_ref().expect("joiner").flow_ids();
+                for id in ids {
+                    if !s.traced.contains(&id) {
+                        s.request_trace(id);
+                    }
+                }
+            }
             if live && last_view.elapsed() >= opts.interval {
                 last_view = Instant::now();
                 print!("{}", render(&report(&s)));
@@ -228,15 +277,30 @@ async fn serve_agent(
         a.connections += 1;
         a.clock_synced = clock_synced;
     }
+    // Requests to this agent (traces) go through a writer task; reading stays here.
+    let (mut rd, mut wr) = sock.into_split();
+    let (req_tx, mut req_rx) = tokio::sync::mpsc::unbounded_channel::<Frame>();
+    st.lock().expect("state").requesters.insert(node.clone(), req_tx);
+    let writer = tokio::spawn(async move {
+        while let Some(f) = req_rx.recv().await {
+            if wr.write_all(&enc.encode(&f)).await.is_err() {
+                break;
+            }
+        }
+    });
     let mut points: HashMap<u16, PointId> = HashMap::new();
     let result = loop {
-        let f = match read_frame(&mut sock, &mut buf, &mut dec).await {
+        let f = match read_frame(&mut rd, &mut buf, &mut dec).await {
             Ok(Some(f)) => f,
             Ok(None) => break Err("the agent went away".to_owned()),
             Err(e) => break Err(e),
         };
         let now = now_ns(start);
         let mut s = st.lock().expect("state");
+        if let Frame::TraceResult(r) = f {
+            s.probes.insert(r.flow, r);
+            continue;
+        }
         let State { joiner, agents, .. } = &mut *s;
         let j = joiner.as_mut().expect("joiner");
         let a = agents.get_mut(&node).expect("registered");
@@ -279,9 +343,16 @@ async fn serve_agent(
             }
             Frame::Heartbeat { .. } => {}
             Frame::Bye { reason } => break Err(format!("agent said goodbye: {reason}")),
-            Frame::Hello { .. } | Frame::Welcome { .. } => break Err("unexpected handshake frame".into()),
+            Frame::Hello { .. }
+            | Frame::Welcome { .. }
+            | Frame::TraceRequest { .. }
+            | Frame::TraceResult(_) => {
+                break Err("a frame an agent does not send".into());
+            }
         }
     };
+    writer.abort();
+    st.lock().expect("state").requesters.remove(&node);
     match result {
         Err(reason) => close(st, &node, reason),
         Ok(()) => Ok(()),
@@ -299,7 +370,7 @@ fn close(st: &Shared, node: &str, reason: String) -> Result<(), String> {
 
 /// Reads until one whole frame is decoded; `Ok(None)` on a clean end of stream.
 async fn read_frame(
-    sock: &mut TcpStream,
+    sock: &mut (impl tokio::io::AsyncRead + Unpin),
     buf: &mut BytesMut,
     dec: &mut Decoder,
 ) -> Result<Option<Frame>, String> {
@@ -319,22 +390,30 @@ async fn read_frame(
 }
 
 fn api(st: &Shared, path: &str, query: &str) -> Response {
-    let s = st.lock().expect("state");
+    let mut s = st.lock().expect("state");
+    let flow_id = || {
+        query
+            .split('&')
+            .find_map(|kv| kv.strip_prefix("id="))
+            .map(http::percent_decode)
+            .unwrap_or_default()
+    };
+    if path == "/trace" {
+        let id = flow_id();
+        let Some(f) = s.joiner.as_ref().expect("joiner").find(&id) else {
+            return Response::text(404, format!("no flow `{id}` (see /flows)\n"));
+        };
+        return match s.request_trace(f) {
+            Some(node) => Response::json(&serde_json::json!({ "requested": id, "from": node })),
+            None => Response::text(409, format!("no connected agent on the source node of `{id}`\n")),
+        };
+    }
     let j = s.joiner.as_ref().expect("joiner");
     match path {
-        "/flows" => Response::json(
-            &j.flow_ids()
-                .iter()
-                .filter_map(|id| j.flow_report(id))
-                .collect::<Vec<_>>(),
-        ),
+        "/flows" => Response::json(&s.flow_reports()),
         "/flow" => {
-            let id = query
-                .split('&')
-                .find_map(|kv| kv.strip_prefix("id="))
-                .map(http::percent_decode)
-                .unwrap_or_default();
-            match j.find(&id).and_then(|f| j.flow_report(&f)) {
+            let id = flow_id();
+            match s.flow_reports().into_iter().find(|r| r.id == id) {
                 Some(r) => Response::json(&r),
                 None => Response::text(404, format!("no flow `{id}` (see /flows)\n")),
             }
@@ -346,7 +425,7 @@ fn api(st: &Shared, path: &str, query: &str) -> Response {
         "/metrics" => Response::metrics(metrics(&s)),
         _ => Response::text(
             404,
-            "try /flows, /flow?id=…, /anomalies, /agents, /stats, /report, /metrics\n".into(),
+            "try /flows, /flow?id=…, /trace?id=…, /anomalies, /agents, /stats, /report, /metrics\n".into(),
         ),
     }
 }
@@ -481,6 +560,25 @@ pub fn render(r: &CollectorReport) -> String {
             s.push_str(&format!("  MOVED ({} paths)", f.path_history.len()));
         }
         s.push('\n');
+        if let Some(p) = &f.probe {
+            let hops: Vec<String> = p
+                .hops
+                .iter()
+                .map(|h| match (h.addr, h.dscp) {
+                    (Some(a), Some(d)) => format!("{a}({d})"),
+                    (Some(a), None) => a.to_string(),
+                    _ => "*".into(),
+                })
+                .collect();
+            s.push_str(&format!(
+                "{:<44} hops {}{}\n",
+                "",
+                hops.join(" "),
+                p.class_changed_at
+                    .map(|t| format!("  class changed at hop {t}"))
+                    .unwrap_or_default()
+            ));
+        }
     }
     s
 }

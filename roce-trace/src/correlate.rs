@@ -53,6 +53,8 @@ impl Default for JoinConfig {
 #[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
 pub struct JoinStats {
     pub observations: u64,
+    /// Observations of roce-trace's own probes (QP 0xFFFFFF), left out of the join.
+    pub probe_observations: u64,
     pub duplicates: u64,
     pub trajectories: u64,
     pub retransmissions: u64,
@@ -220,6 +222,11 @@ impl Joiner {
     /// collector time `now_ns`.
     pub fn add(&mut self, point: PointId, o: &Observation, now_ns: u64) {
         self.stats.observations += 1;
+        if o.id.flow.dest_qp == crate::trace::PROBE_QP {
+            // Our own in-band probes: they expire on purpose, so they are no flow's loss.
+            self.stats.probe_observations += 1;
+            return;
+        }
         let obs = Obs {
             point,
             time_ns: o.time_ns,
@@ -315,6 +322,9 @@ impl Joiner {
 
     /// Counter deltas from `point`.
     pub fn add_counters(&mut self, point: PointId, d: &CounterDelta, now_ns: u64) {
+        if d.flow.dest_qp == crate::trace::PROBE_QP {
+            return;
+        }
         if let Some(f) = self.flow(d.flow, now_ns) {
             f.counters.entry(point).or_default().add(d);
             if d.cnp > 0 {
@@ -563,6 +573,7 @@ impl Joiner {
                 .collect(),
             counters: f.counters.iter().map(|(p, c)| (l(p), *c)).collect(),
             trajectories: f.trajectories,
+            probe: None,
             answered_by: Answers {
                 flows: cnp_flows.iter().map(|(rid, _)| rid.label()).collect(),
                 cnps,
@@ -571,6 +582,14 @@ impl Joiner {
                 ce_to_cnp: (ce_to_cnp.n > 0).then_some(ce_to_cnp),
             },
         })
+    }
+
+    /// Where to trace a flow from: the node of its first point, and the class it left with.
+    pub fn trace_target(&self, id: &FlowId) -> Option<(String, u8, u8)> {
+        let f = self.flows.get(id)?;
+        let first = *f.path.first()?;
+        let (dscp, ecn, _) = *f.class_at.get(&first)?;
+        Some((self.points[first as usize].node.clone(), dscp, ecn))
     }
 
     pub fn flow_ids(&self) -> Vec<FlowId> {
@@ -706,6 +725,8 @@ pub struct FlowReport {
     pub counters: BTreeMap<String, CounterDelta>,
     pub trajectories: u64,
     pub answered_by: Answers,
+    /// Hops found by in-band probes from the flow's source (`collect --trace`).
+    pub probe: Option<crate::protocol::ProbeResult>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]

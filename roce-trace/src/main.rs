@@ -178,6 +178,10 @@ struct CollectArgs {
     /// No live view on stdout.
     #[arg(long)]
     quiet: bool,
+    /// Have each flow traced once from its source agent (in-band probes), and attach the
+    /// hops to its path.
+    #[arg(long)]
+    trace: bool,
     /// Live view refresh.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
     interval: Duration,
@@ -602,6 +606,7 @@ async fn run_collect(a: CollectArgs) -> anyhow::Result<()> {
             ..JoinConfig::default()
         },
         live: !a.quiet,
+        trace: a.trace,
         interval: a.interval,
     };
     let stop = async {

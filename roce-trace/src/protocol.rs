@@ -40,6 +40,37 @@ pub enum Frame {
     Bye {
         reason: String,
     },
+    /// Collector → agent: trace this flow (the agent is on its source host).
+    TraceRequest {
+        id: u32,
+        flow: FlowId,
+        dscp: u8,
+        ecn: u8,
+    },
+    /// Agent → collector: the hops of a traced flow.
+    TraceResult(ProbeResult),
+}
+
+/// What in-band probes found along one flow, as carried back to the collector.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ProbeResult {
+    #[serde(skip)]
+    pub id: u32,
+    #[serde(skip)]
+    pub flow: FlowId,
+    pub reached: bool,
+    /// First hop (TTL) whose quoted class differs from the flow's.
+    pub class_changed_at: Option<u8>,
+    pub hops: Vec<ProbeHop>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ProbeHop {
+    pub ttl: u8,
+    pub addr: Option<std::net::IpAddr>,
+    pub dscp: Option<u8>,
+    pub ecn: Option<u8>,
+    pub rtt_avg_us: Option<u32>,
 }
 
 impl Frame {
@@ -53,6 +84,8 @@ impl Frame {
             Frame::Dropped { .. } => 6,
             Frame::Heartbeat { .. } => 7,
             Frame::Bye { .. } => 8,
+            Frame::TraceRequest { .. } => 9,
+            Frame::TraceResult(_) => 10,
         }
     }
 }
@@ -175,6 +208,32 @@ pub fn encode(f: &Frame, seq: u64) -> Bytes {
         }
         Frame::Heartbeat { unix_ns } => b.put_u64(*unix_ns),
         Frame::Bye { reason } => put_str(&mut b, reason),
+        Frame::TraceRequest { id, flow, dscp, ecn } => {
+            b.put_u32(*id);
+            put_flow(&mut b, flow);
+            b.put_u8(*dscp);
+            b.put_u8(*ecn);
+        }
+        Frame::TraceResult(r) => {
+            b.put_u32(r.id);
+            put_flow(&mut b, &r.flow);
+            b.put_u8(r.reached as u8);
+            b.put_u8(r.class_changed_at.unwrap_or(0));
+            b.put_u16(r.hops.len() as u16);
+            for h in &r.hops {
+                b.put_u8(h.ttl);
+                let (has, addr) = match h.addr {
+                    Some(std::net::IpAddr::V4(a)) => (4u8, a.to_ipv6_mapped().octets()),
+                    Some(std::net::IpAddr::V6(a)) => (6, a.octets()),
+                    None => (0, [0; 16]),
+                };
+                b.put_u8(has);
+                b.put_slice(&addr);
+                b.put_u8(h.dscp.unwrap_or(0xff));
+                b.put_u8(h.ecn.unwrap_or(0xff));
+                b.put_u32(h.rtt_avg_us.unwrap_or(u32::MAX));
+            }
+        }
     }
     let len = (b.len() - 4) as u32;
     b[..4].copy_from_slice(&len.to_be_bytes());
@@ -373,6 +432,61 @@ impl Decoder {
             8 => Frame::Bye {
                 reason: get_str(&mut b)?,
             },
+            9 => {
+                need(&b, 4 + FLOW_LEN + 2)?;
+                let id = b.get_u32();
+                let flow = get_flow(&mut b);
+                Frame::TraceRequest {
+                    id,
+                    flow,
+                    dscp: b.get_u8(),
+                    ecn: b.get_u8(),
+                }
+            }
+            10 => {
+                need(&b, 4 + FLOW_LEN + 4)?;
+                let id = b.get_u32();
+                let flow = get_flow(&mut b);
+                let reached = b.get_u8() != 0;
+                let changed = b.get_u8();
+                let n = b.get_u16() as usize;
+                if b.remaining() != n * 24 {
+                    return Err(ProtoError::Malformed("hop count does not match the frame length"));
+                }
+                let mut hops = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let ttl = b.get_u8();
+                    let has = b.get_u8();
+                    let mut a = [0u8; 16];
+                    b.copy_to_slice(&mut a);
+                    let addr = match has {
+                        4 => Some(std::net::IpAddr::V4(
+                            std::net::Ipv6Addr::from(a)
+                                .to_ipv4_mapped()
+                                .unwrap_or(std::net::Ipv4Addr::UNSPECIFIED),
+                        )),
+                        6 => Some(std::net::IpAddr::V6(a.into())),
+                        _ => None,
+                    };
+                    let dscp = b.get_u8();
+                    let ecn = b.get_u8();
+                    let rtt = b.get_u32();
+                    hops.push(ProbeHop {
+                        ttl,
+                        addr,
+                        dscp: (dscp != 0xff).then_some(dscp),
+                        ecn: (ecn != 0xff).then_some(ecn),
+                        rtt_avg_us: (rtt != u32::MAX).then_some(rtt),
+                    });
+                }
+                Frame::TraceResult(ProbeResult {
+                    id,
+                    flow,
+                    reached,
+                    class_changed_at: (changed != 0).then_some(changed),
+                    hops,
+                })
+            }
             k => return Err(ProtoError::UnknownKind(k)),
         };
         if b.has_remaining() {
@@ -462,6 +576,47 @@ mod tests {
             Frame::Bye {
                 reason: "shutdown".into(),
             },
+            Frame::TraceRequest {
+                id: 3,
+                flow: FlowId {
+                    udp_sport: 9,
+                    ..Default::default()
+                },
+                dscp: 26,
+                ecn: 2,
+            },
+            Frame::TraceResult(ProbeResult {
+                id: 3,
+                flow: FlowId {
+                    udp_sport: 9,
+                    ..Default::default()
+                },
+                reached: true,
+                class_changed_at: Some(2),
+                hops: vec![
+                    ProbeHop {
+                        ttl: 1,
+                        addr: Some("10.0.0.1".parse().unwrap()),
+                        dscp: Some(26),
+                        ecn: Some(2),
+                        rtt_avg_us: Some(90),
+                    },
+                    ProbeHop {
+                        ttl: 2,
+                        addr: Some("fd00::1".parse().unwrap()),
+                        dscp: Some(0),
+                        ecn: Some(2),
+                        rtt_avg_us: Some(120),
+                    },
+                    ProbeHop {
+                        ttl: 3,
+                        addr: None,
+                        dscp: None,
+                        ecn: None,
+                        rtt_avg_us: None,
+                    },
+                ],
+            }),
         ]
     }
 

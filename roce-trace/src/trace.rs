@@ -11,7 +11,7 @@ use std::{
     collections::{BTreeMap, HashMap},
     io,
     mem::zeroed,
-    net::{IpAddr, SocketAddr, UdpSocket},
+    net::{IpAddr, SocketAddr},
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
     time::{Duration, Instant},
 };
@@ -217,10 +217,11 @@ pub fn trace(opts: &TraceOptions) -> Result<TraceReport, TraceError> {
     }
     let v6 = opts.dst.is_ipv6();
     let icmp = raw_icmp(v6).map_err(io_err("opening a raw ICMP socket (needs CAP_NET_RAW)"))?;
-    let sock = UdpSocket::bind(SocketAddr::new(opts.src, opts.sport)).map_err(io_err(format!(
-        "binding {}:{} (is the flow's source this host?)",
-        opts.src, opts.sport
-    )))?;
+    let sock =
+        crate::traffic::net::bind_shared(SocketAddr::new(opts.src, opts.sport)).map_err(io_err(format!(
+            "binding {}:{} (is the flow's source this host?)",
+            opts.src, opts.sport
+        )))?;
     let fd = sock.as_raw_fd();
     let tos = ((opts.dscp << 2) | (opts.ecn & 3)) as i32;
     if v6 {

@@ -44,6 +44,7 @@ impl Running {
                         ..JoinConfig::default()
                     },
                     live: false,
+                    trace: false,
                     interval: Duration::from_secs(1),
                 };
                 collector::run(

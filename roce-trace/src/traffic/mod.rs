@@ -441,7 +441,7 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
                 .checked_add(i as u16)
                 .ok_or_else(|| GenError::Invalid("UDP source ports overflow".into()))?;
             let tos = (s.dscp << 2) | s.ecn;
-            let sock = net::bind(SocketAddr::new(src, sport), tos)
+            let sock = net::bind_sender(SocketAddr::new(src, sport), tos)
                 .map_err(io_err(format!("binding {src} UDP {sport}")))?;
             let qp = s.qp_base + 2 * i;
             qps.push(SenderQp {

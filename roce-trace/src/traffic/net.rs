@@ -27,9 +27,44 @@ fn setsockopt_int(sock: &UdpSocket, level: i32, name: i32, value: i32) -> io::Re
     }
 }
 
+/// A UDP socket bound to `addr` with SO_REUSEADDR, so a flow's sender and a trace of
+/// that flow (`roce-trace trace`, which must use the flow's own port) can share it; only
+/// senders use it — a socket that receives binds alone.
+pub fn bind_shared(addr: SocketAddr) -> io::Result<UdpSocket> {
+    use std::os::fd::FromRawFd;
+    let family = if addr.is_ipv4() {
+        libc::AF_INET
+    } else {
+        libc::AF_INET6
+    };
+    // SAFETY: plain socket creation; ownership passes to the UdpSocket below.
+    let fd = unsafe { libc::socket(family, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh socket nobody else owns.
+    let sock = unsafe { UdpSocket::from_raw_fd(fd) };
+    setsockopt_int(&sock, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)?;
+    let sa = sockaddr(&addr);
+    let (p, len) = storage_ptr(&sa);
+    // SAFETY: p points at a sockaddr of `len` bytes.
+    if unsafe { libc::bind(fd, p as *const libc::sockaddr, len) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(sock)
+}
+
 /// A socket bound to `addr`, DF set, TOS (v4) / traffic class (v6) = `tos`.
 pub fn bind(addr: SocketAddr, tos: u8) -> io::Result<UdpSocket> {
-    let sock = UdpSocket::bind(addr)?;
+    configure(UdpSocket::bind(addr)?, addr, tos)
+}
+
+/// [`bind`] for a sender's port: shared with traces of the same flow.
+pub fn bind_sender(addr: SocketAddr, tos: u8) -> io::Result<UdpSocket> {
+    configure(bind_shared(addr)?, addr, tos)
+}
+
+fn configure(sock: UdpSocket, addr: SocketAddr, tos: u8) -> io::Result<UdpSocket> {
     if addr.is_ipv4() {
         // PROBE: DF set, as NICs send, but the path-MTU cache ignored, so a too-small link
         // drops the packet in the fabric rather than the local stack refusing it.
