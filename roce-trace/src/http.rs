@@ -41,6 +41,19 @@ impl Response {
     }
 }
 
+/// Encodes a query value: everything but ASCII letters and digits as `%XX`.
+pub fn percent_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
 /// Decodes `%XX` escapes and `+` in a query value.
 pub fn percent_decode(s: &str) -> String {
     let b = s.as_bytes();
@@ -128,6 +141,12 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn percent_coding_round_trips() {
+        let id = "fd00::1:49152>fd00::2/0x101";
+        assert_eq!(percent_decode(&percent_encode(id)), id);
+    }
 
     #[test]
     fn percent_decoding() {

@@ -648,16 +648,7 @@ fn run_trace(a: TraceArgs) -> anyhow::Result<()> {
     use roce_trace::trace::{self, TraceOptions};
     let (dst, src, sport, dscp, ecn) = match (&a.flow, a.collector_http) {
         (Some(id), Some(http)) => {
-            let enc: String = id
-                .bytes()
-                .map(|b| {
-                    if b.is_ascii_alphanumeric() {
-                        (b as char).to_string()
-                    } else {
-                        format!("%{b:02X}")
-                    }
-                })
-                .collect();
+            let enc = roce_trace::http::percent_encode(id);
             let f = http_get_json(http, &format!("/flow?id={enc}"))?;
             let ip = |k: &str| -> anyhow::Result<std::net::IpAddr> {
                 Ok(f[k].as_str().context("flow without addresses")?.parse()?)

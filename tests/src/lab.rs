@@ -740,3 +740,24 @@ impl Lab {
         bail!("no spine in `{}`", out.trim())
     }
 }
+
+/// A fresh lab for one test, torn down at the end even when the test fails.
+pub struct LabGuard(pub Lab);
+
+impl LabGuard {
+    pub fn up(prefix: &str) -> Self {
+        let l = Lab {
+            prefix: prefix.into(),
+            ..Lab::default()
+        };
+        l.down().expect("lab down");
+        l.up().expect("lab up");
+        Self(l)
+    }
+}
+
+impl Drop for LabGuard {
+    fn drop(&mut self) {
+        let _ = self.0.down();
+    }
+}

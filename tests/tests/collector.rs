@@ -316,16 +316,7 @@ fn the_api_serves_flows_paths_and_class_changes() {
         serde_json::json!(["s1:l1:ingress", "s1:l2:egress"])
     );
     let id = f["id"].as_str().unwrap();
-    let enc: String = id
-        .bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect();
+    let enc = roce_trace::http::percent_encode(id);
     let one = c.json(&format!("/flow?id={enc}"));
     assert_eq!(one["id"], id);
     assert_eq!(c.get("/flow?id=nope").0, 404);

@@ -4,7 +4,7 @@
 use std::{collections::BTreeMap, sync::Mutex, time::Duration};
 
 use roce_trace_tests::{
-    lab::{Fault, Lab},
+    lab::{Fault, Lab, LabGuard},
     *,
 };
 use serde_json::Value;
@@ -15,24 +15,6 @@ fn lab() -> Lab {
     Lab {
         prefix: "rtlt".into(),
         ..Lab::default()
-    }
-}
-
-/// A lab for one test, torn down at the end even when the test fails.
-struct Up(Lab);
-
-impl Up {
-    fn new() -> Self {
-        let l = lab();
-        l.down().unwrap();
-        l.up().unwrap();
-        Self(l)
-    }
-}
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        let _ = self.0.down();
     }
 }
 
@@ -125,7 +107,7 @@ fn ecmp_spreads_source_ports_over_both_spines() {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let up = Up::new();
+    let up = LabGuard::up("rtlt");
     let l = &up.0;
     for v6 in [false, true] {
         let per: Vec<u8> = (0..64)
@@ -201,7 +183,7 @@ fn each_fault_shows_with_plain_tools() {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let up = Up::new();
+    let up = LabGuard::up("rtlt");
     let l = &up.0;
     let dir = TempDir::new("labfaults");
     let map = spines_by_sport(l, 1, 3, 8);

@@ -6,32 +6,12 @@
 use std::{process::Command, sync::Mutex};
 
 use roce_trace_tests::{
-    lab::{Fault, Lab},
+    lab::{Fault, Lab, LabGuard},
     *,
 };
 use serde_json::Value;
 
 static SERIAL: Mutex<()> = Mutex::new(());
-
-struct Up(Lab);
-
-impl Up {
-    fn new(tag: &str) -> Self {
-        let l = Lab {
-            prefix: format!("rtt{tag}"),
-            ..Lab::default()
-        };
-        l.down().unwrap();
-        l.up().unwrap();
-        Self(l)
-    }
-}
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        let _ = self.0.down();
-    }
-}
 
 fn trace(l: &Lab, node: &str, args: &[&str]) -> Value {
     let out = Command::new("ip")
@@ -65,7 +45,7 @@ fn hops_follow_the_flows_spine_in_ipv4_and_ipv6_and_locate_a_rewrite() {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let up = Up::new("a");
+    let up = LabGuard::up("rtta");
     let l = &up.0;
     for v6 in [false, true] {
         for sport in 49152u16..49156 {
@@ -138,7 +118,7 @@ fn paths_finds_every_spine_and_maps_ports_to_them() {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let up = Up::new("b");
+    let up = LabGuard::up("rttb");
     let l = &up.0;
     let r = trace(
         l,
@@ -172,7 +152,7 @@ fn a_probe_reaching_a_responder_touches_no_qp() {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let up = Up::new("c");
+    let up = LabGuard::up("rttc");
     let l = &up.0;
     let resp = spawn_gen(&l.ns("h3"), &["--bind", "10.10.3.2", "--duration", "20s"]);
     std::thread::sleep(std::time::Duration::from_millis(300));
@@ -196,7 +176,7 @@ fn unreachable_destinations_and_silent_hops_read_clearly() {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let up = Up::new("d");
+    let up = LabGuard::up("rttd");
     let l = &up.0;
     // No route anywhere for 10.10.9.0/24: the first router says so.
     let r = trace(l, "h1", &["10.10.9.2", "--probes", "1"]);
