@@ -42,11 +42,14 @@ struct TraceArgs {
     /// UDP source port of the flow to follow.
     #[arg(long, default_value_t = 49152, conflicts_with = "flow")]
     sport: u16,
-    /// Follow a flow the collector knows (its id, as in /flows), with its addresses, port
-    /// and class.
-    #[arg(long, requires = "collector_http")]
+    /// Follow a flow the collector (its id, as in /flows) or a capture knows (the same
+    /// `src:sport>dst/0xqp` form), with its addresses, port and class.
+    #[arg(long)]
     flow: Option<String>,
-    /// The collector's HTTP address, for --flow.
+    /// Where --flow comes from: a `roce-trace capture -w` JSON Lines file.
+    #[arg(long, conflicts_with = "collector_http")]
+    capture_file: Option<PathBuf>,
+    /// Where --flow comes from: the collector's HTTP address.
     #[arg(long)]
     collector_http: Option<std::net::SocketAddr>,
     /// Source address (default: the one the kernel uses to reach DST).
@@ -647,6 +650,29 @@ fn http_get_json(addr: std::net::SocketAddr, path: &str) -> anyhow::Result<serde
 fn run_trace(a: TraceArgs) -> anyhow::Result<()> {
     use roce_trace::trace::{self, TraceOptions};
     let (dst, src, sport, dscp, ecn) = match (&a.flow, a.collector_http) {
+        (Some(id), None) => {
+            let file = a
+                .capture_file
+                .as_ref()
+                .context("--flow needs --collector-http or --capture-file")?;
+            let text =
+                std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+            let f = text
+                .lines()
+                .filter_map(|l| serde_json::from_str::<roce_trace::record::FlowRecord>(l).ok())
+                .filter(|f| f.kind == "flow" && f.direction == "egress")
+                .find(|f| format!("{}:{}>{}/{:#x}", f.src_ip, f.udp_sport, f.dst_ip, f.dst_qp) == *id)
+                .with_context(|| format!("no egress flow `{id}` in {}", file.display()))?;
+            // The class the sender sets: its DSCP, and its most common ECN codepoint short
+            // of CE (which the fabric sets).
+            let e = f.ecn;
+            let ecn = [(0u8, e.not_ect), (1, e.ect1), (2, e.ect0)]
+                .into_iter()
+                .max_by_key(|x| x.1)
+                .map(|x| x.0)
+                .unwrap_or(2);
+            (f.dst_ip, Some(f.src_ip), f.udp_sport, f.dscp, ecn)
+        }
         (Some(id), Some(http)) => {
             let enc = roce_trace::http::percent_encode(id);
             let f = http_get_json(http, &format!("/flow?id={enc}"))?;

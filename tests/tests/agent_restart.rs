@@ -77,6 +77,8 @@ fn agent(pair: &VethPair, queue: &str) -> Daemon {
             "1s",
             "--queue",
             queue,
+            "--metrics",
+            "10.99.0.1:9464",
         ],
         "connected to collector",
     )
@@ -109,6 +111,34 @@ fn run_with_outage(queue: &str, tag: &str) -> (u64, u64, u64, u64, u64, Value) {
     gen_report(send);
     interrupt(resp);
     std::thread::sleep(Duration::from_secs(2));
+    let metrics = pair.a.run(|| {
+        use std::io::Write;
+        let mut s = TcpStream::connect("10.99.0.1:9464").unwrap();
+        write!(s, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut body = String::new();
+        s.read_to_string(&mut body).unwrap();
+        body
+    });
+    let metric = |name: &str| -> u64 {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing: {metrics}"))
+    };
+    let iface = pair.a_if.clone();
+    assert!(
+        metric(&format!(
+            "roce_trace_packets_total{{interface=\"{iface}\",direction=\"egress\",dscp=\"26\"}}"
+        )) > 1000
+    );
+    assert!(
+        metric(&format!(
+            "roce_trace_ecn_packets_total{{interface=\"{iface}\",direction=\"egress\",ecn=\"ect0\"}}"
+        )) > 1000
+    );
+    assert!(metric("roce_trace_samples_sent_total") > 0);
     let log = stop_and_log(a);
     c2.stop();
     let r2: Value = serde_json::from_str(&std::fs::read_to_string(dir.path("c2.json")).unwrap()).unwrap();

@@ -224,3 +224,62 @@ fn unreachable_destinations_and_silent_hops_read_clearly() {
     assert_eq!(hops[3], "10.10.3.2");
     assert_eq!(r["reached"], true);
 }
+
+#[test]
+fn flow_mode_takes_the_flow_from_a_capture() {
+    if !require_root() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let up = LabGuard::up("rtte");
+    let l = &up.0;
+    let dir = TempDir::new("trace-flow");
+    let file = dir.path("cap.jsonl").to_string_lossy().into_owned();
+    let cap = Daemon::start(
+        &l.ns("h1"),
+        &["capture", "-i", "eth0", "--json", "-w", &file, "--duration", "3s"],
+        "capturing on",
+    );
+    let resp = spawn_gen(&l.ns("h3"), &["--bind", "10.10.3.2", "--duration", "3s"]);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let send = spawn_gen(
+        &l.ns("h1"),
+        &[
+            "--to",
+            "10.10.3.2",
+            "--qps",
+            "2",
+            "--rate",
+            "2mbit",
+            "--dscp",
+            "46",
+            "--duration",
+            "1s",
+        ],
+    );
+    gen_report(send);
+    gen_report(resp);
+    let mut c = cap.child;
+    c.wait().unwrap();
+    // The second QP: local QPN 0x102 sends to 0x103 from port 49153.
+    let id = "10.10.1.2:49153>10.10.3.2/0x103";
+    let r = trace(l, "h1", &["--flow", id, "--capture-file", &file, "--probes", "1"]);
+    assert_eq!(r["udp_sport"], 49153);
+    assert_eq!(r["dscp"], 46, "the flow's own class");
+    let y = l.spine_for(1, 3, 49153, false).unwrap();
+    assert_eq!(hop_addrs(&r)[1], format!("10.21.{y}.2"));
+    let out = Command::new("ip")
+        .args(["netns", "exec", &l.ns("h1")])
+        .arg(roce_trace_bin())
+        .args([
+            "trace",
+            "--flow",
+            "10.10.1.2:1>10.10.3.2/0x1",
+            "--capture-file",
+            &file,
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no egress flow"));
+}
