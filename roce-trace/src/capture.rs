@@ -272,8 +272,15 @@ fn summarize(
 /// The flow table as a network engineer reads it.
 pub fn render_flows(recs: &[FlowRecord]) -> String {
     let mut s = String::new();
+    // Address columns as wide as the widest address shown (IPv4 tables stay narrow).
+    let w = recs
+        .iter()
+        .map(|r| r.src_ip.to_string().len().max(r.dst_ip.to_string().len()))
+        .max()
+        .unwrap_or(3)
+        .max(3);
     s.push_str(&format!(
-        "{:<10} {:<3} {:>39} {:>39} {:>5} {:>8} {:>4} {:>23} {:>6} {:>6} {:>6} {:>5} {:>9} {:>7}\n",
+        "{:<10} {:<3} {:>w$} {:>w$} {:>5} {:>8} {:>4} {:>23} {:>6} {:>6} {:>6} {:>5} {:>9} {:>7}\n",
         "IFACE",
         "DIR",
         "SRC",
@@ -296,7 +303,7 @@ pub fn render_flows(recs: &[FlowRecord]) -> String {
             r.dscp.to_string()
         };
         s.push_str(&format!(
-            "{:<10} {:<3} {:>39} {:>39} {:>5} {:>#8x} {:>4} {:>23} {:>6.2} {:>6} {:>6} {:>5} {:>9.0} {:>7.3}\n",
+            "{:<10} {:<3} {:>w$} {:>w$} {:>5} {:>#8x} {:>4} {:>23} {:>6.2} {:>6} {:>6} {:>5} {:>9.0} {:>7.3}\n",
             r.iface,
             if r.direction == "ingress" { "in" } else { "out" },
             r.src_ip.to_string(),
@@ -366,4 +373,70 @@ fn print_summary(s: &SummaryRecord) {
         ));
     }
     print!("{out}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::{EcnCounts, NakCounts};
+
+    fn rec(src: &str, dst: &str) -> FlowRecord {
+        FlowRecord {
+            kind: "flow".into(),
+            is_final: true,
+            time_ns: 0,
+            iface: "eth0".into(),
+            ifindex: 2,
+            direction: "ingress".into(),
+            ip_version: 4,
+            src_ip: src.parse().unwrap(),
+            dst_ip: dst.parse().unwrap(),
+            udp_sport: 49152,
+            dst_qp: 0x101,
+            packets: 200,
+            bytes: 200_000,
+            dscp: 26,
+            dscp_changed: 3,
+            pcp: None,
+            ttl: 61,
+            ecn: EcnCounts {
+                not_ect: 0,
+                ect1: 0,
+                ect0: 150,
+                ce: 50,
+            },
+            cnp: 4,
+            ack: 0,
+            nak: NakCounts {
+                psn_seq_err: 1,
+                rnr: 1,
+                other: 0,
+            },
+            psn_gaps: 2,
+            first_seen_ns: 0,
+            last_seen_ns: 0,
+            pps: 1000.0,
+            gbps: 0.008,
+        }
+    }
+
+    #[test]
+    fn the_flow_table_lines_up_and_shows_what_matters() {
+        let t = render_flows(&[rec("10.0.0.1", "10.0.0.2"), rec("fd00::1", "fd00:10:3::2")]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 3);
+        // Every line is as long as the header: the columns line up.
+        assert!(lines.iter().all(|l| l.len() == lines[0].len()), "{t}");
+        assert!(
+            lines[1].contains("26*"),
+            "a DSCP that changed within the flow is starred"
+        );
+        assert!(
+            lines[1].contains("0/0/150/50") && lines[1].contains("25.00"),
+            "{t}"
+        );
+        // IPv4-only tables stay narrow.
+        let narrow = render_flows(&[rec("10.0.0.1", "10.0.0.2")]);
+        assert!(narrow.lines().next().unwrap().len() < lines[0].len());
+    }
 }
