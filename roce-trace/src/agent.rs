@@ -119,6 +119,12 @@ pub async fn run(
     );
     anyhow::ensure!(!opts.ifaces.is_empty(), "no interface given (use -i IFACE)");
     anyhow::ensure!(opts.queue > 0, "--queue must be at least 1");
+    anyhow::ensure!(!opts.interval.is_zero(), "--interval must be longer than zero");
+    for iface in &opts.ifaces {
+        if let Some(w) = crate::sys::kernel_bypass_warning(iface) {
+            tracing::warn!("{w}");
+        }
+    }
     let mut dp = Datapath::load(&opts.datapath)?;
     let hooks = dp.attach_all(&opts.ifaces, opts.ingress, opts.egress, opts.xdp_mode)?;
     let points: Vec<PointDecl> = hooks

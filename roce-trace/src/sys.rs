@@ -103,6 +103,31 @@ pub fn ifname(index: u32) -> Option<String> {
     )
 }
 
+/// The RDMA device (e.g. `mlx5_0`) an interface belongs to, from
+/// `<sysfs>/class/infiniband/*/device/net/<iface>`.
+pub fn rdma_device_of(sysfs: &std::path::Path, iface: &str) -> Option<String> {
+    let dir = std::fs::read_dir(sysfs.join("class/infiniband")).ok()?;
+    dir.filter_map(Result::ok)
+        .find(|d| d.path().join("device/net").join(iface).exists())
+        .map(|d| d.file_name().to_string_lossy().into_owned())
+}
+
+/// What to tell a user observing an interface whose RoCE traffic the NIC handles itself:
+/// on hardware RoCE, data and CNPs never reach XDP or TC.
+pub fn kernel_bypass_warning(iface: &str) -> Option<String> {
+    let sysfs = std::env::var_os("ROCE_TRACE_SYSFS")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| "/sys".into());
+    rdma_device_of(&sysfs, iface).map(|dev| {
+        format!(
+            "{iface} belongs to RDMA device {dev}: its RoCE data, ACKs and CNPs are sent and received by the NIC \
+             and never reach XDP or TC, so counts here cover only RoCE the kernel itself sends (Soft-RoCE, \
+             generators). To see the NIC's RoCE, capture with its sniffer (`tcpdump -i {dev} -w …`, ibdump) \
+             or mirror it from a switch, or observe from a Linux host in the path"
+        )
+    })
+}
+
 fn clock_ns(clock: libc::clockid_t) -> i128 {
     let mut ts = libc::timespec {
         tv_sec: 0,
@@ -144,6 +169,18 @@ mod tests {
         assert_eq!(parse_kernel_release("6.18.44-fc-v857"), (6, 18));
         assert_eq!(parse_kernel_release("5.4.0-150-generic"), (5, 4));
         assert_eq!(parse_kernel_release("garbage"), (0, 0));
+    }
+
+    #[test]
+    fn rdma_devices_are_found_through_sysfs() {
+        let root = std::env::temp_dir().join(format!("rt-sysfs-{}", std::process::id()));
+        std::fs::create_dir_all(root.join("class/infiniband/mlx5_0/device/net/ens1f0")).unwrap();
+        std::fs::create_dir_all(root.join("class/infiniband/rxe0/device/net/eth9")).unwrap();
+        assert_eq!(rdma_device_of(&root, "ens1f0").as_deref(), Some("mlx5_0"));
+        assert_eq!(rdma_device_of(&root, "eth9").as_deref(), Some("rxe0"));
+        assert_eq!(rdma_device_of(&root, "veth0"), None);
+        assert_eq!(rdma_device_of(std::path::Path::new("/nonexistent"), "eth0"), None);
+        std::fs::remove_dir_all(root).unwrap();
     }
 
     #[test]

@@ -51,3 +51,34 @@ fn missing_privileges_say_what_is_needed() {
         "{err}"
     );
 }
+
+#[test]
+fn a_zero_interval_is_refused() {
+    if !require_root() {
+        return;
+    }
+    let (code, err) = run(&["capture", "-i", "lo", "--interval", "0s"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("--interval must be longer than zero"), "{err}");
+}
+
+#[test]
+fn an_rdma_nic_interface_is_called_out() {
+    if !require_root() {
+        return;
+    }
+    // A sysfs where `lo` belongs to an RDMA device.
+    let dir = TempDir::new("sysfs");
+    std::fs::create_dir_all(dir.path("class/infiniband/mlx5_0/device/net/lo")).unwrap();
+    let out = std::process::Command::new(roce_trace_bin())
+        .args(["capture", "-i", "lo", "--duration", "1s", "--json"])
+        .env("ROCE_TRACE_SYSFS", &dir.0)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("lo belongs to RDMA device mlx5_0") && err.contains("never reach XDP or TC"),
+        "{err}"
+    );
+}
