@@ -784,3 +784,40 @@ fn kernel_samples_exactly_the_packets_the_shared_hash_selects() {
     // 1 in 8 of 400, give or take the hash's spread.
     assert!((25..=75).contains(&got.len()), "sampled {}", got.len());
 }
+
+/// A full ring buffer loses samples, never packets: each failed reservation is counted
+/// and the verdict is pass all the same.
+#[test]
+fn a_full_ring_is_counted_and_the_packet_passes() {
+    if !require_root() {
+        return;
+    }
+    let mut t = ProgTest::new(&DatapathOptions {
+        sample_rate: 1,
+        ..Default::default()
+    });
+    let frame = RoceFrame {
+        payload: vec![0; 1024],
+        ..f(op::WRITE_MIDDLE)
+    }
+    .build();
+    // 4 MiB of 104-byte samples (plus ring headers) is about 37,000; send more, unread.
+    let n = 60_000u64;
+    t.time_xdp(&frame, n as u32);
+    assert_eq!(t.run_xdp(&frame), XDP_PASS, "still passing with the ring full");
+    let g = t.globals();
+    let emitted = g.get(GlobalCounter::SamplesEmitted, DIR_INGRESS);
+    let full = g.get(GlobalCounter::RingbufFull, DIR_INGRESS);
+    assert!(full > 10_000, "{full} reservations failed");
+    assert_eq!(
+        emitted + full,
+        n + 1,
+        "every packet either sampled or counted as lost to the ring"
+    );
+    assert_eq!(
+        g.get(GlobalCounter::RoceV2, DIR_INGRESS),
+        n + 1,
+        "and every packet counted"
+    );
+    assert_eq!(t.samples().len() as u64, emitted);
+}
