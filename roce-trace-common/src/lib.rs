@@ -6,6 +6,7 @@
 //! parser over packet memory that host tests and pcap input run over byte slices.
 #![no_std]
 
+pub mod account;
 pub mod datapath;
 pub mod parse;
 pub mod roce;

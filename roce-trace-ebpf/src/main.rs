@@ -14,10 +14,9 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
 };
 use roce_trace_common::{
+    account,
     datapath::*,
     parse::{Packet, Parsed, load_icrc, parse_into},
-    roce::{self, AckKind, OP_CNP},
-    sampling::identity_hash,
 };
 
 use crate::{
@@ -92,8 +91,8 @@ fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
     }
 }
 
-#[inline(always)]
 /// Counts the packet on its flow; returns why it must be reported (0: it need not be).
+#[inline(always)]
 fn account(
     scratch: &mut Scratch,
     cfg: &DatapathConfig,
@@ -103,72 +102,21 @@ fn account(
     now: u64,
 ) -> u32 {
     let p = &scratch.parsed;
-    scratch.key = FlowKey {
-        src: p.src,
-        dst: p.dst,
-        ifindex,
-        dest_qp: p.bth.dest_qp(),
-        udp_sport: p.udp_sport,
-        direction: dir,
-        ip_version: p.ip_version,
-    };
+    scratch.key = account::flow_key(p, ifindex, dir);
     let key = &scratch.key;
-    let opcode = p.bth.opcode;
-    let psn = p.bth.psn();
-    let ack_kind = p.ack_kind();
-    let is_nak = matches!(
-        ack_kind,
-        Some(AckKind::RnrNak | AckKind::NakPsnSeqErr | AckKind::NakOther)
-    );
 
     // Shared per-flow state: PSN sequence and the first DSCP.
-    let mut psn_gap = false;
-    let mut dscp_changed = false;
-    match FLOW_STATE.get_ptr_mut(key) {
-        Some(st) => {
-            // SAFETY: valid map value pointer; a racing CPU on the same flow can at worst
-            // misjudge one packet's gap, never corrupt memory.
-            let st = unsafe { &mut *st };
-            dscp_changed = st.first_dscp != p.dscp;
-            if roce::is_request(opcode) {
-                if st.flags & STATE_PSN_VALID != 0 {
-                    match roce::psn_ahead(st.next_psn, psn) {
-                        Some(0) => {}
-                        Some(_) => psn_gap = st.flags & STATE_AFTER_READ == 0,
-                        None => bump(GlobalCounter::PsnRegressions, dir),
-                    }
-                }
-                // Track the newest PSN; a retransmission (behind) does not move it back.
-                if st.flags & STATE_PSN_VALID == 0 || roce::psn_ahead(st.next_psn, psn).is_some() {
-                    st.next_psn = (psn + 1) & roce::PSN_MASK;
-                }
-                st.flags = STATE_PSN_VALID
-                    | if roce::is_read_request(opcode) {
-                        STATE_AFTER_READ
-                    } else {
-                        0
-                    };
-            }
-        }
+    let update = match FLOW_STATE.get_ptr_mut(key) {
+        // SAFETY: valid map value pointer; a racing CPU on the same flow can at worst
+        // misjudge one packet's gap, never corrupt memory.
+        Some(st) => account::update_state(unsafe { &mut *st }, p),
         None => {
-            let request = roce::is_request(opcode);
-            let st = FlowState {
-                next_psn: (psn + 1) & roce::PSN_MASK,
-                first_dscp: p.dscp,
-                flags: if request {
-                    STATE_PSN_VALID
-                        | if roce::is_read_request(opcode) {
-                            STATE_AFTER_READ
-                        } else {
-                            0
-                        }
-                } else {
-                    0
-                },
-                _pad: [0; 2],
-            };
-            let _ = FLOW_STATE.insert(key, st, 0);
+            let _ = FLOW_STATE.insert(key, account::new_state(p), 0);
+            account::StateUpdate::default()
         }
+    };
+    if update.psn_regression {
+        bump(GlobalCounter::PsnRegressions, dir);
     }
 
     let counters = match FLOWS.get_ptr_mut(key) {
@@ -187,63 +135,9 @@ fn account(
     };
     if let Some(c) = counters {
         // SAFETY: per-CPU map value: only this CPU writes this copy.
-        let c = unsafe { &mut *c };
-        if c.packets == 0 {
-            c.first_ns = now;
-        }
-        c.packets += 1;
-        c.bytes += frame_len as u64;
-        c.ecn[(p.ecn & 3) as usize] += 1;
-        if opcode == OP_CNP {
-            c.cnp += 1;
-        }
-        match ack_kind {
-            Some(AckKind::Ack) => c.ack += 1,
-            Some(AckKind::NakPsnSeqErr) => c.nak_psn_seq_err += 1,
-            Some(AckKind::RnrNak) => c.nak_rnr += 1,
-            Some(AckKind::NakOther) => c.nak_other += 1,
-            None => {}
-        }
-        if psn_gap {
-            c.psn_gaps += 1;
-        }
-        if dscp_changed {
-            c.dscp_changed += 1;
-        }
-        c.last_ns = now;
-        c.last_dscp = p.dscp;
-        c.last_pcp = if p.present & HAS_PCP != 0 { p.pcp } else { PCP_NONE };
-        c.last_ttl = p.ttl;
+        account::count(unsafe { &mut *c }, p, frame_len, now, &update);
     }
-
-    let mut reasons = 0u32;
-    if opcode == OP_CNP {
-        reasons |= REASON_CNP;
-    }
-    if p.ecn == 3 {
-        reasons |= REASON_CE;
-    }
-    if is_nak {
-        reasons |= REASON_NAK;
-    }
-    if cfg.expected_dscp_mask != 0 && (cfg.expected_dscp_mask >> (p.dscp & 63)) & 1 == 0 {
-        reasons |= REASON_UNEXPECTED_DSCP;
-    }
-    if cfg.sample_enabled != 0
-        && identity_hash(
-            cfg.seed,
-            &p.src,
-            &p.dst,
-            p.udp_sport,
-            p.udp_dport,
-            key.dest_qp,
-            psn,
-            opcode,
-        ) <= cfg.sample_threshold
-    {
-        reasons |= REASON_HASH;
-    }
-    reasons
+    account::reasons(p, cfg)
 }
 
 #[inline(always)]

@@ -1,0 +1,154 @@
+//! What one parsed RoCEv2 packet does to its flow: shared state (PSN sequence, first
+//! DSCP), exact counters, and why it must be reported. One definition, run by the eBPF
+//! programs on map values and by userspace (pcap input) on its own tables.
+
+use crate::{
+    datapath::*,
+    parse::Parsed,
+    roce::{self, AckKind, OP_CNP},
+    sampling::identity_hash,
+};
+
+/// The flow key of a parsed packet at an observation point.
+#[inline(always)]
+pub fn flow_key(p: &Parsed, ifindex: u32, direction: u8) -> FlowKey {
+    FlowKey {
+        src: p.src,
+        dst: p.dst,
+        ifindex,
+        dest_qp: p.bth.dest_qp(),
+        udp_sport: p.udp_sport,
+        direction,
+        ip_version: p.ip_version,
+    }
+}
+
+#[inline(always)]
+fn request_flags(opcode: u8) -> u8 {
+    STATE_PSN_VALID
+        | if roce::is_read_request(opcode) {
+            STATE_AFTER_READ
+        } else {
+            0
+        }
+}
+
+/// The state of a flow first seen with `p`.
+#[inline(always)]
+pub fn new_state(p: &Parsed) -> FlowState {
+    let opcode = p.bth.opcode;
+    FlowState {
+        next_psn: (p.bth.psn() + 1) & roce::PSN_MASK,
+        first_dscp: p.dscp,
+        flags: if roce::is_request(opcode) {
+            request_flags(opcode)
+        } else {
+            0
+        },
+        _pad: [0; 2],
+    }
+}
+
+/// What a packet revealed about its flow's sequence and class.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StateUpdate {
+    /// A request PSN skipped ahead (not after a READ REQUEST, whose responses use PSNs).
+    pub psn_gap: bool,
+    /// A request PSN went back: a retransmission or reordering.
+    pub psn_regression: bool,
+    pub dscp_changed: bool,
+}
+
+/// Advances a known flow's state with `p`.
+#[inline(always)]
+pub fn update_state(st: &mut FlowState, p: &Parsed) -> StateUpdate {
+    let opcode = p.bth.opcode;
+    let psn = p.bth.psn();
+    let mut u = StateUpdate {
+        dscp_changed: st.first_dscp != p.dscp,
+        ..StateUpdate::default()
+    };
+    if roce::is_request(opcode) {
+        if st.flags & STATE_PSN_VALID != 0 {
+            match roce::psn_ahead(st.next_psn, psn) {
+                Some(0) => {}
+                Some(_) => u.psn_gap = st.flags & STATE_AFTER_READ == 0,
+                None => u.psn_regression = true,
+            }
+        }
+        // Track the newest PSN; a retransmission (behind) does not move it back.
+        if st.flags & STATE_PSN_VALID == 0 || roce::psn_ahead(st.next_psn, psn).is_some() {
+            st.next_psn = (psn + 1) & roce::PSN_MASK;
+        }
+        st.flags = request_flags(opcode);
+    }
+    u
+}
+
+/// Adds `p` to its flow's exact counters.
+#[inline(always)]
+pub fn count(c: &mut FlowCounters, p: &Parsed, frame_len: u32, now: u64, u: &StateUpdate) {
+    if c.packets == 0 {
+        c.first_ns = now;
+    }
+    c.packets += 1;
+    c.bytes += frame_len as u64;
+    c.ecn[(p.ecn & 3) as usize] += 1;
+    if p.bth.opcode == OP_CNP {
+        c.cnp += 1;
+    }
+    match p.ack_kind() {
+        Some(AckKind::Ack) => c.ack += 1,
+        Some(AckKind::NakPsnSeqErr) => c.nak_psn_seq_err += 1,
+        Some(AckKind::RnrNak) => c.nak_rnr += 1,
+        Some(AckKind::NakOther) => c.nak_other += 1,
+        None => {}
+    }
+    if u.psn_gap {
+        c.psn_gaps += 1;
+    }
+    if u.dscp_changed {
+        c.dscp_changed += 1;
+    }
+    c.last_ns = now;
+    c.last_dscp = p.dscp;
+    c.last_pcp = if p.present & HAS_PCP != 0 { p.pcp } else { PCP_NONE };
+    c.last_ttl = p.ttl;
+}
+
+/// Why `p` must be reported (`REASON_*` bits; 0: it need not be).
+#[inline(always)]
+pub fn reasons(p: &Parsed, cfg: &DatapathConfig) -> u32 {
+    let opcode = p.bth.opcode;
+    let mut r = 0u32;
+    if opcode == OP_CNP {
+        r |= REASON_CNP;
+    }
+    if p.ecn == 3 {
+        r |= REASON_CE;
+    }
+    if matches!(
+        p.ack_kind(),
+        Some(AckKind::RnrNak | AckKind::NakPsnSeqErr | AckKind::NakOther)
+    ) {
+        r |= REASON_NAK;
+    }
+    if cfg.expected_dscp_mask != 0 && (cfg.expected_dscp_mask >> (p.dscp & 63)) & 1 == 0 {
+        r |= REASON_UNEXPECTED_DSCP;
+    }
+    if cfg.sample_enabled != 0
+        && identity_hash(
+            cfg.seed,
+            &p.src,
+            &p.dst,
+            p.udp_sport,
+            p.udp_dport,
+            p.bth.dest_qp(),
+            p.bth.psn(),
+            opcode,
+        ) <= cfg.sample_threshold
+    {
+        r |= REASON_HASH;
+    }
+    r
+}
