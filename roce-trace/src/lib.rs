@@ -11,6 +11,7 @@ pub mod datapath;
 pub mod frame;
 pub mod http;
 pub mod observation;
+pub mod pcap;
 pub mod protocol;
 pub mod record;
 pub mod sys;

@@ -317,8 +317,12 @@ enum XdpModeArg {
 #[derive(clap::Args)]
 struct CaptureArgs {
     /// Interface to observe (repeat for several).
-    #[arg(short = 'i', long = "interface", required = true)]
+    #[arg(short = 'i', long = "interface", required_unless_present = "read")]
     interfaces: Vec<String>,
+    /// Read a pcap or pcapng file instead (`-` for stdin), e.g. a NIC sniffer's capture:
+    /// `tcpdump -i mlx5_0 -w - | roce-trace capture -r -`.
+    #[arg(short = 'r', long, conflicts_with_all = ["interfaces", "duration", "count"])]
+    read: Option<PathBuf>,
     /// Stop after this long (e.g. 30s, 5m).
     #[arg(long, value_parser = humantime::parse_duration)]
     duration: Option<Duration>,
@@ -405,6 +409,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 write: a.write,
                 interval: a.interval,
             };
+            if let Some(path) = &a.read {
+                capture::run_offline(&opts, path)?;
+                return Ok(());
+            }
             rt.block_on(async {
                 capture::run(opts, shutdown_signal(), |hooks| {
                     let list: Vec<String> = hooks

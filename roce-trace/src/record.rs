@@ -189,6 +189,10 @@ pub struct FlowRecord {
     /// Rates over the last refresh interval.
     pub pps: f64,
     pub gbps: f64,
+    /// Packets whose ICRC was wrong (corrupted in flight); only where the whole packet was
+    /// seen (pcap input).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub icrc_errors: Option<u64>,
 }
 
 impl FlowRecord {
@@ -229,6 +233,7 @@ impl FlowRecord {
             last_seen_ns: clock.to_unix_ns(c.last_ns),
             pps: 0.0,
             gbps: 0.0,
+            icrc_errors: None,
         }
     }
 

@@ -145,6 +145,9 @@ pub struct KernelClock {
 }
 
 impl KernelClock {
+    /// For times that are Unix nanoseconds already (pcap input).
+    pub const UNIX: Self = Self { offset_ns: 0 };
+
     pub fn now() -> Self {
         let mono = clock_ns(libc::CLOCK_MONOTONIC);
         let real = clock_ns(libc::CLOCK_REALTIME);

@@ -1,0 +1,260 @@
+//! `roce-trace capture -r FILE`: pcap and pcapng input (a NIC sniffer's capture, `-` for
+//! stdin) through the same parser and the same per-packet accounting as the datapath,
+//! producing the same flows, samples and JSON. The whole packet is here, so the ICRC is
+//! verified too.
+
+use std::{
+    collections::HashMap,
+    io::{BufReader, Read},
+    path::Path,
+};
+
+use roce_trace_common::{
+    account,
+    datapath::*,
+    parse::{SlicePacket, load_icrc, parse_into},
+};
+use thiserror::Error;
+
+use crate::datapath::{DatapathOptions, GlobalTotals};
+
+#[derive(Debug, Error)]
+pub enum PcapError {
+    #[error("{0}")]
+    Io(String),
+    #[error("not a pcap or pcapng file (magic {0:02x?})")]
+    NotPcap([u8; 4]),
+    #[error("truncated {what} at byte offset {offset}")]
+    Truncated { what: &'static str, offset: u64 },
+    #[error("bad {what} at byte offset {offset}: {why}")]
+    Bad {
+        what: &'static str,
+        offset: u64,
+        why: String,
+    },
+    #[error("link type {0} is not Ethernet (1); only Ethernet captures are read")]
+    LinkType(u32),
+    #[error("pcapng: {0}")]
+    PcapNg(String),
+}
+
+/// One frame with its capture time (Unix ns).
+pub struct Frame {
+    pub time_ns: u64,
+    pub data: Vec<u8>,
+    pub orig_len: u32,
+}
+
+/// Reads every frame of a pcap or pcapng stream, calling `f` for each.
+pub fn read_frames(mut r: impl Read, mut f: impl FnMut(Frame)) -> Result<u64, PcapError> {
+    let mut magic = [0u8; 4];
+    read_exact(&mut r, &mut magic, "file header", 0)?;
+    match magic {
+        [0x0a, 0x0d, 0x0d, 0x0a] => read_pcapng(std::io::Cursor::new(magic).chain(r), f),
+        _ => {
+            let (le, nanos) = match magic {
+                [0xd4, 0xc3, 0xb2, 0xa1] => (true, false),
+                [0xa1, 0xb2, 0xc3, 0xd4] => (false, false),
+                [0x4d, 0x3c, 0xb2, 0xa1] => (true, true),
+                [0xa1, 0xb2, 0x3c, 0x4d] => (false, true),
+                m => return Err(PcapError::NotPcap(m)),
+            };
+            let u32_of = |b: &[u8]| {
+                let a = [b[0], b[1], b[2], b[3]];
+                if le {
+                    u32::from_le_bytes(a)
+                } else {
+                    u32::from_be_bytes(a)
+                }
+            };
+            let mut hdr = [0u8; 20];
+            read_exact(&mut r, &mut hdr, "file header", 4)?;
+            let linktype = u32_of(&hdr[16..20]) & 0x0fff_ffff;
+            if linktype != 1 {
+                return Err(PcapError::LinkType(linktype));
+            }
+            let mut offset = 24u64;
+            let mut n = 0u64;
+            loop {
+                let mut rec = [0u8; 16];
+                match r.read(&mut rec[..1]) {
+                    Ok(0) => return Ok(n),
+                    Ok(_) => {}
+                    Err(e) => return Err(PcapError::Io(format!("reading at byte offset {offset}: {e}"))),
+                }
+                read_exact(&mut r, &mut rec[1..], "packet record header", offset)?;
+                let (sec, frac) = (u32_of(&rec[0..4]) as u64, u32_of(&rec[4..8]) as u64);
+                let (incl, orig) = (u32_of(&rec[8..12]), u32_of(&rec[12..16]));
+                if incl > 256 * 1024 {
+                    return Err(PcapError::Bad {
+                        what: "packet record",
+                        offset,
+                        why: format!("captured length {incl} is not plausible"),
+                    });
+                }
+                let mut data = vec![0u8; incl as usize];
+                read_exact(&mut r, &mut data, "packet data", offset + 16)?;
+                let time_ns = sec * 1_000_000_000 + if nanos { frac } else { frac * 1000 };
+                f(Frame {
+                    time_ns,
+                    data,
+                    orig_len: orig,
+                });
+                offset += 16 + incl as u64;
+                n += 1;
+            }
+        }
+    }
+}
+
+fn read_exact(r: &mut impl Read, buf: &mut [u8], what: &'static str, offset: u64) -> Result<(), PcapError> {
+    r.read_exact(buf).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => PcapError::Truncated { what, offset },
+        _ => PcapError::Io(format!("reading {what} at byte offset {offset}: {e}")),
+    })
+}
+
+fn read_pcapng(r: impl Read, mut f: impl FnMut(Frame)) -> Result<u64, PcapError> {
+    use pcap_file::pcapng::{Block, PcapNgReader};
+    let mut rd = PcapNgReader::new(r).map_err(|e| PcapError::PcapNg(format!("section header: {e}")))?;
+    let mut n = 0u64;
+    let mut block = 0u64;
+    let mut linktypes: Vec<u32> = Vec::new();
+    while let Some(b) = rd.next_block() {
+        block += 1;
+        let b = b.map_err(|e| PcapError::PcapNg(format!("block {block}: {e}")))?;
+        match b {
+            Block::InterfaceDescription(i) => linktypes.push(u32::from(i.linktype)),
+            Block::EnhancedPacket(p) => {
+                let lt = *linktypes.get(p.interface_id as usize).ok_or_else(|| {
+                    PcapError::PcapNg(format!(
+                        "block {block}: packet names interface {} that was never described",
+                        p.interface_id
+                    ))
+                })?;
+                if lt != 1 {
+                    return Err(PcapError::LinkType(lt));
+                }
+                f(Frame {
+                    time_ns: p.timestamp.as_nanos() as u64,
+                    data: p.data.to_vec(),
+                    orig_len: p.original_len,
+                });
+                n += 1;
+            }
+            Block::SimplePacket(p) => {
+                f(Frame {
+                    time_ns: 0,
+                    data: p.data.to_vec(),
+                    orig_len: p.original_len,
+                });
+                n += 1;
+            }
+            _ => {}
+        }
+    }
+    Ok(n)
+}
+
+/// Flows, samples and counters of a capture, as the datapath would have made them.
+#[derive(Default)]
+pub struct Offline {
+    pub flows: HashMap<FlowKey, (FlowState, FlowCounters)>,
+    pub icrc_errors: HashMap<FlowKey, u64>,
+    pub globals: GlobalTotals,
+    pub frames: u64,
+}
+
+/// Runs every frame through the shared parser and accounting; `on_sample` gets what the
+/// datapath would have reported.
+pub fn analyse(
+    r: impl Read,
+    opts: &DatapathOptions,
+    mut on_sample: impl FnMut(&Sample),
+) -> Result<Offline, PcapError> {
+    let cfg = opts.config().map_err(|e| PcapError::Io(e.to_string()))?;
+    let mut out = Offline::default();
+    let dir = DIR_INGRESS;
+    let frames = read_frames(r, |fr| {
+        let g = &mut out.globals.0;
+        g[GlobalCounter::FramesSeen.index(dir) as usize] += 1;
+        let pkt = SlicePacket::new(&fr.data);
+        let mut p = Default::default();
+        if let Err(reason) = parse_into(&pkt, cfg.udp_port, &mut p) {
+            g[reason.index(dir) as usize] += 1;
+            return;
+        }
+        g[GlobalCounter::RoceV2.index(dir) as usize] += 1;
+        load_icrc(&pkt, &mut p);
+        let key = account::flow_key(&p, 0, dir);
+        let (state, counters) = out
+            .flows
+            .entry(key)
+            .or_insert_with(|| (account::new_state(&p), FlowCounters::default()));
+        let update = if counters.packets == 0 {
+            account::StateUpdate::default()
+        } else {
+            account::update_state(state, &p)
+        };
+        if update.psn_regression {
+            g[GlobalCounter::PsnRegressions.index(dir) as usize] += 1;
+        }
+        account::count(
+            counters,
+            &p,
+            fr.orig_len.max(fr.data.len() as u32),
+            fr.time_ns,
+            &update,
+        );
+        // The ICRC: recomputed over the whole IP packet (when it was captured whole).
+        let l3 = (14 + 4 * p.vlan_depth as usize).min(fr.data.len());
+        let icrc_ok = crate::frame::icrc(&fr.data[l3..]).is_some_and(|c| p.icrc() == Some(c));
+        let e = out.icrc_errors.entry(key).or_default();
+        if !icrc_ok {
+            *e += 1;
+        }
+        let reasons = account::reasons(&p, &cfg);
+        if reasons != 0 {
+            g[GlobalCounter::SamplesEmitted.index(dir) as usize] += 1;
+            on_sample(&Sample {
+                ts_ns: fr.time_ns,
+                key,
+                psn: p.bth.psn(),
+                frame_len: fr.orig_len,
+                reth_dma_len: p.reth_dma_len,
+                aeth_msn: p.aeth.msn(),
+                deth_src_qp: p.deth_src_qp,
+                icrc: p.icrc,
+                pkey: p.bth.pkey(),
+                udp_dport: p.udp_dport,
+                udp_len: p.udp_len,
+                opcode: p.bth.opcode,
+                bth_flags: p.bth.flags,
+                bth_fecn_becn: p.bth.fecn_becn,
+                bth_ack_req: p.bth.ack_req,
+                dscp: p.dscp,
+                ecn: p.ecn,
+                ttl: p.ttl,
+                pcp: p.pcp,
+                aeth_syndrome: p.aeth.syndrome,
+                vlan_depth: p.vlan_depth,
+                present: p.present,
+                _pad: [0; 3],
+                reasons,
+                _pad2: 0,
+            });
+        }
+    })?;
+    out.frames = frames;
+    Ok(out)
+}
+
+/// Opens `path` (`-` for stdin).
+pub fn open(path: &Path) -> Result<Box<dyn Read>, PcapError> {
+    if path == Path::new("-") {
+        return Ok(Box::new(BufReader::new(std::io::stdin())));
+    }
+    let f =
+        std::fs::File::open(path).map_err(|e| PcapError::Io(format!("opening {}: {e}", path.display())))?;
+    Ok(Box::new(BufReader::new(f)))
+}
