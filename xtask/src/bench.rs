@@ -24,13 +24,15 @@ pub fn run(which: &str, repeat: u32) -> anyhow::Result<()> {
         "gen" => generator(bin),
         "capture" => capture(bin),
         "collector" => collector(),
+        "pcap" => pcap_ingest(bin),
         "all" => {
             datapath(repeat)?;
             generator(bin)?;
             capture(bin)?;
+            pcap_ingest(bin)?;
             collector()
         }
-        other => bail!("unknown benchmark `{other}` (datapath, gen, capture, collector, all)"),
+        other => bail!("unknown benchmark `{other}` (datapath, gen, capture, pcap, collector, all)"),
     }
 }
 
@@ -541,5 +543,96 @@ fn collector() -> anyhow::Result<()> {
         j.stats.trajectories == (FLOWS * PACKETS_PER_FLOW) as u64,
         "every packet joined"
     );
+    Ok(())
+}
+
+/// pcap ingest: `roce-trace capture -r` against `tshark -r` decoding RoCE, same file.
+fn pcap_ingest(bin: &Path) -> anyhow::Result<()> {
+    const FRAMES: u32 = 200_000;
+    let dir = std::env::temp_dir().join(format!("roce-trace-bench-pcap-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("roce.pcap");
+    // 8 QPs of RDMA WRITE MIDDLE, 256-byte payloads, a few CNPs and ACKs.
+    let frames: Vec<Vec<u8>> = (0..FRAMES)
+        .map(|i| {
+            let qp = i % 8;
+            match i % 50 {
+                0 => RoceFrame {
+                    opcode: 0x81,
+                    dscp: 48,
+                    dest_qp: 0x100 + 2 * qp,
+                    ext: ext::cnp(),
+                    ..Default::default()
+                }
+                .build(),
+                1 => RoceFrame {
+                    opcode: op::ACKNOWLEDGE,
+                    psn: i,
+                    dest_qp: 0x100 + 2 * qp,
+                    ext: ext::aeth(0x1f, i),
+                    ..Default::default()
+                }
+                .build(),
+                _ => RoceFrame {
+                    opcode: op::WRITE_MIDDLE,
+                    udp_sport: 49152 + qp as u16,
+                    dest_qp: 0x101 + 2 * qp,
+                    psn: i / 8,
+                    payload: vec![0; 256],
+                    ..Default::default()
+                }
+                .build(),
+            }
+        })
+        .collect();
+    roce_trace_tests::write_pcap(&path, &frames);
+    let size = std::fs::metadata(&path)?.len();
+    let time = |cmd: &mut Command| -> anyhow::Result<f64> {
+        let t = std::time::Instant::now();
+        let out = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).output()?;
+        ensure!(
+            out.status.success(),
+            "{cmd:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let ours = time(
+        Command::new("taskset")
+            .args(["-c", "0"])
+            .arg(bin)
+            .args(["capture", "-r"])
+            .arg(&path)
+            .args(["--json", "-w", "/dev/null"]),
+    )?;
+    let theirs = time(
+        Command::new("taskset")
+            .args(["-c", "0", "tshark", "-r"])
+            .arg(&path)
+            .args([
+                "-d",
+                "udp.port==4791,infiniband",
+                "-T",
+                "fields",
+                "-e",
+                "infiniband.bth.destqp",
+                "-e",
+                "infiniband.bth.psn",
+            ]),
+    )?;
+    let _ = std::fs::remove_dir_all(&dir);
+    println!(
+        "== pcap ingest: {FRAMES} RoCEv2 frames ({:.0} MB), one core",
+        size as f64 / 1e6
+    );
+    println!(
+        "roce-trace capture -r (flows, 1-in-1000 samples, JSON): {ours:.2}s = {:.0} packets/s",
+        FRAMES as f64 / ours
+    );
+    println!(
+        "tshark -r, decoding RoCE fields:                        {theirs:.2}s = {:.0} packets/s",
+        FRAMES as f64 / theirs
+    );
+    println!("roce-trace is {:.1}x faster", theirs / ours);
     Ok(())
 }
