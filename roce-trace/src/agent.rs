@@ -658,3 +658,100 @@ mod tests {
         assert!(c.validate().unwrap_err().contains("soon"));
     }
 }
+
+/// The agent fed by a pcap/pcapng stream (`-` for stdin, e.g. an RDMA NIC's sniffer
+/// through tcpdump) instead of the datapath: one observation point, `NODE:pcap:ingress`,
+/// with the same sampling and counters, so the collector joins it with eBPF-fed points.
+pub async fn run_pcap(
+    opts: AgentOptions,
+    input: std::path::PathBuf,
+    shutdown: impl Future<Output = ()>,
+    ready: impl FnOnce(&[Attachment], Option<SocketAddr>),
+) -> anyhow::Result<AgentStats> {
+    anyhow::ensure!(
+        !opts.token.is_empty(),
+        "a token is required (--token or --token-file)"
+    );
+    anyhow::ensure!(opts.queue > 0, "--queue must be at least 1");
+    anyhow::ensure!(!opts.interval.is_zero(), "--interval must be longer than zero");
+    let reader = crate::pcap::open(&input)?;
+    let mut offline = crate::pcap::Offline::new(&opts.datapath)?;
+    let points = vec![PointDecl {
+        index: 0,
+        iface: "pcap".into(),
+        ifindex: 0,
+        direction: DIR_INGRESS,
+    }];
+    let shared = Arc::new(Shared {
+        outbox: Mutex::new(Outbox {
+            cap: opts.queue,
+            ..Outbox::default()
+        }),
+        traces: Mutex::new(VecDeque::new()),
+        notify: Notify::new(),
+        metrics: Mutex::new((Vec::new(), GlobalTotals::default())),
+    });
+    let sender = tokio::spawn(send_loop(opts.clone(), points, shared.clone()));
+    ready(
+        &[Attachment {
+            iface: format!("pcap:{}", input.display()),
+            ifindex: 0,
+            hook: "pcap",
+            mode: "offline",
+            warning: None,
+        }],
+        None,
+    );
+    let sh = shared.clone();
+    let interval = opts.interval;
+    let reading = tokio::task::spawn_blocking(move || {
+        let mut prev: HashMap<FlowKey, FlowCounters> = HashMap::new();
+        let mut last = Instant::now();
+        let deltas = |off: &crate::pcap::Offline, prev: &mut HashMap<FlowKey, FlowCounters>| {
+            let mut ob = sh.outbox.lock().expect("outbox");
+            for (k, (_, c)) in &off.flows {
+                if prev.get(k).map(|p| p.packets) != Some(c.packets) {
+                    ob.push_counter(CounterDelta::between(0, k, c, prev.get(k)));
+                    prev.insert(*k, *c);
+                }
+            }
+            drop(ob);
+            sh.notify.notify_one();
+        };
+        let result = crate::pcap::read_frames(reader, |fr| {
+            offline.frame(&fr, |s| {
+                sh.outbox
+                    .lock()
+                    .expect("outbox")
+                    .push_obs(Observation::from_sample(s, 0, &KernelClock::UNIX));
+            });
+            if last.elapsed() >= interval {
+                last = Instant::now();
+                deltas(&offline, &mut prev);
+            }
+        });
+        deltas(&offline, &mut prev);
+        result
+    });
+    tokio::pin!(shutdown);
+    tokio::select! {
+        r = reading => {
+            r.context("pcap reader")?.context("reading the capture")?;
+        }
+        _ = &mut shutdown => {}
+    }
+    // Deliver what is queued before stopping.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    shared.notify.notify_one();
+    while Instant::now() < deadline {
+        let ob = shared.outbox.lock().expect("outbox");
+        if ob.obs.is_empty() && ob.counters.is_empty() {
+            break;
+        }
+        drop(ob);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sender.abort();
+    let stats = shared.outbox.lock().expect("outbox").stats;
+    Ok(stats)
+}

@@ -91,6 +91,10 @@ struct AgentArgs {
     /// Interface to observe (repeat for several).
     #[arg(short = 'i', long = "interface")]
     interfaces: Vec<String>,
+    /// Observe a pcap/pcapng stream instead (`-` for stdin), e.g. an RDMA NIC's sniffer:
+    /// `tcpdump -i mlx5_0 -w - | roce-trace agent -r - …`.
+    #[arg(short = 'r', long, conflicts_with = "interfaces")]
+    read: Option<PathBuf>,
     /// Node name of this host's observation points (default: the hostname).
     #[arg(long)]
     node: Option<String>,
@@ -576,6 +580,25 @@ async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
     };
     let node = opts.node.clone();
     let collector = opts.collector.clone();
+    if let Some(input) = a.read {
+        let stats = agent::run_pcap(opts, input, shutdown_signal(), |hooks, _| {
+            tracing::info!(
+                "agent `{node}` reading {}, streaming to {collector}",
+                hooks[0].iface
+            );
+        })
+        .await?;
+        tracing::info!(
+            "agent stopped: {} observations ({} sent, {} dropped while the collector was away), {} counter deltas sent, {} connections, {} ring-buffer drops",
+            stats.observations,
+            stats.observations_sent,
+            stats.observations_dropped,
+            stats.counters_sent,
+            stats.connections,
+            stats.ringbuf_drops
+        );
+        return Ok(());
+    }
     let stats = agent::run(opts, shutdown_signal(), |hooks, metrics| {
         let list: Vec<String> = hooks
             .iter()

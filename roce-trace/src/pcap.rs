@@ -163,20 +163,25 @@ pub struct Offline {
     pub icrc_errors: HashMap<FlowKey, u64>,
     pub globals: GlobalTotals,
     pub frames: u64,
+    cfg: Option<DatapathConfig>,
 }
 
-/// Runs every frame through the shared parser and accounting; `on_sample` gets what the
-/// datapath would have reported.
-pub fn analyse(
-    r: impl Read,
-    opts: &DatapathOptions,
-    mut on_sample: impl FnMut(&Sample),
-) -> Result<Offline, PcapError> {
-    let cfg = opts.config().map_err(|e| PcapError::Io(e.to_string()))?;
-    let mut out = Offline::default();
-    let dir = DIR_INGRESS;
-    let frames = read_frames(r, |fr| {
-        let g = &mut out.globals.0;
+impl Offline {
+    pub fn new(opts: &DatapathOptions) -> Result<Self, PcapError> {
+        let cfg = opts.config().map_err(|e| PcapError::Io(e.to_string()))?;
+        Ok(Self {
+            cfg: Some(cfg),
+            ..Self::default()
+        })
+    }
+
+    /// One frame through the shared parser and accounting; `on_sample` gets what the
+    /// datapath would have reported.
+    pub fn frame(&mut self, fr: &Frame, mut on_sample: impl FnMut(&Sample)) {
+        let cfg = self.cfg.expect("made by Offline::new");
+        let dir = DIR_INGRESS;
+        self.frames += 1;
+        let g = &mut self.globals.0;
         g[GlobalCounter::FramesSeen.index(dir) as usize] += 1;
         let pkt = SlicePacket::new(&fr.data);
         let mut p = Default::default();
@@ -187,7 +192,7 @@ pub fn analyse(
         g[GlobalCounter::RoceV2.index(dir) as usize] += 1;
         load_icrc(&pkt, &mut p);
         let key = account::flow_key(&p, 0, dir);
-        let (state, counters) = out
+        let (state, counters) = self
             .flows
             .entry(key)
             .or_insert_with(|| (account::new_state(&p), FlowCounters::default()));
@@ -209,7 +214,7 @@ pub fn analyse(
         // The ICRC: recomputed over the whole IP packet (when it was captured whole).
         let l3 = (14 + 4 * p.vlan_depth as usize).min(fr.data.len());
         let icrc_ok = crate::frame::icrc(&fr.data[l3..]).is_some_and(|c| p.icrc() == Some(c));
-        let e = out.icrc_errors.entry(key).or_default();
+        let e = self.icrc_errors.entry(key).or_default();
         if !icrc_ok {
             *e += 1;
         }
@@ -244,13 +249,22 @@ pub fn analyse(
                 _pad2: 0,
             });
         }
-    })?;
-    out.frames = frames;
+    }
+}
+
+/// Runs every frame of a capture through [`Offline::frame`].
+pub fn analyse(
+    r: impl Read,
+    opts: &DatapathOptions,
+    mut on_sample: impl FnMut(&Sample),
+) -> Result<Offline, PcapError> {
+    let mut out = Offline::new(opts)?;
+    read_frames(r, |fr| out.frame(&fr, &mut on_sample))?;
     Ok(out)
 }
 
 /// Opens `path` (`-` for stdin).
-pub fn open(path: &Path) -> Result<Box<dyn Read>, PcapError> {
+pub fn open(path: &Path) -> Result<Box<dyn Read + Send>, PcapError> {
     if path == Path::new("-") {
         return Ok(Box::new(BufReader::new(std::io::stdin())));
     }
