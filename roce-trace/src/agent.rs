@@ -744,11 +744,13 @@ pub async fn run_pcap(
     let deadline = Instant::now() + Duration::from_secs(5);
     shared.notify.notify_one();
     while Instant::now() < deadline {
-        let ob = shared.outbox.lock().expect("outbox");
-        if ob.obs.is_empty() && ob.counters.is_empty() {
+        let empty = {
+            let ob = shared.outbox.lock().expect("outbox");
+            ob.obs.is_empty() && ob.counters.is_empty()
+        };
+        if empty {
             break;
         }
-        drop(ob);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     sender.abort();
