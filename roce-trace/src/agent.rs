@@ -631,34 +631,6 @@ impl AgentConfig {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_shipped_example_config_is_valid() {
-        let p = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../dist/agent.toml"));
-        let c = AgentConfig::load(p).unwrap();
-        assert_eq!(c.collector.as_deref(), Some("collector.example.net:4792"));
-        assert_eq!(c.expect_dscp, Some(vec![26, 48]));
-    }
-
-    #[test]
-    fn unknown_keys_and_bad_values_are_refused_with_the_line() {
-        let e = toml::from_str::<AgentConfig>("collector = \"x:1\"\nsampel_rate = 5\n")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("unknown field `sampel_rate`") && e.contains("line 2"),
-            "{e}"
-        );
-        let c: AgentConfig = toml::from_str("expect_dscp = [26, 99]").unwrap();
-        assert!(c.validate().unwrap_err().contains("99"));
-        let c: AgentConfig = toml::from_str("interval = \"soon\"").unwrap();
-        assert!(c.validate().unwrap_err().contains("soon"));
-    }
-}
-
 /// The agent fed by a pcap/pcapng stream (`-` for stdin, e.g. an RDMA NIC's sniffer
 /// through tcpdump) instead of the datapath: one observation point, `NODE:pcap:ingress`,
 /// with the same sampling and counters, so the collector joins it with eBPF-fed points.
@@ -756,4 +728,32 @@ pub async fn run_pcap(
     sender.abort();
     let stats = shared.outbox.lock().expect("outbox").stats;
     Ok(stats)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_example_config_is_valid() {
+        let p = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../dist/agent.toml"));
+        let c = AgentConfig::load(p).unwrap();
+        assert_eq!(c.collector.as_deref(), Some("collector.example.net:4792"));
+        assert_eq!(c.expect_dscp, Some(vec![26, 48]));
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_refused_with_the_line() {
+        let e = toml::from_str::<AgentConfig>("collector = \"x:1\"\nsampel_rate = 5\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("unknown field `sampel_rate`") && e.contains("line 2"),
+            "{e}"
+        );
+        let c: AgentConfig = toml::from_str("expect_dscp = [26, 99]").unwrap();
+        assert!(c.validate().unwrap_err().contains("99"));
+        let c: AgentConfig = toml::from_str("interval = \"soon\"").unwrap();
+        assert!(c.validate().unwrap_err().contains("soon"));
+    }
 }
