@@ -588,15 +588,7 @@ async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
             );
         })
         .await?;
-        tracing::info!(
-            "agent stopped: {} observations ({} sent, {} dropped while the collector was away), {} counter deltas sent, {} connections, {} ring-buffer drops",
-            stats.observations,
-            stats.observations_sent,
-            stats.observations_dropped,
-            stats.counters_sent,
-            stats.connections,
-            stats.ringbuf_drops
-        );
+        log_agent_stats(&stats);
         return Ok(());
     }
     let stats = agent::run(opts, shutdown_signal(), |hooks, metrics| {
@@ -613,15 +605,7 @@ async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
         );
     })
     .await?;
-    tracing::info!(
-        "agent stopped: {} observations ({} sent, {} dropped while the collector was away), {} counter deltas sent, {} connections, {} ring-buffer drops",
-        stats.observations,
-        stats.observations_sent,
-        stats.observations_dropped,
-        stats.counters_sent,
-        stats.connections,
-        stats.ringbuf_drops
-    );
+    log_agent_stats(&stats);
     Ok(())
 }
 
@@ -778,4 +762,17 @@ fn run_trace(a: TraceArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The agent's last line (tests read it).
+fn log_agent_stats(stats: &roce_trace::agent::AgentStats) {
+    tracing::info!(
+        "agent stopped: {} observations ({} sent, {} dropped while the collector was away), {} counter deltas sent, {} connections, {} ring-buffer drops",
+        stats.observations,
+        stats.observations_sent,
+        stats.observations_dropped,
+        stats.counters_sent,
+        stats.connections,
+        stats.ringbuf_drops
+    );
 }
