@@ -108,6 +108,20 @@ struct Shared {
 
 use crate::datapath::GlobalTotals;
 
+impl Shared {
+    fn new(queue: usize) -> Self {
+        Self {
+            outbox: Mutex::new(Outbox {
+                cap: queue,
+                ..Outbox::default()
+            }),
+            traces: Mutex::new(VecDeque::new()),
+            notify: Notify::new(),
+            metrics: Mutex::new((Vec::new(), GlobalTotals::default())),
+        }
+    }
+}
+
 pub async fn run(
     opts: AgentOptions,
     shutdown: impl Future<Output = ()>,
@@ -141,15 +155,7 @@ pub async fn run(
         .iter()
         .map(|p| ((p.ifindex, p.direction), p.index))
         .collect();
-    let shared = Arc::new(Shared {
-        outbox: Mutex::new(Outbox {
-            cap: opts.queue,
-            ..Outbox::default()
-        }),
-        traces: Mutex::new(VecDeque::new()),
-        notify: Notify::new(),
-        metrics: Mutex::new((Vec::new(), GlobalTotals::default())),
-    });
+    let shared = Arc::new(Shared::new(opts.queue));
 
     let mut metrics_addr = None;
     if let Some(addr) = opts.metrics {
@@ -654,15 +660,7 @@ pub async fn run_pcap(
         ifindex: 0,
         direction: DIR_INGRESS,
     }];
-    let shared = Arc::new(Shared {
-        outbox: Mutex::new(Outbox {
-            cap: opts.queue,
-            ..Outbox::default()
-        }),
-        traces: Mutex::new(VecDeque::new()),
-        notify: Notify::new(),
-        metrics: Mutex::new((Vec::new(), GlobalTotals::default())),
-    });
+    let shared = Arc::new(Shared::new(opts.queue));
     let sender = tokio::spawn(send_loop(opts.clone(), points, shared.clone()));
     ready(
         &[Attachment {

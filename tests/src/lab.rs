@@ -122,7 +122,8 @@ impl Lab {
         run(&full)
     }
 
-    fn nodes() -> Vec<String> {
+    /// Every node: spines, leaves, hosts.
+    pub fn nodes() -> Vec<String> {
         let mut v: Vec<String> = SPINES.iter().map(|s| format!("s{s}")).collect();
         v.extend(LEAVES.iter().map(|l| format!("l{l}")));
         v.extend(HOSTS.iter().map(|h| format!("h{h}")));
@@ -340,6 +341,36 @@ impl Lab {
             .filter(|i| *i != "lo")
             .map(str::to_owned)
             .collect())
+    }
+
+    /// `roce-trace agent` arguments for `node`, observing all its fabric ports, streaming
+    /// to `collector` (the same sampling on every node, as consistent sampling needs).
+    pub fn agent_args(
+        &self,
+        node: &str,
+        collector: &str,
+        token: &str,
+        sample_rate: u32,
+    ) -> anyhow::Result<Vec<String>> {
+        let mut args: Vec<String> = [
+            "agent",
+            "--collector",
+            collector,
+            "--node",
+            node,
+            "--token",
+            token,
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect();
+        args.extend(["--sample-rate".into(), sample_rate.to_string()]);
+        args.extend(["--interval", "1s", "--expect-dscp", "26,48"].map(String::from));
+        for p in self.fabric_ports(node)? {
+            args.push("-i".into());
+            args.push(p);
+        }
+        Ok(args)
     }
 
     /// The fabric ports of a node: what an agent there observes.
@@ -602,18 +633,7 @@ impl Lab {
                 }
                 self.routes()
             }
-            Fault::Mtu { leaf, spine, mtu } => {
-                let m = mtu.to_string();
-                self.exec(
-                    &format!("l{leaf}"),
-                    &["ip", "link", "set", &format!("s{spine}"), "mtu", &m],
-                )?;
-                self.exec(
-                    &format!("s{spine}"),
-                    &["ip", "link", "set", &format!("l{leaf}"), "mtu", &m],
-                )?;
-                Ok(())
-            }
+            Fault::Mtu { leaf, spine, mtu } => self.set_link_mtu(*leaf, *spine, *mtu),
             Fault::AsymClass { leaf, from, to } => self.nft(
                 &format!("l{leaf}"),
                 f.name(),
@@ -647,18 +667,7 @@ impl Lab {
                 }
                 self.routes()
             }
-            Fault::Mtu { leaf, spine, .. } => {
-                let m = self.mtu.to_string();
-                self.exec(
-                    &format!("l{leaf}"),
-                    &["ip", "link", "set", &format!("s{spine}"), "mtu", &m],
-                )?;
-                self.exec(
-                    &format!("s{spine}"),
-                    &["ip", "link", "set", &format!("l{leaf}"), "mtu", &m],
-                )?;
-                Ok(())
-            }
+            Fault::Mtu { leaf, spine, .. } => self.set_link_mtu(*leaf, *spine, self.mtu),
         }
     }
 
@@ -672,6 +681,20 @@ impl Lab {
         self.exec(
             &format!("s{spine}"),
             &["ip", "link", "set", &format!("l{leaf}"), state],
+        )?;
+        Ok(())
+    }
+
+    /// Both ends of the link between a leaf and a spine at `mtu`.
+    fn set_link_mtu(&self, leaf: u8, spine: u8, mtu: u32) -> anyhow::Result<()> {
+        let m = mtu.to_string();
+        self.exec(
+            &format!("l{leaf}"),
+            &["ip", "link", "set", &format!("s{spine}"), "mtu", &m],
+        )?;
+        self.exec(
+            &format!("s{spine}"),
+            &["ip", "link", "set", &format!("l{leaf}"), "mtu", &m],
         )?;
         Ok(())
     }

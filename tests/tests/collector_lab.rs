@@ -6,7 +6,7 @@
 use std::{collections::BTreeMap, sync::Mutex, time::Duration};
 
 use roce_trace_tests::{
-    lab::{Fault, HOSTS, LEAVES, Lab, MGMT_COLLECTOR, SPINES},
+    lab::{Fault, Lab, MGMT_COLLECTOR},
     *,
 };
 use serde_json::Value;
@@ -50,40 +50,10 @@ impl Fabric {
             "collecting on",
         );
         let mut agents = Vec::new();
-        let nodes: Vec<String> = SPINES
-            .iter()
-            .map(|s| format!("s{s}"))
-            .chain(LEAVES.iter().map(|l| format!("l{l}")))
-            .chain(HOSTS.iter().map(|h| format!("h{h}")))
-            .collect();
-        for n in &nodes {
-            let ports = lab.fabric_ports(n).unwrap();
-            let mut args: Vec<String> = vec![
-                "agent".into(),
-                "--collector".into(),
-                listen.clone(),
-                "--node".into(),
-                n.clone(),
-            ];
-            args.extend(
-                [
-                    "--token",
-                    TOKEN,
-                    "--sample-rate",
-                    "4",
-                    "--interval",
-                    "1s",
-                    "--expect-dscp",
-                    "26,48",
-                ]
-                .map(String::from),
-            );
-            for p in ports {
-                args.push("-i".into());
-                args.push(p);
-            }
+        for n in Lab::nodes() {
+            let args = lab.agent_args(&n, &listen, TOKEN, 4).unwrap();
             let a: Vec<&str> = args.iter().map(String::as_str).collect();
-            agents.push(Daemon::start(&lab.ns(n), &a, "connected to collector"));
+            agents.push(Daemon::start(&lab.ns(&n), &a, "connected to collector"));
         }
         Self {
             lab,

@@ -12,7 +12,7 @@ use std::{
 };
 
 use anyhow::{Context as _, bail, ensure};
-use roce_trace_tests::lab::{Fault, HOSTS, LEAVES, Lab, MGMT_COLLECTOR, SPINES};
+use roce_trace_tests::lab::{Fault, Lab, MGMT_COLLECTOR};
 use serde_json::Value;
 
 fn say(s: &str) {
@@ -128,34 +128,10 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
         "a roce-trace agent on every node: XDP ingress + TC egress on every port of hosts, leaves and spines",
     );
     let mut agents = Vec::new();
-    let nodes: Vec<String> = SPINES
-        .iter()
-        .map(|s| format!("s{s}"))
-        .chain(LEAVES.iter().map(|l| format!("l{l}")))
-        .chain(HOSTS.iter().map(|h| format!("h{h}")))
-        .collect();
-    for n in &nodes {
-        let mut args: Vec<String> = ["agent", "--collector", &listen, "--node", n, "--token", TOKEN]
-            .into_iter()
-            .map(String::from)
-            .collect();
-        args.extend(
-            [
-                "--sample-rate",
-                "10",
-                "--interval",
-                "1s",
-                "--expect-dscp",
-                "26,48",
-            ]
-            .map(String::from),
-        );
-        for p in lab.fabric_ports(n)? {
-            args.push("-i".into());
-            args.push(p);
-        }
+    for n in Lab::nodes() {
+        let args = lab.agent_args(&n, &listen, TOKEN, 10)?;
         let a: Vec<&str> = args.iter().map(String::as_str).collect();
-        agents.push(spawn(&lab, n, &bin, &a, "connected to collector")?);
+        agents.push(spawn(&lab, &n, &bin, &a, "connected to collector")?);
     }
     say("RDMA responders on h3 and h4 (ACK, NAK on PSN gaps, CNP on CE)");
     let mut responders = Vec::new();

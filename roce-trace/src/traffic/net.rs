@@ -157,6 +157,11 @@ fn storage_ptr(s: &Storage) -> (*const libc::c_void, u32) {
 pub fn send_batch(sock: &UdpSocket, dst: &SocketAddr, bufs: &[Vec<u8>]) -> io::Result<usize> {
     let addr = sockaddr(dst);
     let (name, namelen) = storage_ptr(&addr);
+    send_to_all(sock.as_raw_fd(), bufs, name, namelen)
+}
+
+/// Sends every buffer to the address at `name` (kept alive by the caller) with sendmmsg.
+fn send_to_all(fd: i32, bufs: &[Vec<u8>], name: *const libc::c_void, namelen: u32) -> io::Result<usize> {
     let mut iovs: Vec<libc::iovec> = bufs
         .iter()
         .map(|b| libc::iovec {
@@ -176,7 +181,7 @@ pub fn send_batch(sock: &UdpSocket, dst: &SocketAddr, bufs: &[Vec<u8>]) -> io::R
             m
         })
         .collect();
-    sendmmsg_all(sock.as_raw_fd(), &mut msgs)
+    sendmmsg_all(fd, &mut msgs)
 }
 
 /// Sends every message with as few sendmmsg calls as the kernel allows; returns how many
@@ -377,26 +382,13 @@ impl PacketTx {
         addr.sll_family = libc::AF_PACKET as u16;
         addr.sll_ifindex = self.ifindex as i32;
         addr.sll_halen = 6;
-        let mut iovs: Vec<libc::iovec> = frames
-            .iter()
-            .map(|b| libc::iovec {
-                iov_base: b.as_ptr() as *mut libc::c_void,
-                iov_len: b.len(),
-            })
-            .collect();
-        let mut msgs: Vec<libc::mmsghdr> = iovs
-            .iter_mut()
-            .map(|iov| {
-                // SAFETY: a zeroed mmsghdr is valid; the pointers outlive the call.
-                let mut m: libc::mmsghdr = unsafe { zeroed() };
-                m.msg_hdr.msg_name = &addr as *const _ as *mut libc::c_void;
-                m.msg_hdr.msg_namelen = size_of::<libc::sockaddr_ll>() as u32;
-                m.msg_hdr.msg_iov = iov;
-                m.msg_hdr.msg_iovlen = 1;
-                m
-            })
-            .collect();
-        sendmmsg_all(self.fd.as_raw_fd(), &mut msgs)
+        let name = &addr as *const libc::sockaddr_ll as *const libc::c_void;
+        send_to_all(
+            self.fd.as_raw_fd(),
+            frames,
+            name,
+            size_of::<libc::sockaddr_ll>() as u32,
+        )
     }
 }
 
