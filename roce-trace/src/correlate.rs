@@ -399,22 +399,37 @@ impl Joiner {
                 f.ce_onset.entry((before, o.point)).or_default().hit(o.time_ns);
             }
         }
-        // Path: a strict prefix of the known path means the packet was lost after its
-        // last point; anything else that differs is the flow moving.
+        // Path: a strict prefix of the path in force when the packet was sent means it was
+        // lost after its last point; anything else that differs is the flow moving.
+        // (Trajectories complete in arrival order, so an older one can finish after the
+        // flow has moved: it is judged against the path of its own time.)
         if f.path.is_empty() {
             f.path = path;
             f.path_since_ns = first_time;
             f.history.push((first_time, f.path.clone()));
-        } else if path != f.path {
-            if path.len() < f.path.len() && f.path.starts_with(&path) {
-                let last = *path.last().expect("non-empty");
-                let next = f.path[path.len()];
-                f.lost.entry((last, next)).or_default().hit(first_time);
-            } else if first_time >= f.path_since_ns {
-                f.path = path;
-                f.path_since_ns = first_time;
-                f.history.push((first_time, f.path.clone()));
-            }
+            return;
+        }
+        let then = f
+            .history
+            .iter()
+            .rev()
+            .find(|(t, _)| *t <= first_time)
+            .unwrap_or(&f.history[0])
+            .1
+            .clone();
+        if path == then {
+            return;
+        }
+        if path.len() < then.len() && then.starts_with(&path) {
+            let last = *path.last().expect("non-empty");
+            f.lost
+                .entry((last, then[path.len()]))
+                .or_default()
+                .hit(first_time);
+        } else if first_time >= f.path_since_ns {
+            f.path = path;
+            f.path_since_ns = first_time;
+            f.history.push((first_time, f.path.clone()));
         }
     }
 
@@ -970,6 +985,45 @@ mod tests {
         assert_eq!(r.path_history.len(), 2);
         assert_eq!(r.path[2], "s2:l1:ingress");
         assert!(r.lost.is_empty(), "a move is not a loss");
+    }
+
+    #[test]
+    fn losses_before_a_move_count_even_when_they_complete_after_it() {
+        let (mut j, pts) = lab();
+        let mut s2 = pts.clone();
+        s2[2] = j.point(PointInfo {
+            node: "s2".into(),
+            iface: "l1".into(),
+            direction: "ingress".into(),
+            clock_synced: true,
+        });
+        s2[3] = j.point(PointInfo {
+            node: "l2".into(),
+            iface: "s2".into(),
+            direction: "ingress".into(),
+            clock_synced: true,
+        });
+        // Through s1 first; PSN 3 and 4 stop at s1 (a dead link); then through s2.
+        for psn in 0..3 {
+            send(&mut j, &pts, psn, psn as u64 * MS, &[], |_| 26, 0);
+        }
+        j.tick(200 * MS);
+        // The flow's new path arrives and completes first...
+        for psn in 5..8 {
+            send(&mut j, &s2, psn, psn as u64 * MS, &[], |_| 26, 210 * MS);
+        }
+        j.tick(400 * MS);
+        // ...then the blackholed packets, sent before the move, complete.
+        for psn in 3..5 {
+            send(&mut j, &pts, psn, psn as u64 * MS, &[3, 4], |_| 26, 410 * MS);
+        }
+        j.tick(600 * MS);
+        let r = j.flow_report(&flow()).unwrap();
+        assert_eq!(r.path_history.len(), 2);
+        assert_eq!(r.path[2], "s2:l1:ingress");
+        assert_eq!(r.lost.len(), 1, "{:?}", r.lost);
+        assert_eq!(r.lost[0].between, ["s1:l1:ingress", "l2:s1:ingress"]);
+        assert_eq!(r.lost[0].span.packets, 2);
     }
 
     #[test]
