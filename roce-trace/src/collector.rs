@@ -40,7 +40,7 @@ pub struct CollectorOptions {
 }
 
 /// What the collector knows of one agent.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
 pub struct AgentInfo {
     pub node: String,
     pub peer: String,
@@ -101,10 +101,10 @@ impl State {
 
 type Shared = Arc<Mutex<State>>;
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct CollectorReport {
     #[serde(rename = "type")]
-    pub kind: &'static str,
+    pub kind: String,
     pub stats: JoinStats,
     pub refused_connections: u64,
     pub agents: Vec<AgentInfo>,
@@ -120,7 +120,7 @@ fn now_ns(start: Instant) -> u64 {
 fn report(st: &State) -> CollectorReport {
     let j = st.joiner.as_ref().expect("joiner");
     CollectorReport {
-        kind: "collector_report",
+        kind: "collector_report".into(),
         stats: j.stats,
         refused_connections: st.refused,
         agents: st.agents.values().cloned().collect(),

@@ -7,14 +7,14 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use roce_trace_common::{datapath::PCP_NONE, roce};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::observation::{CounterDelta, FlowId, Observation, PacketId};
 
 /// An observation point, collector-wide.
 pub type PointId = u32;
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PointInfo {
     pub node: String,
     pub iface: String,
@@ -50,7 +50,7 @@ impl Default for JoinConfig {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct JoinStats {
     pub observations: u64,
     /// Observations of roce-trace's own probes (QP 0xFFFFFF), left out of the join.
@@ -82,7 +82,7 @@ struct Pending {
     obs: Vec<Obs>,
 }
 
-#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Span {
     pub first_ns: u64,
     pub last_ns: u64,
@@ -99,7 +99,7 @@ impl Span {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Delay {
     pub min_ns: i64,
     pub max_ns: i64,
@@ -144,6 +144,10 @@ pub struct FlowState {
     ce_times: VecDeque<(u32, u64)>,
     cnp_times: VecDeque<(u32, u64)>,
     carries_cnp: bool,
+    /// Class of the CNPs at each point (CNPs are always reported, so this is exact).
+    cnp_class_at: BTreeMap<PointId, (u8, u8, u8)>,
+    /// Largest frame seen at each point.
+    max_frame: BTreeMap<PointId, u16>,
 }
 
 fn push_recent<T>(q: &mut VecDeque<T>, v: T) {
@@ -248,8 +252,11 @@ impl Joiner {
         if o.ecn == 3 {
             push_recent(&mut f.ce_times, (node, o.time_ns));
         }
+        let m = f.max_frame.entry(point).or_default();
+        *m = (*m).max(o.frame_len);
         if opcode == roce::OP_CNP {
             f.carries_cnp = true;
+            f.cnp_class_at.insert(point, (obs.dscp, obs.ecn, obs.pcp));
             push_recent(&mut f.cnp_times, (node, o.time_ns));
         } else if roce::is_ack_opcode(opcode) {
             // The same ACK is reported at every point it crosses: keep it once.
@@ -543,6 +550,17 @@ impl Joiner {
                     pcp: (pcp != PCP_NONE).then_some(pcp),
                 })
                 .collect(),
+            cnp_class: f
+                .cnp_class_at
+                .iter()
+                .map(|(p, &(dscp, ecn, pcp))| ClassAt {
+                    point: l(p),
+                    dscp,
+                    ecn,
+                    pcp: (pcp != PCP_NONE).then_some(pcp),
+                })
+                .collect(),
+            max_frame: f.max_frame.iter().map(|(p, m)| (l(p), *m)).collect(),
             class_changes: f
                 .changes
                 .iter()
@@ -665,7 +683,7 @@ impl Joiner {
     }
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct ClassAt {
     pub point: String,
     pub dscp: u8,
@@ -673,7 +691,7 @@ pub struct ClassAt {
     pub pcp: Option<u8>,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct ClassChange {
     pub between: [String; 2],
     pub from_dscp: u8,
@@ -682,7 +700,7 @@ pub struct ClassChange {
     pub span: Span,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct CeOnset {
     /// The last point that saw the packet unmarked (null: marked before the first point).
     pub after: Option<String>,
@@ -691,27 +709,27 @@ pub struct CeOnset {
     pub span: Span,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Lost {
     pub between: [String; 2],
     #[serde(flatten)]
     pub span: Span,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct DelayReport {
     pub between: [String; 2],
     #[serde(flatten)]
     pub delay: Delay,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct PathAt {
     pub since_ns: u64,
     pub path: Vec<String>,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Answers {
     /// Reverse flows carrying this flow's CNPs.
     pub flows: Vec<String>,
@@ -721,7 +739,7 @@ pub struct Answers {
     pub ce_to_cnp: Option<Delay>,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct FlowReport {
     pub id: String,
     pub src_ip: String,
@@ -732,6 +750,12 @@ pub struct FlowReport {
     pub path: Vec<String>,
     pub hops: Vec<u8>,
     pub class: Vec<ClassAt>,
+    /// Class of this flow's CNPs at each point that saw them.
+    #[serde(default)]
+    pub cnp_class: Vec<ClassAt>,
+    /// Largest frame (bytes) seen at each point.
+    #[serde(default)]
+    pub max_frame: BTreeMap<String, u16>,
     pub class_changes: Vec<ClassChange>,
     pub ce_onset: Vec<CeOnset>,
     pub lost: Vec<Lost>,
@@ -744,7 +768,7 @@ pub struct FlowReport {
     pub probe: Option<crate::protocol::ProbeResult>,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Anomaly {
     pub kind: String,
     pub flow: String,

@@ -138,6 +138,26 @@ where
     }))
 }
 
+/// GET a JSON document (the collector's API) over a fresh connection.
+pub fn get_json<T: serde::de::DeserializeOwned>(addr: SocketAddr, path: &str) -> anyhow::Result<T> {
+    use std::io::{Read, Write};
+
+    use anyhow::Context as _;
+    let mut s = std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(3))
+        .with_context(|| format!("connecting to {addr}"))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)
+        .with_context(|| format!("reading {addr}{path}"))?;
+    let (head, body) = out.split_once("\r\n\r\n").context("malformed HTTP answer")?;
+    anyhow::ensure!(head.starts_with("HTTP/1.1 200"), "{addr}{path}: {}", body.trim());
+    serde_json::from_str(body).with_context(|| format!("{addr}{path}: not the expected JSON"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,7 +1,8 @@
 //! roce-trace: what a RoCE fabric does to RDMA traffic.
 //!
 //! Stages, one direction: parse + count/sample in the kernel (`roce-trace-ebpf`, loaded by
-//! [`datapath`]) → observe ([`record`], [`capture`]) → report.
+//! [`datapath`]) → observe ([`record`], [`capture`], [`agent`], [`pcap`]) → correlate
+//! ([`collector`], [`correlate`]) → judge ([`verify`]) → report.
 
 pub mod agent;
 pub mod capture;
@@ -17,3 +18,4 @@ pub mod record;
 pub mod sys;
 pub mod trace;
 pub mod traffic;
+pub mod verify;

@@ -33,6 +33,66 @@ enum Command {
     Collect(CollectArgs),
     /// In-band probes on a flow's own 5-tuple and class: its hops, and its class at each.
     Trace(TraceArgs),
+    /// Check the fabric against a policy: pass/fail per rule with evidence (exit 0 pass,
+    /// 1 a check failed, 2 error, 3 a check could not be made).
+    Verify(VerifyArgs),
+}
+
+#[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["report", "collector_http", "interfaces"])))]
+struct VerifyArgs {
+    /// The policy (TOML; see dist/fabric-policy.toml).
+    #[arg(long)]
+    policy: PathBuf,
+    /// Judge a report the collector wrote (`collect --report`), `-` for stdin.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Judge a running collector (its --http address) after --window.
+    #[arg(long)]
+    collector_http: Option<std::net::SocketAddr>,
+    /// Judge this host alone: observe these interfaces for --window (repeat -i).
+    #[arg(short = 'i', long = "interface")]
+    interfaces: Vec<String>,
+    /// How long to observe (live collector or local interfaces).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "10s")]
+    window: Duration,
+    /// What the traffic in the window was meant to be: CE marks are a fault when idle,
+    /// expected when congested.
+    #[arg(long, value_enum, default_value_t = roce_trace::verify::checks::Load::Idle)]
+    load: roce_trace::verify::checks::Load,
+    /// Also write the verdict as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Also write the verdict as JUnit XML (one test case per check).
+    #[arg(long)]
+    junit: Option<PathBuf>,
+    /// Record this window's paths, classes and spreads as a baseline.
+    #[arg(long)]
+    save_baseline: Option<PathBuf>,
+    /// Report what changed since this baseline.
+    #[arg(long)]
+    baseline: Option<PathBuf>,
+    /// Failure drill (needs --collector-http or -i): measure a failure while traffic runs.
+    #[arg(long)]
+    drill: bool,
+    /// Drill: shell command that causes the failure (else you are asked to).
+    #[arg(long, requires = "drill")]
+    down: Option<String>,
+    /// Drill: shell command that repairs it (else you are asked to).
+    #[arg(long, requires = "drill")]
+    up: Option<String>,
+    /// Drill: traffic time before, during and after the failure.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
+    hold: Duration,
+    /// Local capture: 1 in N packets sampled.
+    #[arg(long, default_value_t = 16)]
+    sample_rate: u32,
+    /// Local capture: the RoCEv2 UDP port.
+    #[arg(long, default_value_t = 4791)]
+    port: u16,
+    /// Print the verdict as JSON on stdout instead of the table.
+    #[arg(long)]
+    json_stdout: bool,
 }
 
 #[derive(clap::Args)]
@@ -371,6 +431,16 @@ fn main() -> ExitCode {
         .with_target(false)
         .init();
     let cli = Cli::parse();
+    if let Command::Verify(a) = cli.cmd {
+        // Its own exit codes: 0 pass, 1 a check failed, 2 error, 3 could not check.
+        return match run_verify(a) {
+            Ok(code) => ExitCode::from(code),
+            Err(e) => {
+                eprintln!("roce-trace: error: {e:#}");
+                ExitCode::from(2)
+            }
+        };
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -390,6 +460,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Agent(a) => rt.block_on(run_agent(a)),
         Command::Collect(a) => rt.block_on(run_collect(a)),
         Command::Trace(a) => run_trace(a),
+        Command::Verify(_) => unreachable!("handled in main"),
         Command::Capture(a) => {
             let opts = CaptureOptions {
                 ifaces: a.interfaces,
@@ -646,20 +717,99 @@ async fn run_collect(a: CollectArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// GET a JSON document from the collector's API.
-fn http_get_json(addr: std::net::SocketAddr, path: &str) -> anyhow::Result<serde_json::Value> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(3))
-        .with_context(|| format!("connecting to {addr}"))?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut out = String::new();
-    s.read_to_string(&mut out)?;
-    let (head, body) = out.split_once("\r\n\r\n").context("malformed HTTP answer")?;
-    anyhow::ensure!(head.starts_with("HTTP/1.1 200"), "{addr}{path}: {}", body.trim());
-    Ok(serde_json::from_str(body)?)
+fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
+    use roce_trace::verify::{self, Source, baseline::Baseline, drill, output, policy::Policy};
+    let policy = Policy::load(&a.policy)?;
+    let source = if let Some(r) = a.report.clone() {
+        anyhow::ensure!(!a.drill, "--drill needs a live window: --collector-http or -i");
+        Source::Report(r)
+    } else if let Some(http) = a.collector_http {
+        Source::Collector {
+            http,
+            window: a.window,
+        }
+    } else {
+        anyhow::ensure!(a.sample_rate > 0, "--sample-rate must be at least 1");
+        Source::Local {
+            agent: Box::new(roce_trace::agent::AgentOptions {
+                collector: String::new(),
+                ifaces: a.interfaces.clone(),
+                ingress: true,
+                egress: true,
+                xdp_mode: XdpModeChoice::Auto,
+                node: hostname(),
+                token: String::new(),
+                datapath: DatapathOptions {
+                    udp_port: a.port,
+                    sample_rate: a.sample_rate,
+                    seed: 0,
+                    expected_dscp: Vec::new(),
+                    max_flows: DEFAULT_MAX_FLOWS,
+                },
+                interval: Duration::from_millis(500),
+                queue: 1_000_000,
+                clock_synced: true,
+                metrics: None,
+            }),
+            window: a.window,
+        }
+    };
+    let baseline = a.baseline.as_deref().map(Baseline::load).transpose()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting runtime")?;
+    let min_packets = policy.stability.as_ref().map_or(100, |s| s.min_packets);
+    let (checks, flows) = if a.drill {
+        let opts = drill::DrillOptions {
+            down: a.down.clone(),
+            up: a.up.clone(),
+            hold: a.hold,
+        };
+        let snaps = rt.block_on(async {
+            match &source {
+                Source::Collector { http, .. } => drill::run(*http, &opts).await,
+                Source::Local { agent, .. } => {
+                    Ok(
+                        verify::with_local(agent, |http| async move { drill::run(http, &opts).await })
+                            .await?
+                            .0,
+                    )
+                }
+                Source::Report(_) => unreachable!("refused above"),
+            }
+        })?;
+        let via = policy.ecmp.as_ref().map(|e| e.via.clone()).unwrap_or_default();
+        let d = drill::measure(&snaps.reports, snaps.down_at_ns, snaps.up_at_ns, &via);
+        (drill::judge(&policy, &d), snaps.reports[1].flows.len())
+    } else {
+        let report = rt.block_on(verify::window_report(&source))?;
+        let mut checks = verify::checks::judge(&policy, &report, a.load);
+        let now = Baseline::of(&report, min_packets);
+        if let Some(b) = &baseline {
+            let growth = policy.baseline.as_ref().map_or(0.1, |b| b.max_spread_growth.0);
+            checks.push(b.compare(&now, growth));
+        }
+        if let Some(p) = &a.save_baseline {
+            now.save(p)?;
+            tracing::info!("baseline written to {}", p.display());
+        }
+        (checks, report.flows.len())
+    };
+    let v = output::Verdict::new(source.describe(), a.load, flows, checks);
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_vec_pretty(&v)?)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    if let Some(p) = &a.junit {
+        std::fs::write(p, output::junit(&v)).with_context(|| format!("writing {}", p.display()))?;
+    }
+    if a.json_stdout {
+        println!("{}", serde_json::to_string(&v)?);
+    } else {
+        print!("{}", output::table(&v));
+    }
+    Ok(v.exit_code())
 }
 
 fn run_trace(a: TraceArgs) -> anyhow::Result<()> {
@@ -690,7 +840,7 @@ fn run_trace(a: TraceArgs) -> anyhow::Result<()> {
         }
         (Some(id), Some(http)) => {
             let enc = roce_trace::http::percent_encode(id);
-            let f = http_get_json(http, &format!("/flow?id={enc}"))?;
+            let f: serde_json::Value = roce_trace::http::get_json(http, &format!("/flow?id={enc}"))?;
             let ip = |k: &str| -> anyhow::Result<std::net::IpAddr> {
                 Ok(f[k].as_str().context("flow without addresses")?.parse()?)
             };

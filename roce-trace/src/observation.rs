@@ -118,7 +118,7 @@ impl Observation {
 }
 
 /// Change of one flow's exact counters at one point over an interval.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct CounterDelta {
     #[serde(skip)]
     pub point: u16,

@@ -52,7 +52,7 @@ pub enum Frame {
 }
 
 /// What in-band probes found along one flow, as carried back to the collector.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ProbeResult {
     #[serde(skip)]
     pub id: u32,
@@ -64,7 +64,7 @@ pub struct ProbeResult {
     pub hops: Vec<ProbeHop>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ProbeHop {
     pub ttl: u8,
     pub addr: Option<std::net::IpAddr>,

@@ -1,0 +1,689 @@
+//! The judge: each policy rule applied to every flow (one QP direction) of a collector
+//! report, with the flows, QPs, points and hops that break it as evidence.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::IpAddr,
+};
+
+use serde::{Deserialize, Serialize};
+
+use super::policy::{HopRule, Policy};
+use crate::{collector::CollectorReport, correlate::FlowReport, observation::CounterDelta};
+
+/// What the traffic in the window was meant to be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Load {
+    /// No congestion: CE marks are a fault.
+    Idle,
+    /// Deliberate congestion (incast, a bottleneck): CE marks are expected.
+    Congested,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    Pass,
+    /// The condition the check judges did not arise (no CE marks, so no CNPs to judge).
+    Skip,
+    /// Could not check: the traffic the check needs was not seen.
+    NoData,
+    Fail,
+}
+
+impl Status {
+    pub fn name(self) -> &'static str {
+        match self {
+            Status::Pass => "PASS",
+            Status::Skip => "SKIP",
+            Status::NoData => "NO DATA",
+            Status::Fail => "FAIL",
+        }
+    }
+}
+
+/// One piece of evidence: a flow (or a node), where, and what.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Evidence {
+    /// Flow id (`src:sport>dst/qp`), or empty for fabric-wide evidence.
+    pub flow: String,
+    /// Observation points or hops involved.
+    pub at: Vec<String>,
+    pub detail: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CheckResult {
+    pub check: String,
+    /// The rule, in words.
+    pub rule: String,
+    pub status: Status,
+    /// Flows (or items) judged.
+    pub checked: usize,
+    pub summary: String,
+    pub evidence: Vec<Evidence>,
+}
+
+impl CheckResult {
+    fn new(check: impl Into<String>, rule: impl Into<String>) -> Self {
+        Self {
+            check: check.into(),
+            rule: rule.into(),
+            status: Status::Pass,
+            checked: 0,
+            summary: String::new(),
+            evidence: Vec::new(),
+        }
+    }
+
+    /// Pass/fail from the evidence, or `none` when nothing was judged.
+    fn done(mut self, none: Status, none_why: &str) -> Self {
+        if self.checked == 0 {
+            self.status = none;
+            self.summary = none_why.into();
+        } else if self.evidence.is_empty() {
+            self.status = Status::Pass;
+            if self.summary.is_empty() {
+                self.summary = format!("{} flow(s) checked", self.checked);
+            }
+        } else {
+            self.status = Status::Fail;
+            if self.summary.is_empty() {
+                let flows: std::collections::BTreeSet<&str> =
+                    self.evidence.iter().map(|e| e.flow.as_str()).collect();
+                self.summary = format!("{} of {} flow(s) break it", flows.len(), self.checked);
+            }
+        }
+        self
+    }
+
+    fn evidence(&mut self, flow: &FlowReport, at: Vec<String>, detail: String) {
+        self.evidence.push(Evidence {
+            flow: flow.id.clone(),
+            at,
+            detail,
+        });
+    }
+}
+
+/// What a flow carries, from its exact counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Requests (RDMA data).
+    Data,
+    /// ACKs and NAKs (and CNPs, when they share the flow key).
+    Ack,
+    /// CNPs only.
+    Cnp,
+}
+
+fn naks(c: &CounterDelta) -> u64 {
+    c.nak_psn_seq_err + c.nak_rnr + c.nak_other
+}
+
+/// The counters of the point that saw most of the flow.
+pub fn peak(f: &FlowReport) -> Option<&CounterDelta> {
+    f.counters.values().max_by_key(|c| c.packets)
+}
+
+pub fn role(f: &FlowReport) -> Option<Role> {
+    let c = peak(f)?;
+    if c.packets == 0 {
+        return None;
+    }
+    let answers = c.ack + naks(c) + c.cnp;
+    Some(if answers < c.packets {
+        Role::Data
+    } else if c.cnp == c.packets {
+        Role::Cnp
+    } else {
+        Role::Ack
+    })
+}
+
+/// Counters at the flow's first (sender-side) or last (receiver-side) point.
+fn counters_at(f: &FlowReport, first: bool) -> Option<&CounterDelta> {
+    let p = if first { f.path.first() } else { f.path.last() };
+    p.and_then(|p| f.counters.get(p))
+        .filter(|c| c.packets > 0)
+        .or_else(|| peak(f))
+}
+
+fn ip(s: &str) -> Option<IpAddr> {
+    s.parse().ok()
+}
+
+fn node_of(point: &str) -> &str {
+    point.split(':').next().unwrap_or(point)
+}
+
+fn ppm(n: u64, of: u64) -> u64 {
+    (n.saturating_mul(1_000_000)).checked_div(of).unwrap_or(0)
+}
+
+fn pct(x: f64) -> String {
+    format!("{:.2}%", x * 100.0)
+}
+
+/// Every rule of `policy` that applies to one window's report.
+pub fn judge(policy: &Policy, report: &CollectorReport, load: Load) -> Vec<CheckResult> {
+    let flows = &report.flows;
+    let data: Vec<&FlowReport> = flows.iter().filter(|f| role(f) == Some(Role::Data)).collect();
+    let mut out = Vec::new();
+    if let Some(c) = &policy.class {
+        if c.data_dscp.is_some() || c.data_pcp.is_some() {
+            out.push(data_class(
+                &data,
+                c.data_dscp.map(|d| d.0),
+                c.data_pcp.map(|p| p.0),
+            ));
+        }
+        if let Some(d) = c.cnp_dscp {
+            out.push(cnp_class(flows, d.0));
+        }
+        if c.no_change {
+            out.push(no_class_change(flows));
+        }
+    }
+    if let Some(e) = &policy.ecn {
+        if e.data_ect {
+            out.push(data_ect(&data));
+        }
+        match (load, e.ce_max_idle, e.ce_min_congested) {
+            (Load::Idle, Some(max), _) => out.push(ce_idle(&data, max.0)),
+            (Load::Congested, _, Some(min)) => out.push(ce_congested(&data, min.0)),
+            _ => {}
+        }
+        if e.cnp_answers_ce {
+            out.push(cnp_answers(&data, e.min_cnps_per_ce.map(|m| m.0).unwrap_or(0.0)));
+        }
+    }
+    for r in &policy.hops {
+        out.push(hops(flows, r));
+    }
+    if let Some(e) = &policy.ecmp {
+        out.push(ecmp(&data, &e.via, e.max_share.0, e.min_flows as usize));
+    }
+    if let Some(r) = &policy.reliability {
+        if let Some(max) = r.max_nak_ppm {
+            out.push(nak_rate(flows, max));
+        }
+        if let Some(max) = r.max_psn_gap_ppm {
+            out.push(psn_gaps(&data, max));
+        }
+        if let Some(max) = r.max_loss_ppm {
+            out.push(loss(flows, max));
+        }
+    }
+    if let Some(m) = &policy.mtu {
+        out.push(mtu(&data, m.roce_mtu.0));
+    }
+    if let Some(s) = &policy.stability {
+        out.push(stability(&data, s.max_throughput_spread.0, s.min_packets).0);
+    }
+    out
+}
+
+fn data_class(data: &[&FlowReport], dscp: Option<u8>, pcp: Option<u8>) -> CheckResult {
+    let mut words = Vec::new();
+    if let Some(d) = dscp {
+        words.push(format!("DSCP {d}"));
+    }
+    if let Some(p) = pcp {
+        words.push(format!("PCP {p}"));
+    }
+    let mut r = CheckResult::new(
+        "data_class",
+        format!("RDMA data in {} at every point", words.join(", ")),
+    );
+    for f in data {
+        r.checked += 1;
+        for c in &f.class {
+            if let Some(want) = dscp
+                && c.dscp != want
+            {
+                r.evidence(
+                    f,
+                    vec![c.point.clone()],
+                    format!("DSCP {} (expected {want})", c.dscp),
+                );
+            }
+            if let (Some(want), Some(got)) = (pcp, c.pcp)
+                && got != want
+            {
+                r.evidence(f, vec![c.point.clone()], format!("PCP {got} (expected {want})"));
+            }
+        }
+        // Counters are exact: a point whose last packet left in another class, where no
+        // sample showed it.
+        for (point, c) in &f.counters {
+            if let Some(want) = dscp
+                && c.packets > 0
+                && c.last_dscp != want
+                && !f.class.iter().any(|x| &x.point == point)
+            {
+                r.evidence(
+                    f,
+                    vec![point.clone()],
+                    format!("DSCP {} (expected {want}), by counters", c.last_dscp),
+                );
+            }
+        }
+    }
+    r.done(Status::NoData, "no RDMA data flow seen")
+}
+
+fn cnp_class(flows: &[FlowReport], want: u8) -> CheckResult {
+    let mut r = CheckResult::new("cnp_class", format!("CNPs in DSCP {want} at every point"));
+    for f in flows.iter().filter(|f| !f.cnp_class.is_empty()) {
+        r.checked += 1;
+        for c in &f.cnp_class {
+            if c.dscp != want {
+                r.evidence(
+                    f,
+                    vec![c.point.clone()],
+                    format!("CNP in DSCP {} (expected {want})", c.dscp),
+                );
+            }
+        }
+    }
+    r.done(Status::Skip, "no CNPs in the window (nothing was CE-marked)")
+}
+
+fn no_class_change(flows: &[FlowReport]) -> CheckResult {
+    let mut r = CheckResult::new(
+        "no_class_change",
+        "no DSCP change along any path, either direction",
+    );
+    for f in flows.iter().filter(|f| f.path.len() >= 2) {
+        r.checked += 1;
+        for c in &f.class_changes {
+            r.evidence(
+                f,
+                c.between.to_vec(),
+                format!(
+                    "DSCP {} -> {} ({} sampled packets)",
+                    c.from_dscp, c.to_dscp, c.span.packets
+                ),
+            );
+        }
+    }
+    r.done(Status::NoData, "no flow seen at two or more points")
+}
+
+fn data_ect(data: &[&FlowReport]) -> CheckResult {
+    let mut r = CheckResult::new("data_ect", "RDMA data leaves the sender ECN-capable");
+    for f in data {
+        let Some(c) = counters_at(f, true) else { continue };
+        r.checked += 1;
+        if c.ecn[0] > 0 {
+            let at = f.path.first().cloned().unwrap_or_default();
+            r.evidence(
+                f,
+                vec![at],
+                format!("{} of {} packets Not-ECT", c.ecn[0], c.packets),
+            );
+        }
+    }
+    r.done(Status::NoData, "no RDMA data flow seen")
+}
+
+fn ce_fraction(f: &FlowReport) -> Option<(u64, u64, String)> {
+    let c = counters_at(f, false)?;
+    Some((c.ecn[3], c.packets, f.path.last().cloned().unwrap_or_default()))
+}
+
+fn ce_idle(data: &[&FlowReport], max: f64) -> CheckResult {
+    let mut r = CheckResult::new(
+        "ce_fraction",
+        format!("at most {} of a data flow CE-marked (idle fabric)", pct(max)),
+    );
+    for f in data {
+        let Some((ce, n, at)) = ce_fraction(f) else {
+            continue;
+        };
+        r.checked += 1;
+        if ce as f64 > max * n as f64 {
+            let mut at = vec![at];
+            at.extend(
+                f.ce_onset
+                    .iter()
+                    .map(|o| format!("marked after {}", o.after.as_deref().unwrap_or("?"))),
+            );
+            r.evidence(
+                f,
+                at,
+                format!("{ce} of {n} packets CE ({})", pct(ce as f64 / n as f64)),
+            );
+        }
+    }
+    r.done(Status::NoData, "no RDMA data flow seen")
+}
+
+fn ce_congested(data: &[&FlowReport], min: f64) -> CheckResult {
+    let mut r = CheckResult::new(
+        "ce_fraction",
+        format!("at least {} of the data CE-marked under congestion", pct(min)),
+    );
+    let (mut ce, mut n) = (0, 0);
+    for f in data {
+        let Some((c, p, _)) = ce_fraction(f) else { continue };
+        r.checked += 1;
+        ce += c;
+        n += p;
+    }
+    if n > 0 && (ce as f64) < min * n as f64 {
+        r.summary = format!(
+            "{ce} of {n} data packets CE ({}): congestion without ECN marking",
+            pct(ce as f64 / n as f64)
+        );
+        for f in data {
+            if let Some((c, p, at)) = ce_fraction(f) {
+                r.evidence(f, vec![at], format!("{c} of {p} packets CE"));
+            }
+        }
+    } else if n > 0 {
+        r.summary = format!("{ce} of {n} data packets CE ({})", pct(ce as f64 / n as f64));
+    }
+    r.done(Status::NoData, "no RDMA data flow seen")
+}
+
+fn cnp_answers(data: &[&FlowReport], min_per_ce: f64) -> CheckResult {
+    let mut r = CheckResult::new("cnp_answers_ce", "CE-marked data flows get CNPs back");
+    for f in data.iter().filter(|f| f.answered_by.ce_marks > 0) {
+        r.checked += 1;
+        let a = &f.answered_by;
+        let per = a.cnps as f64 / a.ce_marks as f64;
+        if a.cnps == 0 || per < min_per_ce {
+            let at = f.path.last().cloned().into_iter().collect();
+            r.evidence(
+                f,
+                at,
+                format!(
+                    "{} CE marks, {} CNPs ({per:.3} per mark, at least {min_per_ce} expected)",
+                    a.ce_marks, a.cnps
+                ),
+            );
+        }
+    }
+    r.done(Status::Skip, "no data flow was CE-marked")
+}
+
+/// Routed hops of a flow: from probes that reached the destination, else the TTL
+/// decrements between its first and last observation points.
+fn hop_count(f: &FlowReport) -> Option<(u8, &'static str)> {
+    if let Some(p) = &f.probe
+        && p.reached
+        && let Some(last) = p.hops.last()
+    {
+        return Some((last.ttl.saturating_sub(1), "probes"));
+    }
+    (f.path.len() >= 2).then(|| (f.hops.iter().sum(), "TTL"))
+}
+
+fn hops(flows: &[FlowReport], rule: &HopRule) -> CheckResult {
+    let mut r = CheckResult::new(
+        format!("hops {} <-> {}", rule.from, rule.to),
+        format!(
+            "{} routed hop(s) between {} and {}, both directions",
+            rule.count, rule.from, rule.to
+        ),
+    );
+    for f in flows {
+        let (Some(s), Some(d)) = (ip(&f.src_ip), ip(&f.dst_ip)) else {
+            continue;
+        };
+        let between =
+            (rule.from.contains(s) && rule.to.contains(d)) || (rule.to.contains(s) && rule.from.contains(d));
+        let Some((n, how)) = hop_count(f).filter(|_| between) else {
+            continue;
+        };
+        r.checked += 1;
+        if n != rule.count {
+            r.evidence(
+                f,
+                f.path.clone(),
+                format!("{n} hop(s) by {how} (expected {})", rule.count),
+            );
+        }
+    }
+    r.done(Status::NoData, "no flow between these groups seen at two points")
+}
+
+/// Which of `via` a flow crosses: a point of its path on that node, or a probe hop.
+fn via_of<'a>(f: &FlowReport, via: &'a [String]) -> Option<&'a String> {
+    via.iter().find(|v| {
+        f.path.iter().any(|p| node_of(p) == v.as_str())
+            || f.probe.as_ref().is_some_and(|p| {
+                p.hops
+                    .iter()
+                    .any(|h| h.addr.is_some_and(|a| a.to_string() == **v))
+            })
+    })
+}
+
+pub fn ecmp_shares(data: &[&FlowReport], via: &[String]) -> BTreeMap<String, usize> {
+    let mut n: BTreeMap<String, usize> = via.iter().map(|v| (v.clone(), 0)).collect();
+    for f in data {
+        if let Some(v) = via_of(f, via) {
+            *n.get_mut(v).expect("listed") += 1;
+        }
+    }
+    n
+}
+
+fn ecmp(data: &[&FlowReport], via: &[String], max_share: f64, min_flows: usize) -> CheckResult {
+    let mut r = CheckResult::new(
+        "ecmp_spread",
+        format!(
+            "no one of {} carries more than {} of the data flows",
+            via.join(", "),
+            pct(max_share)
+        ),
+    );
+    let n = ecmp_shares(data, via);
+    let total: usize = n.values().sum();
+    let shares = n
+        .iter()
+        .map(|(v, k)| format!("{v} {k}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if total < min_flows.max(1) {
+        r.status = Status::NoData;
+        r.summary = format!(
+            "{total} data flow(s) seen through {} (at least {min_flows} needed)",
+            via.join("/")
+        );
+        return r;
+    }
+    r.checked = total;
+    r.summary = format!("{shares} of {total} flows");
+    for (v, k) in &n {
+        if *k as f64 > max_share * total as f64 {
+            r.evidence.push(Evidence {
+                flow: String::new(),
+                at: vec![v.clone()],
+                detail: format!("{k} of {total} data flows ({})", pct(*k as f64 / total as f64)),
+            });
+        }
+    }
+    if !r.evidence.is_empty() {
+        r.summary = format!("imbalanced: {shares} of {total} flows");
+    }
+    r.done(Status::NoData, "")
+}
+
+fn nak_rate(flows: &[FlowReport], max: u64) -> CheckResult {
+    let mut r = CheckResult::new(
+        "naks",
+        format!("at most {max} NAKs per million data packets, per direction"),
+    );
+    // NAKs travel back: charge them to the data sent the other way between the same hosts.
+    let mut sent: HashMap<(&str, &str), u64> = HashMap::new();
+    for f in flows.iter().filter(|f| role(f) == Some(Role::Data)) {
+        *sent.entry((&f.src_ip, &f.dst_ip)).or_default() += counters_at(f, true).map_or(0, |c| c.packets);
+    }
+    for f in flows
+        .iter()
+        .filter(|f| matches!(role(f), Some(Role::Ack | Role::Cnp)))
+    {
+        let Some(c) = peak(f) else { continue };
+        let data = sent
+            .get(&(f.dst_ip.as_str(), f.src_ip.as_str()))
+            .copied()
+            .unwrap_or(0);
+        r.checked += 1;
+        let n = naks(c);
+        if n > 0 && ppm(n, data) > max {
+            r.evidence(
+                f,
+                vec![format!("{} -> {}", f.dst_ip, f.src_ip)],
+                format!("{n} NAKs for {data} data packets ({} ppm)", ppm(n, data)),
+            );
+        }
+    }
+    r.done(Status::NoData, "no ACK/NAK flow seen")
+}
+
+fn psn_gaps(data: &[&FlowReport], max: u64) -> CheckResult {
+    let mut r = CheckResult::new("psn_gaps", format!("at most {max} PSN gaps per million packets"));
+    for f in data {
+        let Some((point, c)) = f.counters.iter().max_by_key(|(_, c)| c.psn_gaps) else {
+            continue;
+        };
+        r.checked += 1;
+        let n = peak(f).map_or(0, |p| p.packets);
+        if c.psn_gaps > 0 && ppm(c.psn_gaps, n) > max {
+            r.evidence(
+                f,
+                vec![point.clone()],
+                format!(
+                    "{} PSN gaps in {n} packets ({} ppm)",
+                    c.psn_gaps,
+                    ppm(c.psn_gaps, n)
+                ),
+            );
+        }
+    }
+    r.done(Status::NoData, "no RDMA data flow seen")
+}
+
+fn loss(flows: &[FlowReport], max: u64) -> CheckResult {
+    let mut r = CheckResult::new(
+        "loss",
+        format!("at most {max} sampled packets per million lost in the fabric"),
+    );
+    for f in flows.iter().filter(|f| f.trajectories > 0 && f.path.len() >= 2) {
+        r.checked += 1;
+        let lost: u64 = f.lost.iter().map(|l| l.span.packets).sum();
+        if lost > 0 && ppm(lost, f.trajectories + lost) > max {
+            for l in &f.lost {
+                r.evidence(
+                    f,
+                    l.between.to_vec(),
+                    format!(
+                        "{} of {} sampled packets lost here",
+                        l.span.packets, f.trajectories
+                    ),
+                );
+            }
+        }
+    }
+    r.done(Status::NoData, "no flow seen at two or more points")
+}
+
+/// Ethernet + VLAN + IPv6 + UDP + BTH + RETH + ICRC: what a RoCE MTU of payload may
+/// bring along, at most.
+pub const MAX_ROCE_OVERHEAD: u16 = 14 + 4 + 40 + 8 + 12 + 16 + 4;
+
+fn mtu(data: &[&FlowReport], roce_mtu: u16) -> CheckResult {
+    let mut r = CheckResult::new(
+        "path_mtu",
+        format!("data frames fit a RoCE MTU of {roce_mtu} and the largest cross every point"),
+    );
+    for f in data {
+        let sizes: Vec<(&String, u16)> = f
+            .path
+            .iter()
+            .filter_map(|p| f.max_frame.get(p).map(|m| (p, *m)))
+            .collect();
+        let Some(&(first, sent)) = sizes.first() else {
+            continue;
+        };
+        r.checked += 1;
+        if sent > roce_mtu + MAX_ROCE_OVERHEAD {
+            r.evidence(
+                f,
+                vec![first.clone()],
+                format!("{sent}-byte frames exceed a RoCE MTU of {roce_mtu}"),
+            );
+        }
+        // A VLAN tag added or removed on the way changes a frame by 4 bytes.
+        if let Some(w) = sizes.windows(2).find(|w| w[1].1 + 8 < sent && w[0].1 + 8 >= sent) {
+            r.evidence(
+                f,
+                vec![w[0].0.clone(), w[1].0.clone()],
+                format!(
+                    "{sent}-byte frames sent, none larger than {} bytes got past here",
+                    w[1].1
+                ),
+            );
+        }
+    }
+    r.done(Status::NoData, "no RDMA data flow seen")
+}
+
+/// Per host pair, the spread of bytes over its data flows: (result, worst spread).
+pub fn stability(data: &[&FlowReport], max: f64, min_packets: u64) -> (CheckResult, Option<f64>) {
+    let mut r = CheckResult::new(
+        "throughput_spread",
+        format!(
+            "the data flows of one host pair within {} of their mean",
+            pct(max)
+        ),
+    );
+    let mut groups: BTreeMap<(&str, &str), Vec<(&FlowReport, u64)>> = BTreeMap::new();
+    for f in data {
+        if let Some(c) = counters_at(f, false).filter(|c| c.packets >= min_packets) {
+            groups
+                .entry((&f.src_ip, &f.dst_ip))
+                .or_default()
+                .push((f, c.bytes));
+        }
+    }
+    let mut worst: Option<f64> = None;
+    for ((s, d), g) in groups.iter().filter(|(_, g)| g.len() >= 2) {
+        r.checked += g.len();
+        let mean = g.iter().map(|x| x.1 as f64).sum::<f64>() / g.len() as f64;
+        let lo = g.iter().min_by_key(|x| x.1).expect("non-empty");
+        let hi = g.iter().max_by_key(|x| x.1).expect("non-empty");
+        let spread = if mean > 0.0 {
+            (hi.1 - lo.1) as f64 / mean
+        } else {
+            0.0
+        };
+        worst = Some(worst.map_or(spread, |w: f64| w.max(spread)));
+        if spread > max {
+            let at = vec![format!("{s} -> {d}")];
+            r.evidence(
+                lo.0,
+                at.clone(),
+                format!(
+                    "{} bytes, the least of {} flows (spread {})",
+                    lo.1,
+                    g.len(),
+                    pct(spread)
+                ),
+            );
+            r.evidence(hi.0, at, format!("{} bytes, the most", hi.1));
+        }
+    }
+    if let (Some(w), true) = (worst, r.evidence.is_empty()) {
+        r.summary = format!("{} flow(s) checked, worst spread {}", r.checked, pct(w));
+    }
+    (
+        r.done(Status::NoData, "no host pair with two or more data flows"),
+        worst,
+    )
+}

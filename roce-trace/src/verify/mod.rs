@@ -1,0 +1,178 @@
+//! `roce-trace verify`: the fabric's regression tests. The last stage — it judges what
+//! the collector correlated (a saved report, a live collector, or an in-process
+//! collector fed by this host's own datapath) against a policy, and reports pass/fail
+//! with evidence; baselines say what changed, drills measure a failure.
+
+pub mod baseline;
+pub mod checks;
+pub mod drill;
+pub mod output;
+pub mod policy;
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use anyhow::Context as _;
+
+use crate::{
+    agent::AgentOptions,
+    collector::{self, CollectorOptions, CollectorReport},
+    correlate::JoinConfig,
+};
+
+/// Where a window's observations come from.
+#[derive(Clone, Debug)]
+pub enum Source {
+    /// A report the collector wrote (`collect --report`), `-` for stdin.
+    Report(PathBuf),
+    /// A running collector's HTTP API: its report after `window`.
+    Collector { http: SocketAddr, window: Duration },
+    /// This host's own interfaces, through an in-process agent and collector.
+    Local {
+        agent: Box<AgentOptions>,
+        window: Duration,
+    },
+}
+
+impl Source {
+    pub fn describe(&self) -> String {
+        match self {
+            Source::Report(p) => format!("report {}", p.display()),
+            Source::Collector { http, window } => {
+                format!(
+                    "collector http://{http} over {}",
+                    humantime::format_duration(*window)
+                )
+            }
+            Source::Local { agent, window } => format!(
+                "local capture on {} over {}",
+                agent.ifaces.join(","),
+                humantime::format_duration(*window)
+            ),
+        }
+    }
+}
+
+pub fn read_report(path: &std::path::Path) -> anyhow::Result<CollectorReport> {
+    let text = if path.as_os_str() == "-" {
+        std::io::read_to_string(std::io::stdin()).context("reading the report from stdin")?
+    } else {
+        std::fs::read_to_string(path).with_context(|| format!("reading the report {}", path.display()))?
+    };
+    let r: CollectorReport = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a roce-trace collector report", path.display()))?;
+    anyhow::ensure!(
+        r.kind == "collector_report",
+        "{} is not a collector report (type `{}`)",
+        path.display(),
+        r.kind
+    );
+    Ok(r)
+}
+
+/// The collector's current report, over its HTTP API.
+pub async fn fetch_report(http: SocketAddr) -> anyhow::Result<CollectorReport> {
+    tokio::task::spawn_blocking(move || crate::http::get_json::<CollectorReport>(http, "/report"))
+        .await
+        .context("fetching the report")?
+}
+
+/// An in-process collector on loopback, fed by an in-process agent on this host's
+/// interfaces; `body` runs while they do, with the collector's HTTP address.
+pub async fn with_local<T, F, Fut>(agent: &AgentOptions, body: F) -> anyhow::Result<(T, CollectorReport)>
+where
+    F: FnOnce(SocketAddr) -> Fut,
+    Fut: Future<Output = anyhow::Result<T>>,
+{
+    let token = format!("verify-{}", std::process::id());
+    let (ctx, crx) = tokio::sync::oneshot::channel();
+    let (stop_c, stopped_c) = tokio::sync::oneshot::channel::<()>();
+    let copts = CollectorOptions {
+        listen: "127.0.0.1:0".parse().expect("address"),
+        http: Some("127.0.0.1:0".parse().expect("address")),
+        token: token.clone(),
+        report: None,
+        join: JoinConfig {
+            trajectory_timeout_ns: 1_000_000_000,
+            ..JoinConfig::default()
+        },
+        live: false,
+        trace: false,
+        interval: Duration::from_secs(3600),
+    };
+    let coll = tokio::spawn(collector::run(
+        copts,
+        async {
+            let _ = stopped_c.await;
+        },
+        move |listen, http| {
+            let _ = ctx.send((listen, http.expect("http requested")));
+        },
+    ));
+    let (listen, http) = match crx.await {
+        Ok(a) => a,
+        Err(_) => {
+            return Err(coll
+                .await
+                .context("collector task")?
+                .err()
+                .unwrap_or_else(|| anyhow::anyhow!("collector stopped")));
+        }
+    };
+    let mut aopts = agent.clone();
+    aopts.collector = listen.to_string();
+    aopts.token = token;
+    let (atx, arx) = tokio::sync::oneshot::channel();
+    let (stop_a, stopped_a) = tokio::sync::oneshot::channel::<()>();
+    let interval = aopts.interval;
+    let ag = tokio::spawn(crate::agent::run(
+        aopts,
+        async {
+            let _ = stopped_a.await;
+        },
+        move |_, _| {
+            let _ = atx.send(());
+        },
+    ));
+    if arx.await.is_err() {
+        let _ = stop_c.send(());
+        return Err(ag
+            .await
+            .context("agent task")?
+            .err()
+            .unwrap_or_else(|| anyhow::anyhow!("agent stopped")));
+    }
+    let out = body(http).await;
+    // The last counter deltas, then the agent's last samples, then the join's flush.
+    tokio::time::sleep(interval + Duration::from_millis(300)).await;
+    let _ = stop_a.send(());
+    ag.await.context("agent task")??;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _ = stop_c.send(());
+    let report = coll.await.context("collector task")??;
+    Ok((out?, report))
+}
+
+/// One window's report from `source`.
+pub async fn window_report(source: &Source) -> anyhow::Result<CollectorReport> {
+    match source {
+        Source::Report(p) => read_report(p),
+        Source::Collector { http, window } => {
+            // Fail early on a wrong address rather than after the window.
+            fetch_report(*http).await?;
+            tokio::time::sleep(*window).await;
+            fetch_report(*http).await
+        }
+        Source::Local { agent, window } => {
+            let w = *window;
+            Ok(with_local(agent, |_| async move {
+                tokio::time::sleep(w).await;
+                Ok(())
+            })
+            .await?
+            .1)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

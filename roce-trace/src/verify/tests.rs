@@ -1,0 +1,459 @@
+//! The judge on hand-made windows of the lab's shape: a healthy fabric passes every rule,
+//! and each fault fails exactly the rules it breaks.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{
+    baseline::Baseline,
+    checks::{Load, Status, judge},
+    drill,
+    output::{Verdict, junit, table},
+    policy::Policy,
+};
+use crate::{
+    collector::CollectorReport,
+    correlate::{Answers, ClassAt, ClassChange, FlowReport, JoinStats, Lost, PathAt, Span},
+    observation::CounterDelta,
+};
+
+const POLICY: &str = include_str!("../../../dist/fabric-policy.toml");
+
+fn h(n: u8) -> String {
+    format!("10.10.{n}.2")
+}
+
+/// Points from host `a` to host `b` through `spine` (None: same leaf).
+fn points(a: u8, b: u8, spine: Option<u8>) -> Vec<String> {
+    let la = if a <= 2 { 1 } else { 2 };
+    let lb = if b <= 2 { 1 } else { 2 };
+    let mut v = vec![format!("h{a}:eth0:egress"), format!("l{la}:h{a}:ingress")];
+    if let Some(s) = spine {
+        v.push(format!("s{s}:l{la}:ingress"));
+        v.push(format!("l{lb}:s{s}:ingress"));
+    }
+    v.push(format!("h{b}:eth0:ingress"));
+    v
+}
+
+fn counters(packets: u64, ecn: [u64; 4]) -> CounterDelta {
+    CounterDelta {
+        packets,
+        bytes: packets * 1100,
+        ecn,
+        last_dscp: 26,
+        last_ttl: 64,
+        ..Default::default()
+    }
+}
+
+fn flow(a: u8, b: u8, sport: u16, spine: Option<u8>) -> FlowReport {
+    let path = points(a, b, spine);
+    let mut hops = vec![0];
+    hops.extend(std::iter::repeat_n(1, path.len() - 2));
+    FlowReport {
+        id: format!("{}:{sport}>{}/{:#x}", h(a), h(b), 0x100 + sport as u32),
+        src_ip: h(a),
+        dst_ip: h(b),
+        udp_sport: sport,
+        dest_qp: 0x100 + sport as u32,
+        hops,
+        class: path
+            .iter()
+            .map(|p| ClassAt {
+                point: p.clone(),
+                dscp: 26,
+                ecn: 2,
+                pcp: None,
+            })
+            .collect(),
+        cnp_class: Vec::new(),
+        max_frame: path.iter().map(|p| (p.clone(), 1100)).collect(),
+        class_changes: Vec::new(),
+        ce_onset: Vec::new(),
+        lost: Vec::new(),
+        delays: Vec::new(),
+        path_history: vec![PathAt {
+            since_ns: 1_000,
+            path: path.clone(),
+        }],
+        counters: path
+            .iter()
+            .map(|p| (p.clone(), counters(1000, [0, 0, 1000, 0])))
+            .collect(),
+        trajectories: 250,
+        answered_by: Answers {
+            flows: Vec::new(),
+            cnps: 0,
+            ce_marks: 0,
+            cnps_per_ce_mark: None,
+            ce_to_cnp: None,
+        },
+        probe: None,
+        path,
+    }
+}
+
+/// ACKs back from `b` to `a`.
+fn acks(a: u8, b: u8, sport: u16, spine: Option<u8>) -> FlowReport {
+    let mut f = flow(b, a, sport, spine);
+    for c in f.counters.values_mut() {
+        c.packets = 100;
+        c.ack = 100;
+    }
+    f
+}
+
+fn report(flows: Vec<FlowReport>) -> CollectorReport {
+    CollectorReport {
+        kind: "collector_report".into(),
+        stats: JoinStats::default(),
+        refused_connections: 0,
+        agents: Vec::new(),
+        points: Vec::new(),
+        flows,
+        anomalies: Vec::new(),
+    }
+}
+
+/// 8 QPs h1→h3 split over both spines, 2 QPs h1→h2, and their ACKs.
+fn healthy() -> Vec<FlowReport> {
+    let mut v = Vec::new();
+    for i in 0..8u16 {
+        let spine = Some(1 + (i % 2) as u8);
+        v.push(flow(1, 3, 49152 + i, spine));
+        v.push(acks(1, 3, 49152 + i, spine));
+    }
+    for i in 0..2u16 {
+        v.push(flow(1, 2, 50000 + i, None));
+    }
+    v
+}
+
+fn failing(flows: Vec<FlowReport>, load: Load) -> BTreeSet<String> {
+    let p = Policy::parse(POLICY).unwrap();
+    judge(&p, &report(flows), load)
+        .into_iter()
+        .filter(|c| c.status == Status::Fail)
+        .map(|c| c.check)
+        .collect()
+}
+
+fn set(v: &[&str]) -> BTreeSet<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+fn via_s1(f: &FlowReport) -> bool {
+    f.path.iter().any(|p| p.starts_with("s1:"))
+}
+
+#[test]
+fn a_healthy_fabric_passes_every_rule() {
+    let p = Policy::parse(POLICY).unwrap();
+    let checks = judge(&p, &report(healthy()), Load::Idle);
+    let v = Verdict::new("test".into(), Load::Idle, 18, checks);
+    assert_eq!(v.exit_code(), 0, "{}", table(&v));
+    // Every rule of the example policy ran; CNP rules had nothing to judge.
+    let names: Vec<&str> = v.checks.iter().map(|c| c.check.as_str()).collect();
+    assert_eq!(names.len(), 14, "{names:?}");
+    for c in &v.checks {
+        let want = if c.check.starts_with("cnp_") {
+            Status::Skip
+        } else {
+            Status::Pass
+        };
+        assert_eq!(c.status, want, "{}: {}", c.check, c.summary);
+    }
+}
+
+#[test]
+fn a_dscp_rewrite_at_a_spine_fails_the_class_rules_with_where() {
+    let mut v = healthy();
+    for f in v.iter_mut().filter(|f| via_s1(f) && f.src_ip == h(1)) {
+        for c in f.class.iter_mut().skip(3) {
+            c.dscp = 0;
+        }
+        f.class_changes.push(ClassChange {
+            between: [f.path[2].clone(), f.path[3].clone()],
+            from_dscp: 26,
+            to_dscp: 0,
+            span: Span {
+                first_ns: 1,
+                last_ns: 2,
+                packets: 200,
+            },
+        });
+    }
+    assert_eq!(
+        failing(v.clone(), Load::Idle),
+        set(&["data_class", "no_class_change"])
+    );
+    let p = Policy::parse(POLICY).unwrap();
+    let c = judge(&p, &report(v), Load::Idle);
+    let change = c.iter().find(|c| c.check == "no_class_change").unwrap();
+    assert_eq!(change.evidence.len(), 4, "the four flows through s1");
+    assert_eq!(change.evidence[0].at, vec!["s1:l1:ingress", "l2:s1:ingress"]);
+    assert!(change.evidence[0].detail.contains("26 -> 0"));
+}
+
+#[test]
+fn ce_marks_on_an_idle_fabric_fail_and_unanswered_ones_fail_twice() {
+    let mut v = healthy();
+    let f = &mut v[0];
+    f.counters.get_mut("h3:eth0:ingress").unwrap().ecn = [0, 0, 900, 100];
+    f.answered_by.ce_marks = 100;
+    assert_eq!(
+        failing(v.clone(), Load::Idle),
+        set(&["ce_fraction", "cnp_answers_ce"])
+    );
+    // Answered by CNPs in their class: only the idle CE budget is broken.
+    v[0].answered_by.cnps = 40;
+    let mut cnp = acks(1, 3, 60000, Some(1));
+    for c in cnp.counters.values_mut() {
+        c.ack = 0;
+        c.cnp = 100;
+    }
+    cnp.cnp_class = cnp
+        .path
+        .iter()
+        .map(|p| ClassAt {
+            point: p.clone(),
+            dscp: 48,
+            ecn: 0,
+            pcp: None,
+        })
+        .collect();
+    v.push(cnp.clone());
+    assert_eq!(failing(v.clone(), Load::Idle), set(&["ce_fraction"]));
+    // … and under deliberate congestion that is what is wanted.
+    assert_eq!(failing(v.clone(), Load::Congested), set(&[]));
+    // CNPs remarked on the way.
+    let last = v.len() - 1;
+    v[last].cnp_class[3].dscp = 0;
+    assert_eq!(failing(v, Load::Congested), set(&["cnp_class"]));
+}
+
+#[test]
+fn congestion_without_ecn_marking_fails() {
+    assert_eq!(failing(healthy(), Load::Congested), set(&["ce_fraction"]));
+}
+
+#[test]
+fn a_spine_down_or_l3_hashing_fails_the_ecmp_spread() {
+    let mut v = healthy();
+    for f in v.iter_mut().filter(|f| via_s1(f)) {
+        *f = if f.src_ip == h(1) {
+            flow(1, 3, f.udp_sport, Some(2))
+        } else {
+            acks(1, 3, f.udp_sport, Some(2))
+        };
+    }
+    let p = Policy::parse(POLICY).unwrap();
+    let c = judge(&p, &report(v.clone()), Load::Idle);
+    let e = c.iter().find(|c| c.check == "ecmp_spread").unwrap();
+    assert_eq!(e.status, Status::Fail);
+    assert_eq!(e.evidence[0].at, vec!["s2"]);
+    assert!(
+        e.evidence[0].detail.starts_with("8 of 8"),
+        "{}",
+        e.evidence[0].detail
+    );
+    assert_eq!(failing(v, Load::Idle), set(&["ecmp_spread"]));
+}
+
+#[test]
+fn a_small_link_mtu_fails_the_path_mtu_at_the_link() {
+    let mut v = healthy();
+    for f in v.iter_mut().filter(|f| via_s1(f) && f.src_ip == h(1)) {
+        let beyond = f.path[2..].to_owned();
+        for p in beyond {
+            f.max_frame.insert(p, 300);
+        }
+        let between = [f.path[1].clone(), f.path[2].clone()];
+        f.lost.push(Lost {
+            between,
+            span: Span {
+                first_ns: 1,
+                last_ns: 2,
+                packets: 100,
+            },
+        });
+        f.counters.get_mut("h3:eth0:ingress").unwrap().psn_gaps = 50;
+    }
+    // The big frames vanish at the small link; the losses and gaps are its doing too.
+    assert_eq!(
+        failing(v.clone(), Load::Idle),
+        set(&["path_mtu", "loss", "psn_gaps"])
+    );
+    let p = Policy::parse(POLICY).unwrap();
+    let c = judge(&p, &report(v), Load::Idle);
+    let m = c.iter().find(|c| c.check == "path_mtu").unwrap();
+    assert_eq!(m.evidence[0].at, vec!["l1:h1:ingress", "s1:l1:ingress"]);
+}
+
+#[test]
+fn frames_over_the_roce_mtu_fail() {
+    let mut v = healthy();
+    for m in v[0].max_frame.values_mut() {
+        *m = 2200;
+    }
+    assert_eq!(failing(v, Load::Idle), set(&["path_mtu"]));
+}
+
+#[test]
+fn naks_hops_ect_and_spread_fail_on_their_own() {
+    let mut v = healthy();
+    v[1].counters.values_mut().for_each(|c| c.nak_psn_seq_err = 10);
+    assert_eq!(failing(v, Load::Idle), set(&["naks"]));
+
+    let mut v = healthy();
+    v[0].hops = vec![0, 1, 2, 1];
+    assert_eq!(
+        failing(v, Load::Idle),
+        set(&["hops 10.10.1.0/24 <-> 10.10.3.0/24"])
+    );
+
+    let mut v = healthy();
+    v[0].counters.get_mut("h1:eth0:egress").unwrap().ecn = [1000, 0, 0, 0];
+    assert_eq!(failing(v, Load::Idle), set(&["data_ect"]));
+
+    let mut v = healthy();
+    v[0].counters.values_mut().for_each(|c| c.bytes /= 2);
+    assert_eq!(failing(v, Load::Idle), set(&["throughput_spread"]));
+}
+
+#[test]
+fn no_traffic_cannot_be_checked_and_says_so() {
+    let p = Policy::parse(POLICY).unwrap();
+    let v = Verdict::new(
+        "test".into(),
+        Load::Idle,
+        0,
+        judge(&p, &report(Vec::new()), Load::Idle),
+    );
+    assert_eq!(v.exit_code(), 3);
+    assert!(
+        v.checks
+            .iter()
+            .all(|c| matches!(c.status, Status::NoData | Status::Skip))
+    );
+    assert!(table(&v).contains("NO DATA"));
+}
+
+#[test]
+fn junit_has_one_case_per_check_and_escapes_evidence() {
+    let mut v = healthy();
+    v[0].counters.get_mut("h1:eth0:egress").unwrap().ecn = [1000, 0, 0, 0];
+    v[0].id = "<odd & \"id\">".into();
+    let p = Policy::parse(POLICY).unwrap();
+    let verdict = Verdict::new("a&b".into(), Load::Idle, 1, judge(&p, &report(v), Load::Idle));
+    let x = junit(&verdict);
+    assert_eq!(x.matches("<testcase ").count(), verdict.checks.len());
+    assert_eq!(x.matches("<failure ").count(), 1);
+    assert_eq!(x.matches("<skipped ").count(), 2);
+    assert!(x.contains("&lt;odd &amp; &quot;id&quot;&gt;"));
+    assert!(!x.contains("<odd"));
+}
+
+#[test]
+fn a_baseline_reports_moves_class_changes_and_vanished_paths() {
+    let base = Baseline::of(&report(healthy()), 100);
+    assert_eq!(base.compare(&base, 0.1).status, Status::Pass);
+    // Through a file and back.
+    let dir = std::env::temp_dir().join(format!("rt-baseline-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    base.save(&dir.join("b.json")).unwrap();
+    let base = Baseline::load(&dir.join("b.json")).unwrap();
+    std::fs::write(dir.join("x.json"), "{\"type\":\"verify\"}").unwrap();
+    assert!(Baseline::load(&dir.join("x.json")).is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let mut v = healthy();
+    v[0] = flow(1, 3, 49152, Some(2)); // was via s1
+    v[2].class[4].dscp = 10;
+    let now = Baseline::of(&report(v), 100);
+    let c = base.compare(&now, 0.1);
+    assert_eq!(c.status, Status::Fail);
+    let details: Vec<&str> = c.evidence.iter().map(|e| e.detail.as_str()).collect();
+    assert!(
+        details.iter().any(|d| d.starts_with("moved from h1 > l1 > s1")),
+        "{details:?}"
+    );
+    assert!(details.iter().any(|d| d.contains("DSCP 26 -> 10")), "{details:?}");
+    assert!(
+        !details.iter().any(|d| d.contains("no longer used")),
+        "s1 still carries flows"
+    );
+
+    // Spine 1 gone entirely: its path vanished.
+    let v: Vec<FlowReport> = healthy()
+        .into_iter()
+        .map(|f| {
+            if via_s1(&f) {
+                flow(1, 3, f.udp_sport, Some(2))
+            } else {
+                f
+            }
+        })
+        .collect();
+    let c = base.compare(&Baseline::of(&report(v), 100), 0.1);
+    assert!(
+        c.evidence
+            .iter()
+            .any(|e| e.detail.contains("h1 > l1 > s1 > l2 > h3 no longer used"))
+    );
+}
+
+#[test]
+fn a_drill_measures_loss_recovery_and_return() {
+    let before = report(healthy());
+    const DOWN: u64 = 10_000_000_000;
+    const UP: u64 = 20_000_000_000;
+    // During: the s1 flows lost 3 sampled packets each, moved to s2 40 ms after the failure.
+    let mut during = healthy();
+    for f in during.iter_mut().filter(|f| via_s1(f) && f.src_ip == h(1)) {
+        let moved = points(1, 3, Some(2));
+        f.lost.push(Lost {
+            between: [f.path[1].clone(), f.path[2].clone()],
+            span: Span {
+                first_ns: DOWN,
+                last_ns: DOWN + 1,
+                packets: 3,
+            },
+        });
+        f.path_history.push(PathAt {
+            since_ns: DOWN + 40_000_000,
+            path: moved.clone(),
+        });
+        f.path = moved;
+    }
+    let after = before.clone();
+    let via = vec!["s1".to_string(), "s2".to_string()];
+    let d = drill::measure(&[before.clone(), report(during.clone()), after], DOWN, UP, &via);
+    assert_eq!(d.affected.len(), 4);
+    assert_eq!(d.lost.values().sum::<u64>(), 12);
+    assert!(d.recovery_ms.values().all(|ms| (*ms - 40.0).abs() < 1e-6));
+    assert_eq!(
+        d.spread_during,
+        BTreeMap::from([("s1".to_string(), 0), ("s2".to_string(), 8)])
+    );
+    assert!(d.not_returned.is_empty());
+    let p = Policy::parse(POLICY).unwrap();
+    let c = drill::judge(&p, &d);
+    assert!(c.iter().all(|c| c.status == Status::Pass), "{c:?}");
+
+    // Flows that stay on the dead path, and flows that do not come back, fail.
+    let mut stuck = during.clone();
+    for f in stuck.iter_mut().filter(|f| f.path_history.len() > 1) {
+        f.path_history.pop();
+    }
+    let after_moved = report(during);
+    let d = drill::measure(&[before, report(stuck), after_moved], DOWN, UP, &via);
+    assert_eq!(d.not_recovered.len(), 4);
+    assert_eq!(d.not_returned.len(), 4);
+    let failed: Vec<String> = drill::judge(&p, &d)
+        .into_iter()
+        .filter(|c| c.status == Status::Fail)
+        .map(|c| c.check)
+        .collect();
+    assert_eq!(failed, vec!["drill_recovery", "drill_return"]);
+}
