@@ -77,6 +77,9 @@ pub enum Fault {
     Mtu { leaf: u8, spine: u8, mtu: u32 },
     /// One direction only is remarked: traffic entering `leaf` from its hosts.
     AsymClass { leaf: u8, from: u8, to: u8 },
+    /// ECMP imbalance: `leaf` hashes on addresses only (L3), so every flow of a host pair
+    /// takes the same spine whatever its UDP source port.
+    EcmpL3 { leaf: u8 },
 }
 
 impl Fault {
@@ -90,6 +93,7 @@ impl Fault {
             Fault::SpineDown { .. } => "spine_down",
             Fault::Mtu { .. } => "mtu",
             Fault::AsymClass { .. } => "asym_class",
+            Fault::EcmpL3 { .. } => "ecmp_l3",
         }
     }
 }
@@ -578,6 +582,14 @@ impl Lab {
         if q.contains("tbf") {
             v.push("bottleneck".into());
         }
+        if node.starts_with('l')
+            && self
+                .exec(node, &["sysctl", "-n", "net.ipv4.fib_multipath_hash_policy"])?
+                .trim()
+                == "0"
+        {
+            v.push("ecmp_l3".into());
+        }
         Ok(v)
     }
 
@@ -634,6 +646,7 @@ impl Lab {
                 self.routes()
             }
             Fault::Mtu { leaf, spine, mtu } => self.set_link_mtu(*leaf, *spine, *mtu),
+            Fault::EcmpL3 { leaf } => self.hash_policy(*leaf, 0),
             Fault::AsymClass { leaf, from, to } => self.nft(
                 &format!("l{leaf}"),
                 f.name(),
@@ -668,7 +681,23 @@ impl Lab {
                 self.routes()
             }
             Fault::Mtu { leaf, spine, .. } => self.set_link_mtu(*leaf, *spine, self.mtu),
+            Fault::EcmpL3 { leaf } => self.hash_policy(*leaf, 1),
         }
+    }
+
+    /// A leaf's ECMP hash: 0 on addresses (L3), 1 on the 5-tuple (L4), both families.
+    fn hash_policy(&self, leaf: u8, policy: u8) -> anyhow::Result<()> {
+        for fam in ["ipv4", "ipv6"] {
+            self.exec(
+                &format!("l{leaf}"),
+                &[
+                    "sysctl",
+                    "-qw",
+                    &format!("net.{fam}.fib_multipath_hash_policy={policy}"),
+                ],
+            )?;
+        }
+        Ok(())
     }
 
     /// Both ends of the link between a leaf and a spine, administratively up or down.

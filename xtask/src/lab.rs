@@ -89,6 +89,11 @@ enum FaultArg {
         #[arg(long, default_value_t = 1000)]
         mtu: u32,
     },
+    /// ECMP imbalance: leaf L hashes on addresses only, so a host pair's flows share a spine.
+    EcmpL3 {
+        #[arg(long)]
+        leaf: u8,
+    },
     /// Remark only what a leaf's hosts send (one direction).
     AsymClass {
         #[arg(long)]
@@ -134,6 +139,10 @@ fn fault(f: FaultArg) -> anyhow::Result<Fault> {
             )?;
             check((576..=9000).contains(&mtu), "MTU is 576..=9000")?;
             Fault::Mtu { leaf, spine, mtu }
+        }
+        FaultArg::EcmpL3 { leaf } => {
+            check((1..=2).contains(&leaf), "leaves are 1 and 2")?;
+            Fault::EcmpL3 { leaf }
         }
         FaultArg::AsymClass { leaf, from, to } => {
             check((1..=2).contains(&leaf), "leaves are 1 and 2")?;

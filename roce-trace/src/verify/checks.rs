@@ -1,10 +1,7 @@
 //! The judge: each policy rule applied to every flow (one QP direction) of a collector
 //! report, with the flows, QPs, points and hops that break it as evidence.
 
-use std::{
-    collections::{BTreeMap, HashMap},
-    net::IpAddr,
-};
+use std::{collections::BTreeMap, net::IpAddr};
 
 use serde::{Deserialize, Serialize};
 
@@ -89,10 +86,19 @@ impl CheckResult {
             }
         } else {
             self.status = Status::Fail;
-            if self.summary.is_empty() {
-                let flows: std::collections::BTreeSet<&str> =
-                    self.evidence.iter().map(|e| e.flow.as_str()).collect();
-                self.summary = format!("{} of {} flow(s) break it", flows.len(), self.checked);
+            let flows: std::collections::BTreeSet<&str> = self
+                .evidence
+                .iter()
+                .map(|e| e.flow.as_str())
+                .filter(|f| !f.is_empty())
+                .collect();
+            if !flows.is_empty() {
+                let n = format!("{} of {} flow(s) break it", flows.len(), self.checked);
+                self.summary = if self.summary.is_empty() {
+                    n
+                } else {
+                    format!("{n}; {}", self.summary)
+                };
             }
         }
         self
@@ -519,41 +525,60 @@ fn nak_rate(flows: &[FlowReport], max: u64) -> CheckResult {
         "naks",
         format!("at most {max} NAKs per million data packets, per direction"),
     );
-    // NAKs travel back: charge them to the data sent the other way between the same hosts.
-    let mut sent: HashMap<(&str, &str), u64> = HashMap::new();
-    for f in flows.iter().filter(|f| role(f) == Some(Role::Data)) {
-        *sent.entry((&f.src_ip, &f.dst_ip)).or_default() += counters_at(f, true).map_or(0, |c| c.packets);
-    }
-    for f in flows
-        .iter()
-        .filter(|f| matches!(role(f), Some(Role::Ack | Role::Cnp)))
-    {
-        let Some(c) = peak(f) else { continue };
-        let data = sent
-            .get(&(f.dst_ip.as_str(), f.src_ip.as_str()))
-            .copied()
-            .unwrap_or(0);
-        r.checked += 1;
-        let n = naks(c);
-        if n > 0 && ppm(n, data) > max {
-            r.evidence(
-                f,
-                vec![format!("{} -> {}", f.dst_ip, f.src_ip)],
-                format!("{n} NAKs for {data} data packets ({} ppm)", ppm(n, data)),
-            );
+    // NAKs travel back: charge them to the data sent the other way between the same
+    // hosts (one direction), and name the QPs that sent them.
+    let mut dirs: BTreeMap<(&str, &str), (u64, u64, Vec<&FlowReport>)> = BTreeMap::new();
+    for f in flows {
+        match (role(f), peak(f)) {
+            (Some(Role::Data), _) => {
+                r.checked += 1;
+                dirs.entry((&f.src_ip, &f.dst_ip)).or_default().1 +=
+                    counters_at(f, true).map_or(0, |c| c.packets);
+            }
+            (Some(Role::Ack | Role::Cnp), Some(c)) if naks(c) > 0 => {
+                let d = dirs.entry((&f.dst_ip, &f.src_ip)).or_default();
+                d.0 += naks(c);
+                d.2.push(f);
+            }
+            _ => {}
         }
     }
-    r.done(Status::NoData, "no ACK/NAK flow seen")
+    let (mut all_naks, mut all_data) = (0, 0);
+    for ((src, dst), (n, data, by)) in &dirs {
+        all_naks += n;
+        all_data += data;
+        if ppm(*n, *data) > max {
+            for f in by {
+                let k = peak(f).map_or(0, naks);
+                r.evidence(
+                    f,
+                    vec![format!("{src} -> {dst}")],
+                    format!(
+                        "{k} NAKs; the direction: {n} for {data} data packets ({} ppm)",
+                        ppm(*n, *data)
+                    ),
+                );
+            }
+        }
+    }
+    r.summary = format!(
+        "{all_naks} NAKs for {all_data} data packets ({} ppm)",
+        ppm(all_naks, all_data)
+    );
+    r.done(Status::NoData, "no RDMA data flow seen")
 }
 
 fn psn_gaps(data: &[&FlowReport], max: u64) -> CheckResult {
     let mut r = CheckResult::new("psn_gaps", format!("at most {max} PSN gaps per million packets"));
+    let mut total = (0, 0);
     for f in data {
         let Some((point, c)) = f.counters.iter().max_by_key(|(_, c)| c.psn_gaps) else {
             continue;
         };
         r.checked += 1;
         let n = peak(f).map_or(0, |p| p.packets);
+        total.0 += c.psn_gaps;
+        total.1 += n;
         if c.psn_gaps > 0 && ppm(c.psn_gaps, n) > max {
             r.evidence(
                 f,
@@ -566,36 +591,68 @@ fn psn_gaps(data: &[&FlowReport], max: u64) -> CheckResult {
             );
         }
     }
+    r.summary = format!(
+        "{} PSN gaps in {} data packets ({} ppm)",
+        total.0,
+        total.1,
+        ppm(total.0, total.1)
+    );
     r.done(Status::NoData, "no RDMA data flow seen")
 }
 
+/// Loss is judged per direction (host pair): one flow's few hundred samples cannot
+/// resolve a rate of parts per million. The evidence names the flows and the links.
 fn loss(flows: &[FlowReport], max: u64) -> CheckResult {
     let mut r = CheckResult::new(
         "loss",
-        format!("at most {max} sampled packets per million lost in the fabric"),
+        format!("at most {max} per million sampled packets lost in the fabric, per direction"),
     );
+    let mut dirs: BTreeMap<(&str, &str), (u64, u64, Vec<&FlowReport>)> = BTreeMap::new();
     for f in flows.iter().filter(|f| f.trajectories > 0 && f.path.len() >= 2) {
         r.checked += 1;
-        let lost: u64 = f.lost.iter().map(|l| l.span.packets).sum();
-        if lost > 0 && ppm(lost, f.trajectories + lost) > max {
+        let d = dirs.entry((&f.src_ip, &f.dst_ip)).or_default();
+        // A lost packet's trajectory (cut short) is one of the flow's trajectories.
+        d.0 += f.lost.iter().map(|l| l.span.packets).sum::<u64>();
+        d.1 += f.trajectories;
+        d.2.push(f);
+    }
+    let (mut all_lost, mut all) = (0, 0);
+    for ((src, dst), (lost, n, fs)) in &dirs {
+        all_lost += lost;
+        all += n;
+        if ppm(*lost, *n) <= max {
+            continue;
+        }
+        for f in fs {
             for l in &f.lost {
                 r.evidence(
                     f,
                     l.between.to_vec(),
                     format!(
-                        "{} of {} sampled packets lost here",
-                        l.span.packets, f.trajectories
+                        "{} of its {} sampled packets lost here; {src} -> {dst}: {lost} of {n} ({} ppm)",
+                        l.span.packets,
+                        f.trajectories,
+                        ppm(*lost, *n)
                     ),
                 );
             }
         }
     }
+    r.summary = format!(
+        "{all_lost} of {all} sampled packets lost ({} ppm)",
+        ppm(all_lost, all)
+    );
     r.done(Status::NoData, "no flow seen at two or more points")
 }
 
 /// Ethernet + VLAN + IPv6 + UDP + BTH + RETH + ICRC: what a RoCE MTU of payload may
 /// bring along, at most.
 pub const MAX_ROCE_OVERHEAD: u16 = 14 + 4 + 40 + 8 + 12 + 16 + 4;
+
+/// How much smaller a flow's largest frame may be at a later point without it meaning
+/// "the big frames do not get through": a first packet's RETH (16 B) that did not happen
+/// to pass there, a VLAN tag removed (4 B).
+const SIZE_SLACK: u16 = 20;
 
 fn mtu(data: &[&FlowReport], roce_mtu: u16) -> CheckResult {
     let mut r = CheckResult::new(
@@ -619,8 +676,10 @@ fn mtu(data: &[&FlowReport], roce_mtu: u16) -> CheckResult {
                 format!("{sent}-byte frames exceed a RoCE MTU of {roce_mtu}"),
             );
         }
-        // A VLAN tag added or removed on the way changes a frame by 4 bytes.
-        if let Some(w) = sizes.windows(2).find(|w| w[1].1 + 8 < sent && w[0].1 + 8 >= sent) {
+        if let Some(w) = sizes
+            .windows(2)
+            .find(|w| w[1].1 + SIZE_SLACK < sent && w[0].1 + SIZE_SLACK >= sent)
+        {
             r.evidence(
                 f,
                 vec![w[0].0.clone(), w[1].0.clone()],

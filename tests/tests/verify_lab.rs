@@ -1,0 +1,458 @@
+//! `roce-trace verify` on the lab, with the policy that ships (dist/fabric-policy.toml):
+//! a healthy fabric passes everything, and each injected fault fails exactly the checks
+//! it should and no other. The failure drill takes a link down and up while traffic runs
+//! and measures the loss, the recovery and the return to the old paths.
+
+use std::{
+    collections::BTreeSet,
+    path::{Path, PathBuf},
+    process::Command,
+    sync::Mutex,
+    time::Duration,
+};
+
+use roce_trace_tests::{
+    lab::{Fault, Lab, LabGuard, MGMT_COLLECTOR},
+    *,
+};
+use serde_json::Value;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+const TOKEN: &str = "verify-token";
+
+fn policy() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../dist/fabric-policy.toml")
+}
+
+fn xtask_bin() -> PathBuf {
+    let bin = roce_trace_bin().with_file_name("xtask");
+    assert!(
+        bin.exists(),
+        "{} is missing: run `cargo build --bins` first",
+        bin.display()
+    );
+    bin
+}
+
+/// A collector on the management network and an agent on every node.
+struct Observers {
+    collector: Option<Daemon>,
+    agents: Vec<Daemon>,
+    report: PathBuf,
+}
+
+const HTTP: &str = "10.255.0.1:8080";
+
+impl Observers {
+    fn start(lab: &Lab, dir: &TempDir, name: &str) -> Self {
+        let report = dir.path(&format!("{name}-report.json"));
+        let listen = format!("{MGMT_COLLECTOR}:4792");
+        let collector = Daemon::start(
+            &lab.ns("mgmt"),
+            &[
+                "collect",
+                "--listen",
+                &listen,
+                "--http",
+                HTTP,
+                "--token",
+                TOKEN,
+                "--quiet",
+                "--report",
+                report.to_str().unwrap(),
+                "--trajectory-timeout",
+                "1s",
+            ],
+            "collecting on",
+        );
+        let mut agents = Vec::new();
+        for n in Lab::nodes() {
+            let args = lab.agent_args(&n, &listen, TOKEN, 4).unwrap();
+            let a: Vec<&str> = args.iter().map(String::as_str).collect();
+            agents.push(Daemon::start(&lab.ns(&n), &a, "connected to collector"));
+        }
+        Self {
+            collector: Some(collector),
+            agents,
+            report,
+        }
+    }
+
+    /// Stops the agents, then the collector; the report it wrote.
+    fn stop(mut self) -> PathBuf {
+        for a in self.agents.drain(..) {
+            a.stop();
+        }
+        self.collector.take().unwrap().stop();
+        self.report.clone()
+    }
+}
+
+impl Drop for Observers {
+    fn drop(&mut self) {
+        for a in self.agents.drain(..) {
+            a.kill();
+        }
+        if let Some(c) = self.collector.take() {
+            c.kill();
+        }
+    }
+}
+
+/// h1 → h3 on 8 QPs and h2 → h1 on 2 QPs for `secs` (h1's generator answers h2); CNPs
+/// in `cnp_dscp`.
+fn traffic(lab: &Lab, secs: u64, cnp_dscp: u8) {
+    let cnp = cnp_dscp.to_string();
+    let resp = spawn_gen(
+        &lab.ns("h3"),
+        &[
+            "--bind",
+            "10.10.3.2",
+            "--duration",
+            &format!("{}s", secs + 2),
+            "--cnp-dscp",
+            &cnp,
+        ],
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let dur = format!("{secs}s");
+    let far = spawn_gen(
+        &lab.ns("h1"),
+        &[
+            "--to",
+            "10.10.3.2",
+            "--qps",
+            "8",
+            "--rate",
+            "4mbit",
+            "--duration",
+            &dur,
+            "--cnp-dscp",
+            &cnp,
+            // Messages that are not a multiple of the MTU end in a short packet, as most do.
+            "--msg-size",
+            "10000",
+        ],
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let near = spawn_gen(
+        &lab.ns("h2"),
+        &[
+            "--to",
+            "10.10.1.2",
+            "--qps",
+            "2",
+            "--rate",
+            "1mbit",
+            "--duration",
+            &dur,
+            "--sport-base",
+            "50000",
+            "--qp-base",
+            "0x200",
+            "--cnp-dscp",
+            &cnp,
+        ],
+    );
+    gen_report(near);
+    gen_report(far);
+    interrupt(resp);
+    std::thread::sleep(Duration::from_millis(1500)); // the last counters and samples
+}
+
+/// Runs verify; its exit code and JSON verdict (JUnit checked for shape on the way).
+fn verify(ns: Option<&str>, args: &[&str], dir: &TempDir, name: &str) -> (i32, Value) {
+    let json = dir.path(&format!("{name}-verdict.json"));
+    let junit = dir.path(&format!("{name}-junit.xml"));
+    let mut cmd = match ns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(roce_trace_bin());
+            c
+        }
+        None => Command::new(roce_trace_bin()),
+    };
+    let out = cmd
+        .arg("verify")
+        .arg("--policy")
+        .arg(policy())
+        .args(args)
+        .arg("--json")
+        .arg(&json)
+        .arg("--junit")
+        .arg(&junit)
+        .output()
+        .unwrap();
+    let code = out.status.code().unwrap_or(-1);
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        matches!(code, 0 | 1 | 3),
+        "verify {name}: exit {code}: {}{table}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("--- {name}\n{table}");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let x = std::fs::read_to_string(&junit).unwrap();
+    assert_eq!(
+        x.matches("<testcase ").count(),
+        v["checks"].as_array().unwrap().len(),
+        "one JUnit test case per check"
+    );
+    assert_eq!(
+        x.matches("<failure ").count(),
+        v["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| c["status"] == "fail")
+            .count()
+    );
+    (code, v)
+}
+
+fn failing(v: &Value) -> BTreeSet<String> {
+    v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["status"] == "fail")
+        .map(|c| c["check"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+fn no_data(v: &Value) -> Vec<String> {
+    v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["status"] == "no_data")
+        .map(|c| format!("{}: {}", c["check"], c["summary"]))
+        .collect()
+}
+
+struct Scenario {
+    name: &'static str,
+    faults: Vec<Fault>,
+    load: &'static str,
+    cnp_dscp: u8,
+    baseline: bool,
+    fails: &'static [&'static str],
+}
+
+#[test]
+fn a_healthy_fabric_passes_and_each_fault_fails_exactly_its_checks() {
+    if !require_root() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let lab = LabGuard::up("rtv");
+    let dir = TempDir::new("verify-lab");
+    let ce = |percent| Fault::CeMark {
+        node: "l2".into(),
+        iface: "h3".into(),
+        percent,
+    };
+    let scenarios = [
+        Scenario {
+            name: "healthy",
+            faults: vec![],
+            load: "idle",
+            cnp_dscp: 48,
+            baseline: false,
+            fails: &[],
+        },
+        Scenario {
+            name: "healthy-congested",
+            faults: vec![ce(20)],
+            load: "congested",
+            cnp_dscp: 48,
+            baseline: false,
+            fails: &[],
+        },
+        Scenario {
+            name: "dscp-rewrite-at-s1",
+            faults: vec![Fault::DscpRewrite {
+                spine: 1,
+                from: 26,
+                to: 0,
+            }],
+            load: "idle",
+            cnp_dscp: 48,
+            baseline: false,
+            fails: &["data_class", "no_class_change"],
+        },
+        Scenario {
+            name: "asymmetric-class",
+            faults: vec![Fault::AsymClass {
+                leaf: 1,
+                from: 26,
+                to: 0,
+            }],
+            load: "idle",
+            cnp_dscp: 48,
+            baseline: false,
+            fails: &["data_class", "no_class_change"],
+        },
+        Scenario {
+            name: "ce-marks-on-an-idle-fabric",
+            faults: vec![ce(20)],
+            load: "idle",
+            cnp_dscp: 48,
+            baseline: false,
+            fails: &["ce_fraction"],
+        },
+        Scenario {
+            name: "no-ecn-marking-under-congestion",
+            faults: vec![Fault::Bottleneck {
+                node: "l2".into(),
+                iface: "h3".into(),
+                rate: "3mbit".into(),
+            }],
+            load: "congested",
+            cnp_dscp: 48,
+            baseline: false,
+            // Without marks the queue overflows: losses, gaps, and unfair throughput.
+            fails: &["ce_fraction", "loss", "psn_gaps", "throughput_spread"],
+        },
+        Scenario {
+            name: "cnps-in-the-wrong-class",
+            faults: vec![ce(20)],
+            load: "congested",
+            cnp_dscp: 10,
+            baseline: false,
+            fails: &["cnp_class"],
+        },
+        Scenario {
+            name: "spine-down",
+            faults: vec![Fault::SpineDown { spine: 1 }],
+            load: "idle",
+            cnp_dscp: 48,
+            baseline: true,
+            fails: &["ecmp_spread", "baseline"],
+        },
+        Scenario {
+            name: "link-mtu-below-roce-mtu",
+            faults: vec![Fault::Mtu {
+                leaf: 1,
+                spine: 1,
+                mtu: 900,
+            }],
+            load: "idle",
+            cnp_dscp: 48,
+            baseline: false,
+            // The big frames die at the small link: lost there, gaps at the receiver, and
+            // those flows' throughput collapses.
+            fails: &["path_mtu", "loss", "psn_gaps", "throughput_spread"],
+        },
+        Scenario {
+            name: "ecmp-imbalance",
+            faults: vec![Fault::EcmpL3 { leaf: 1 }],
+            load: "idle",
+            cnp_dscp: 48,
+            baseline: true,
+            fails: &["ecmp_spread", "baseline"],
+        },
+    ];
+    let baseline = dir.path("baseline.json");
+    let mut wrong = Vec::new();
+    for s in &scenarios {
+        for f in &s.faults {
+            lab.0.apply(f).unwrap();
+        }
+        let obs = Observers::start(&lab.0, &dir, s.name);
+        traffic(&lab.0, 5, s.cnp_dscp);
+        let report = obs.stop();
+        for f in &s.faults {
+            lab.0.clear(f).unwrap();
+        }
+        let mut args = vec!["--report", report.to_str().unwrap(), "--load", s.load];
+        if s.name == "healthy" {
+            args.extend(["--save-baseline", baseline.to_str().unwrap()]);
+        }
+        if s.baseline {
+            args.extend(["--baseline", baseline.to_str().unwrap()]);
+        }
+        let (code, v) = verify(None, &args, &dir, s.name);
+        let got = failing(&v);
+        let want: BTreeSet<String> = s.fails.iter().map(|s| s.to_string()).collect();
+        let nd = no_data(&v);
+        let want_code = if !want.is_empty() { 1 } else { 0 };
+        if got != want || !nd.is_empty() || code != want_code {
+            wrong.push(format!(
+                "{}: failed {got:?}, expected {want:?}; could not check {nd:?}; exit {code}",
+                s.name
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "\n{}", wrong.join("\n"));
+}
+
+#[test]
+fn a_link_failure_drill_measures_loss_recovery_and_return() {
+    if !require_root() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let lab = LabGuard::up("rtvd");
+    let dir = TempDir::new("verify-drill");
+    let obs = Observers::start(&lab.0, &dir, "drill");
+    let l = lab.0.clone();
+    let traffic = std::thread::spawn(move || traffic(&l, 18, 48));
+    std::thread::sleep(Duration::from_secs(1));
+    let x = xtask_bin();
+    let x = x.to_str().unwrap();
+    let down = format!("{x} lab --prefix rtvd fault link-down --leaf 1 --spine 1");
+    let up = format!("{x} lab --prefix rtvd clear link-down --leaf 1 --spine 1");
+    let (code, v) = verify(
+        Some(&lab.0.ns("mgmt")),
+        &[
+            "--collector-http",
+            HTTP,
+            "--drill",
+            "--hold",
+            "4s",
+            "--down",
+            &down,
+            "--up",
+            &up,
+        ],
+        &dir,
+        "drill",
+    );
+    traffic.join().unwrap();
+    drop(obs);
+    let check = |name: &str| {
+        v["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["check"] == name)
+            .unwrap_or_else(|| panic!("no {name} in {v:#}"))
+            .clone()
+    };
+    assert_eq!(code, 0, "{v:#}");
+    // The s1 flows of h1 → h3 moved to s2, fast (ECMP reroutes within the link event),
+    // and came back after the repair.
+    let rec = check("drill_recovery");
+    assert_eq!(rec["status"], "pass", "{rec:#}");
+    let moved: u64 = rec["summary"]
+        .as_str()
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=8).contains(&moved), "{rec:#}");
+    assert!(
+        rec["summary"].as_str().unwrap().contains("during: s1 0, s2 8"),
+        "{rec:#}"
+    );
+    let ret = check("drill_return");
+    assert_eq!(ret["status"], "pass", "{ret:#}");
+    assert!(
+        ret["summary"].as_str().unwrap().starts_with("0 flow(s) not back"),
+        "{ret:#}"
+    );
+    assert_eq!(check("drill_loss")["status"], "pass");
+}
