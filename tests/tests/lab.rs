@@ -299,6 +299,16 @@ fn each_fault_shows_with_plain_tools() {
     l.clear(&f).unwrap();
     assert_eq!(spines_by_sport(l, 1, 3, 8), map);
 
+    // ECMP imbalance: l1 hashes on addresses only, so every port of a host pair takes one
+    // spine (`ip route get` with the ports is what the FIB decides).
+    let f = Fault::EcmpL3 { leaf: 1 };
+    l.apply(&f).unwrap();
+    let one: std::collections::BTreeSet<u8> = spines_by_sport(l, 1, 3, 8).into_values().collect();
+    assert_eq!(one.len(), 1, "{one:?}");
+    assert!(l.status().unwrap().contains("ecmp_l3"));
+    l.clear(&f).unwrap();
+    assert_eq!(spines_by_sport(l, 1, 3, 8), map);
+
     // MTU below the RoCE path MTU on l1–s1: 1 KiB RoCE packets (1068-byte IP, DF) through
     // s1 never arrive; through s2 they do.
     let f = Fault::Mtu {
