@@ -140,30 +140,52 @@ pub struct CounterDelta {
 }
 
 impl CounterDelta {
-    /// `now - before` (a flow the LRU evicted and re-created counts from zero again).
-    pub fn between(point: u16, key: &FlowKey, now: &FlowCounters, before: Option<&FlowCounters>) -> Self {
-        let zero = FlowCounters::default();
-        let b = match before {
-            Some(b) if b.packets <= now.packets => b,
-            _ => &zero,
-        };
-        let d = |x: u64, y: u64| x.saturating_sub(y);
+    /// A flow's running totals at one point, as the kernel keeps them.
+    pub fn totals(point: u16, key: &FlowKey, c: &FlowCounters) -> Self {
         Self {
             point,
             flow: FlowId::of_key(key),
-            packets: d(now.packets, b.packets),
-            bytes: d(now.bytes, b.bytes),
-            ecn: [0, 1, 2, 3].map(|i| d(now.ecn[i], b.ecn[i])),
-            cnp: d(now.cnp, b.cnp),
-            ack: d(now.ack, b.ack),
-            nak_psn_seq_err: d(now.nak_psn_seq_err, b.nak_psn_seq_err),
-            nak_rnr: d(now.nak_rnr, b.nak_rnr),
-            nak_other: d(now.nak_other, b.nak_other),
-            psn_gaps: d(now.psn_gaps, b.psn_gaps),
-            dscp_changed: d(now.dscp_changed, b.dscp_changed),
-            last_dscp: now.last_dscp,
-            last_pcp: now.last_pcp,
-            last_ttl: now.last_ttl,
+            packets: c.packets,
+            bytes: c.bytes,
+            ecn: c.ecn,
+            cnp: c.cnp,
+            ack: c.ack,
+            nak_psn_seq_err: c.nak_psn_seq_err,
+            nak_rnr: c.nak_rnr,
+            nak_other: c.nak_other,
+            psn_gaps: c.psn_gaps,
+            dscp_changed: c.dscp_changed,
+            last_dscp: c.last_dscp,
+            last_pcp: c.last_pcp,
+            last_ttl: c.last_ttl,
+        }
+    }
+
+    /// `now - before` (a flow the LRU evicted and re-created counts from zero again).
+    pub fn between(point: u16, key: &FlowKey, now: &FlowCounters, before: Option<&FlowCounters>) -> Self {
+        let now_t = Self::totals(point, key, now);
+        match before {
+            Some(b) if b.packets <= now.packets => now_t.less(&Self::totals(point, key, b)),
+            _ => now_t,
+        }
+    }
+
+    /// `self - before` of two running totals of one flow at one point (the last-seen
+    /// fields are `self`'s).
+    pub fn less(&self, before: &CounterDelta) -> Self {
+        let d = |x: u64, y: u64| x.saturating_sub(y);
+        Self {
+            packets: d(self.packets, before.packets),
+            bytes: d(self.bytes, before.bytes),
+            ecn: [0, 1, 2, 3].map(|i| d(self.ecn[i], before.ecn[i])),
+            cnp: d(self.cnp, before.cnp),
+            ack: d(self.ack, before.ack),
+            nak_psn_seq_err: d(self.nak_psn_seq_err, before.nak_psn_seq_err),
+            nak_rnr: d(self.nak_rnr, before.nak_rnr),
+            nak_other: d(self.nak_other, before.nak_other),
+            psn_gaps: d(self.psn_gaps, before.psn_gaps),
+            dscp_changed: d(self.dscp_changed, before.dscp_changed),
+            ..*self
         }
     }
 

@@ -155,20 +155,12 @@ pub fn measure(
         up_at_ns,
         ..Default::default()
     };
-    let b = by_id(before);
     let a = by_id(after);
-    for f in data(during) {
-        let lost_before: u64 = b
-            .get(f.id.as_str())
-            .map_or(0, |x| x.lost.iter().map(|l| l.span.packets).sum());
-        let lost: u64 = f
-            .lost
-            .iter()
-            .map(|l| l.span.packets)
-            .sum::<u64>()
-            .saturating_sub(lost_before);
-        let gaps = |x: &FlowReport| x.counters.values().map(|c| c.psn_gaps).max().unwrap_or(0);
-        let gaps_now = gaps(f).saturating_sub(b.get(f.id.as_str()).map_or(0, |x| gaps(x)));
+    // What happened while the failure lasted.
+    let window = super::since(before, during.clone());
+    for f in data(&window) {
+        let lost: u64 = f.lost.iter().map(|l| l.span.packets).sum();
+        let gaps_now = f.counters.values().map(|c| c.psn_gaps).max().unwrap_or(0);
         let moved = f
             .path_history
             .iter()

@@ -152,15 +152,70 @@ where
     Ok((out?, report))
 }
 
+/// `end` less what `start` already held: counters, losses, class changes, CE onsets and
+/// trajectories count only what happened in between; flows with nothing new are left
+/// out. Paths, classes and sizes are the latest view.
+pub fn since(start: &CollectorReport, mut end: CollectorReport) -> CollectorReport {
+    use std::collections::HashMap;
+
+    use crate::correlate::Span;
+    let before: HashMap<&str, &crate::correlate::FlowReport> =
+        start.flows.iter().map(|f| (f.id.as_str(), f)).collect();
+    let less = |now: &mut Span, was: Option<&Span>| {
+        if let Some(w) = was {
+            now.packets = now.packets.saturating_sub(w.packets);
+        }
+    };
+    end.flows.retain_mut(|f| {
+        let Some(b) = before.get(f.id.as_str()) else {
+            return true;
+        };
+        for (point, c) in f.counters.iter_mut() {
+            if let Some(w) = b.counters.get(point) {
+                *c = c.less(w);
+            }
+        }
+        f.counters.retain(|_, c| c.packets > 0);
+        f.trajectories = f.trajectories.saturating_sub(b.trajectories);
+        for l in &mut f.lost {
+            less(
+                &mut l.span,
+                b.lost.iter().find(|x| x.between == l.between).map(|x| &x.span),
+            );
+        }
+        f.lost.retain(|l| l.span.packets > 0);
+        for c in &mut f.class_changes {
+            let was = b
+                .class_changes
+                .iter()
+                .find(|x| x.between == c.between && x.from_dscp == c.from_dscp && x.to_dscp == c.to_dscp);
+            less(&mut c.span, was.map(|x| &x.span));
+        }
+        f.class_changes.retain(|c| c.span.packets > 0);
+        for o in &mut f.ce_onset {
+            let was = b.ce_onset.iter().find(|x| x.after == o.after && x.at == o.at);
+            less(&mut o.span, was.map(|x| &x.span));
+        }
+        f.ce_onset.retain(|o| o.span.packets > 0);
+        let a = &mut f.answered_by;
+        a.cnps = a.cnps.saturating_sub(b.answered_by.cnps);
+        a.ce_marks = a.ce_marks.saturating_sub(b.answered_by.ce_marks);
+        a.cnps_per_ce_mark = (a.ce_marks > 0).then(|| a.cnps as f64 / a.ce_marks as f64);
+        !f.counters.is_empty() || f.trajectories > 0
+    });
+    end
+}
+
 /// One window's report from `source`.
 pub async fn window_report(source: &Source) -> anyhow::Result<CollectorReport> {
     match source {
         Source::Report(p) => read_report(p),
         Source::Collector { http, window } => {
-            // Fail early on a wrong address rather than after the window.
-            fetch_report(*http).await?;
+            // What the collector learnt during the window: its view at the end less its
+            // view at the start (which also fails early on a wrong address).
+            let start = fetch_report(*http).await?;
             tokio::time::sleep(*window).await;
-            fetch_report(*http).await
+            Ok(since(&start, fetch_report(*http).await?))
         }
         Source::Local { agent, window } => {
             let w = *window;

@@ -403,13 +403,66 @@ fn a_baseline_reports_moves_class_changes_and_vanished_paths() {
     );
 }
 
+/// The same flows after as much traffic again.
+fn later(mut v: Vec<FlowReport>) -> Vec<FlowReport> {
+    for f in &mut v {
+        for c in f.counters.values_mut() {
+            let once = *c;
+            c.add(&once);
+        }
+        f.trajectories *= 2;
+    }
+    v
+}
+
+#[test]
+fn a_window_counts_only_what_happened_in_it() {
+    let mut start = healthy();
+    let between = [start[0].path[1].clone(), start[0].path[2].clone()];
+    start[0].lost.push(Lost {
+        between,
+        span: Span {
+            first_ns: 1,
+            last_ns: 2,
+            packets: 5,
+        },
+    });
+    let mut end = later(start.clone());
+    // Flow 2 stopped before the window; flow 4 changed class during it.
+    end[2] = start[2].clone();
+    let between = [end[4].path[2].clone(), end[4].path[3].clone()];
+    end[4].class_changes.push(ClassChange {
+        between,
+        from_dscp: 26,
+        to_dscp: 0,
+        span: Span {
+            first_ns: 5,
+            last_ns: 6,
+            packets: 7,
+        },
+    });
+    let w = super::since(&report(start.clone()), report(end.clone()));
+    assert_eq!(w.flows.len(), start.len() - 1, "the idle flow is left out");
+    assert!(!w.flows.iter().any(|f| f.id == start[2].id));
+    let f0 = w.flows.iter().find(|f| f.id == start[0].id).unwrap();
+    assert!(f0.lost.is_empty(), "the loss happened before the window");
+    assert_eq!(f0.trajectories, 250);
+    assert!(
+        f0.counters
+            .values()
+            .all(|c| c.packets == 1000 && c.ecn[2] == 1000)
+    );
+    let f4 = w.flows.iter().find(|f| f.id == start[4].id).unwrap();
+    assert_eq!(f4.class_changes[0].span.packets, 7);
+}
+
 #[test]
 fn a_drill_measures_loss_recovery_and_return() {
     let before = report(healthy());
     const DOWN: u64 = 10_000_000_000;
     const UP: u64 = 20_000_000_000;
     // During: the s1 flows lost 3 sampled packets each, moved to s2 40 ms after the failure.
-    let mut during = healthy();
+    let mut during = later(healthy());
     for f in during.iter_mut().filter(|f| via_s1(f) && f.src_ip == h(1)) {
         let moved = points(1, 3, Some(2));
         f.lost.push(Lost {
@@ -426,7 +479,7 @@ fn a_drill_measures_loss_recovery_and_return() {
         });
         f.path = moved;
     }
-    let after = before.clone();
+    let after = report(later(later(healthy())));
     let via = vec!["s1".to_string(), "s2".to_string()];
     let d = drill::measure(&[before.clone(), report(during.clone()), after], DOWN, UP, &via);
     assert_eq!(d.affected.len(), 4);
