@@ -203,7 +203,28 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
     say("what the collector found (path: node/port, < in, > out)");
     print!("{view}");
     let r: Value = serde_json::from_str(&std::fs::read_to_string(&report)?)?;
+
+    say("roce-trace verify: the same window judged against the lab's policy (dist/fabric-policy.toml)");
+    let verdict = dir.join("verdict.json");
+    let out = std::process::Command::new(&bin)
+        .args(["verify", "--policy", "dist/fabric-policy.toml", "--report"])
+        .arg(&report)
+        .arg("--json")
+        .arg(&verdict)
+        .output()?;
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&verdict)?)?;
     let _ = std::fs::remove_dir_all(&dir);
+    let verify_failed: std::collections::BTreeSet<&str> = v["checks"]
+        .as_array()
+        .map(|c| {
+            c.iter()
+                .filter(|c| c["status"] == "fail")
+                .filter_map(|c| c["check"].as_str())
+                .collect()
+        })
+        .unwrap_or_default();
 
     println!(
         "\nper QP: the spine the leaf's FIB picks, where roce-trace saw the class change, CE onset, CNPs per CE mark"
@@ -213,6 +234,14 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
         "FLOW", "SPORT", "SPINE", "CLASS CHANGE", "CE MARKS BEGIN", "CNP/CE"
     );
     let mut failures = Vec::new();
+    // The two faults break exactly the class rules and the idle-fabric CE budget.
+    let want: std::collections::BTreeSet<&str> = ["data_class", "no_class_change", "ce_fraction"].into();
+    if out.status.code() != Some(1) || verify_failed != want {
+        failures.push(format!(
+            "verify failed {verify_failed:?} (exit {:?}), expected {want:?}",
+            out.status.code()
+        ));
+    }
     let mut rewrites_seen = 0;
     for (src, dst) in [(1u8, 3u8), (2, 4)] {
         for i in 0..QPS as u16 {
@@ -279,7 +308,7 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
     );
     if failures.is_empty() {
         say(&format!(
-            "roce-trace saw the faults: the rewrite located at s1 on the {rewrites_seen} flows through it, flows through s2 intact, CE marks from l2's port to h4 and the CNPs that answered them"
+            "roce-trace saw the faults: the rewrite located at s1 on the {rewrites_seen} flows through it, flows through s2 intact, CE marks from l2's port to h4 and the CNPs that answered them; verify failed exactly the class and CE rules"
         ));
         Ok(())
     } else {

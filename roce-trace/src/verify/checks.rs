@@ -351,17 +351,22 @@ fn ce_idle(data: &[&FlowReport], max: f64) -> CheckResult {
         };
         r.checked += 1;
         if ce as f64 > max * n as f64 {
-            let mut at = vec![at];
-            at.extend(
-                f.ce_onset
-                    .iter()
-                    .map(|o| format!("marked after {}", o.after.as_deref().unwrap_or("?"))),
-            );
-            r.evidence(
-                f,
-                at,
-                format!("{ce} of {n} packets CE ({})", pct(ce as f64 / n as f64)),
-            );
+            // Where the marks begin (between the last point without and the first with).
+            let onset: Vec<String> = f
+                .ce_onset
+                .iter()
+                .map(|o| match &o.after {
+                    Some(a) => format!("{a} .. {}", o.at),
+                    None => format!("before {}", o.at),
+                })
+                .collect();
+            let detail = format!("{ce} of {n} packets CE ({})", pct(ce as f64 / n as f64));
+            let detail = if onset.is_empty() {
+                detail
+            } else {
+                format!("{detail}, marked between {}", onset.join(", "))
+            };
+            r.evidence(f, vec![at], detail);
         }
     }
     r.done(Status::NoData, "no RDMA data flow seen")
