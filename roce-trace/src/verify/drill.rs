@@ -77,14 +77,21 @@ async fn act(cmd: &Option<String>, what: &str) -> anyhow::Result<u64> {
             Ok(t)
         }
         None => {
+            // The event happens somewhere between the question and the answer: times are
+            // measured from the question, so they include the operator's delay.
+            let t = unix_ns();
             eprintln!("drill: {what} now, then press Enter");
-            tokio::task::spawn_blocking(|| {
+            let n = tokio::task::spawn_blocking(|| {
                 let mut l = String::new();
                 std::io::stdin().read_line(&mut l)
             })
             .await?
             .context("waiting for Enter")?;
-            Ok(unix_ns())
+            anyhow::ensure!(
+                n > 0,
+                "drill: stdin closed while waiting for Enter (use --down/--up to run commands)"
+            );
+            Ok(t)
         }
     }
 }

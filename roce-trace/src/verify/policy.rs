@@ -76,12 +76,23 @@ pub struct HopRule {
 #[serde(deny_unknown_fields)]
 pub struct EcmpPolicy {
     /// The nodes flows spread over (agent node names, or hop addresses from probes).
+    #[serde(deserialize_with = "at_least_two")]
     pub via: Vec<String>,
     /// No one of them carries more than this share of the data flows.
     pub max_share: Fraction,
     /// With fewer data flows than this the spread is not judged (could not check).
     #[serde(default = "default_min_flows")]
     pub min_flows: u32,
+}
+
+fn at_least_two<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    let v = Vec::<String>::deserialize(d)?;
+    if v.len() < 2 {
+        return Err(de::Error::custom(
+            "`via` needs the two or more nodes traffic spreads over",
+        ));
+    }
+    Ok(v)
 }
 
 fn default_min_flows() -> u32 {
@@ -289,6 +300,11 @@ mod tests {
                 "prefix length",
             ),
             ("[class]\ndata_dscp = \"af31\"\n", "line 2", "expected u8"),
+            (
+                "[ecmp]\nvia = [\"s1\"]\nmax_share = 0.5\n",
+                "line 2",
+                "two or more",
+            ),
         ] {
             let e = Policy::parse(text).unwrap_err();
             assert!(e.contains(line) && e.contains(why), "{text:?}: {e}");
