@@ -605,21 +605,51 @@ fn psn_gaps(data: &[&FlowReport], max: u64) -> CheckResult {
     r.done(Status::NoData, "no RDMA data flow seen")
 }
 
+/// Where the packets to each destination address end: the last node of the flow to it
+/// that crossed the most hops (a flow stopped short crossed fewer).
+fn terminals(flows: &[FlowReport]) -> BTreeMap<&str, &str> {
+    let mut best: BTreeMap<&str, (u32, &str)> = BTreeMap::new();
+    for f in flows {
+        let Some(last) = f.path.last() else { continue };
+        let hops: u32 = f.hops.iter().map(|&h| h as u32).sum::<u32>() * 1000 + f.path.len() as u32;
+        let e = best.entry(f.dst_ip.as_str()).or_insert((0, node_of(last)));
+        if hops > e.0 {
+            *e = (hops, node_of(last));
+        }
+    }
+    best.into_iter().map(|(d, (_, n))| (d, n)).collect()
+}
+
+/// One direction's sampled packets lost, sampled packets, and its flows (with the node
+/// the others reach when the flow stops short).
+type Direction<'a> = (u64, u64, Vec<(&'a FlowReport, Option<&'a str>)>);
+
 /// Loss is judged per direction (host pair): one flow's few hundred samples cannot
-/// resolve a rate of parts per million. The evidence names the flows and the links.
+/// resolve a rate of parts per million. The evidence names the flows and the links. A
+/// flow whose packets never get as far as the others to its destination lost them all
+/// after its last point (a black hole from the start leaves no longer path to compare).
 fn loss(flows: &[FlowReport], max: u64) -> CheckResult {
     let mut r = CheckResult::new(
         "loss",
         format!("at most {max} per million sampled packets lost in the fabric, per direction"),
     );
-    let mut dirs: BTreeMap<(&str, &str), (u64, u64, Vec<&FlowReport>)> = BTreeMap::new();
-    for f in flows.iter().filter(|f| f.trajectories > 0 && f.path.len() >= 2) {
+    let ends = terminals(flows);
+    let mut dirs: BTreeMap<(&str, &str), Direction> = BTreeMap::new();
+    for f in flows.iter().filter(|f| f.trajectories > 0 && !f.path.is_empty()) {
+        let end = ends.get(f.dst_ip.as_str()).copied();
+        let short = end.filter(|e| f.path.last().is_some_and(|l| node_of(l) != *e));
+        if f.path.len() < 2 && short.is_none() {
+            continue;
+        }
         r.checked += 1;
         let d = dirs.entry((&f.src_ip, &f.dst_ip)).or_default();
         // A lost packet's trajectory (cut short) is one of the flow's trajectories.
-        d.0 += f.lost.iter().map(|l| l.span.packets).sum::<u64>();
+        d.0 += match short {
+            Some(_) => f.trajectories,
+            None => f.lost.iter().map(|l| l.span.packets).sum::<u64>(),
+        };
         d.1 += f.trajectories;
-        d.2.push(f);
+        d.2.push((f, short));
     }
     let (mut all_lost, mut all) = (0, 0);
     for ((src, dst), (lost, n, fs)) in &dirs {
@@ -628,16 +658,26 @@ fn loss(flows: &[FlowReport], max: u64) -> CheckResult {
         if ppm(*lost, *n) <= max {
             continue;
         }
-        for f in fs {
+        let dir = format!("{src} -> {dst}: {lost} of {n} ({} ppm)", ppm(*lost, *n));
+        for (f, short) in fs {
+            if let (Some(end), Some(last)) = (short, f.path.last()) {
+                r.evidence(
+                    f,
+                    vec![last.clone()],
+                    format!(
+                        "none of its {} sampled packets seen past here (others to {dst} reach {end}); {dir}",
+                        f.trajectories
+                    ),
+                );
+                continue;
+            }
             for l in &f.lost {
                 r.evidence(
                     f,
                     l.between.to_vec(),
                     format!(
-                        "{} of its {} sampled packets lost here; {src} -> {dst}: {lost} of {n} ({} ppm)",
-                        l.span.packets,
-                        f.trajectories,
-                        ppm(*lost, *n)
+                        "{} of its {} sampled packets lost here; {dir}",
+                        l.span.packets, f.trajectories
                     ),
                 );
             }

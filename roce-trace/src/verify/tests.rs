@@ -291,6 +291,37 @@ fn a_small_link_mtu_fails_the_path_mtu_at_the_link() {
 }
 
 #[test]
+fn a_flow_black_holed_from_its_start_is_loss_where_it_stops() {
+    let mut v = healthy();
+    // Its packets never get past l1 (an ACL, a route to nowhere): no longer path of its
+    // own to compare with, but the other flows to h3 reach h3.
+    let f = &mut v[0];
+    f.path.truncate(2);
+    f.hops.truncate(1);
+    f.class.truncate(2);
+    f.path_history[0].path.truncate(2);
+    let kept: Vec<String> = f.path.clone();
+    f.counters.retain(|p, _| kept.contains(p));
+    f.max_frame.retain(|p, _| kept.contains(p));
+    let p = Policy::parse(POLICY).unwrap();
+    let c = judge(&p, &report(v.clone()), Load::Idle);
+    let l = c.iter().find(|c| c.check == "loss").unwrap();
+    assert_eq!(l.status, Status::Fail, "{l:?}");
+    assert_eq!(l.evidence.len(), 1);
+    assert_eq!(l.evidence[0].at, vec!["l1:h1:ingress"]);
+    assert!(
+        l.evidence[0].detail.contains("reach h3"),
+        "{}",
+        l.evidence[0].detail
+    );
+    // (Its hop count is short too: it never crossed the fabric.)
+    assert_eq!(
+        failing(v, Load::Idle),
+        set(&["loss", "hops 10.10.1.0/24 <-> 10.10.3.0/24"])
+    );
+}
+
+#[test]
 fn frames_over_the_roce_mtu_fail() {
     let mut v = healthy();
     for m in v[0].max_frame.values_mut() {
