@@ -24,6 +24,14 @@ pub fn icrc(l3: &[u8]) -> Option<[u8; 4]> {
     Some(icrc_finish(icrc_prefix(&l3[..hdrs]), &l3[hdrs..end - ICRC_LEN]))
 }
 
+/// Verifies a parsed packet's ICRC (`stored`, as read by the parser) against the frame's
+/// bytes from its IP header at `l3_off`: `None` when the frame does not hold the whole
+/// packet (a short capture, a sample's header copy of a big packet).
+pub fn check_icrc(frame: &[u8], l3_off: usize, stored: Option<[u8; 4]>) -> Option<bool> {
+    let computed = icrc(frame.get(l3_off..)?)?;
+    Some(stored == Some(computed))
+}
+
 /// The ICRC's running CRC over the 8 0xFF bytes and the IP and UDP headers (`headers`,
 /// IPv4 with its options), their variant fields masked. Packets of one flow and one
 /// length share it, so a sender computes it once per length.

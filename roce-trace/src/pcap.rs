@@ -12,7 +12,7 @@ use std::{
 use roce_trace_common::{
     account,
     datapath::*,
-    parse::{SlicePacket, load_icrc, parse_into},
+    parse::{INNER_HEAD_LEN, Packet, SlicePacket, load_icrc, parse_into},
 };
 use thiserror::Error;
 
@@ -185,11 +185,15 @@ impl Offline {
         g[GlobalCounter::FramesSeen.index(dir) as usize] += 1;
         let pkt = SlicePacket::new(&fr.data);
         let mut p = Default::default();
-        if let Err(reason) = parse_into(&pkt, cfg.udp_port, &mut p) {
+        let mut inner = [0u8; INNER_HEAD_LEN];
+        if let Err(reason) = parse_into(&pkt, cfg.udp_port, &mut p, &mut inner) {
             g[reason.index(dir) as usize] += 1;
             return;
         }
         g[GlobalCounter::RoceV2.index(dir) as usize] += 1;
+        if p.mirror().is_some() {
+            g[GlobalCounter::Mirrored.index(dir) as usize] += 1;
+        }
         load_icrc(&pkt, &mut p);
         let key = account::flow_key(&p, 0, dir);
         let (state, counters) = self
@@ -211,9 +215,8 @@ impl Offline {
             fr.time_ns,
             &update,
         );
-        // The ICRC: recomputed over the whole IP packet (when it was captured whole).
-        let l3 = (14 + 4 * p.vlan_depth as usize).min(fr.data.len());
-        let icrc_ok = crate::frame::icrc(&fr.data[l3..]).is_some_and(|c| p.icrc() == Some(c));
+        // The ICRC, recomputed over the whole IP packet; one captured short counts as wrong.
+        let icrc_ok = crate::frame::check_icrc(&fr.data, p.l3_off as usize, p.icrc()) == Some(true);
         let e = self.icrc_errors.entry(key).or_default();
         if !icrc_ok {
             *e += 1;
@@ -221,6 +224,8 @@ impl Offline {
         let reasons = account::reasons(&p, &cfg);
         if reasons != 0 {
             g[GlobalCounter::SamplesEmitted.index(dir) as usize] += 1;
+            let mut head = [0u8; SAMPLE_HEAD_LEN];
+            let head_len = pkt.load_head(&mut head);
             on_sample(&Sample {
                 ts_ns: fr.time_ns,
                 key,
@@ -233,6 +238,8 @@ impl Offline {
                 pkey: p.bth.pkey(),
                 udp_dport: p.udp_dport,
                 udp_len: p.udp_len,
+                head_len,
+                l3_off: p.l3_off,
                 opcode: p.bth.opcode,
                 bth_flags: p.bth.flags,
                 bth_fecn_becn: p.bth.fecn_becn,
@@ -246,7 +253,7 @@ impl Offline {
                 present: p.present,
                 _pad: [0; 3],
                 reasons,
-                _pad2: 0,
+                head,
             });
         }
     }
