@@ -503,6 +503,7 @@ mod tests {
             pps: 1000.0,
             gbps: 0.008,
             icrc_errors: None,
+            mirror: None,
         }
     }
 
