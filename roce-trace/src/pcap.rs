@@ -156,6 +156,82 @@ fn read_pcapng(r: impl Read, mut f: impl FnMut(Frame)) -> Result<u64, PcapError>
     Ok(n)
 }
 
+/// Sampled packets as pcapng, for Wireshark: one Interface Description Block per
+/// observation point (its name `node/iface/direction`, nanosecond timestamps), each
+/// packet's leading bytes with its original length, and a comment saying why it was
+/// sampled.
+pub struct PcapNgOut<W: std::io::Write> {
+    w: pcap_file::pcapng::PcapNgWriter<W>,
+    ids: HashMap<String, u32>,
+}
+
+impl<W: std::io::Write> PcapNgOut<W> {
+    pub fn new(w: W) -> Result<Self, PcapError> {
+        let w = pcap_file::pcapng::PcapNgWriter::new(w).map_err(|e| PcapError::PcapNg(e.to_string()))?;
+        Ok(Self {
+            w,
+            ids: HashMap::new(),
+        })
+    }
+
+    /// One packet seen at `point`; its interface is described on first use.
+    pub fn write(
+        &mut self,
+        point: &str,
+        time_ns: u64,
+        orig_len: u32,
+        data: &[u8],
+        comment: String,
+    ) -> Result<(), PcapError> {
+        use std::borrow::Cow;
+
+        use pcap_file::{
+            DataLink,
+            pcapng::blocks::{
+                enhanced_packet::{EnhancedPacketBlock, EnhancedPacketOption},
+                interface_description::{InterfaceDescriptionBlock, InterfaceDescriptionOption},
+            },
+        };
+        let err = |e: pcap_file::PcapError| PcapError::PcapNg(e.to_string());
+        let id = match self.ids.get(point) {
+            Some(&id) => id,
+            None => {
+                let id = self.ids.len() as u32;
+                self.w
+                    .write_pcapng_block(InterfaceDescriptionBlock {
+                        linktype: DataLink::ETHERNET,
+                        snaplen: SAMPLE_HEAD_LEN as u32,
+                        options: vec![
+                            InterfaceDescriptionOption::IfName(Cow::Owned(point.to_owned())),
+                            InterfaceDescriptionOption::IfDescription(Cow::Borrowed(
+                                "roce-trace observation point",
+                            )),
+                            // pcap-file writes timestamps in nanoseconds.
+                            InterfaceDescriptionOption::IfTsResol(9),
+                        ],
+                    })
+                    .map_err(err)?;
+                self.ids.insert(point.to_owned(), id);
+                id
+            }
+        };
+        self.w
+            .write_pcapng_block(EnhancedPacketBlock {
+                interface_id: id,
+                timestamp: std::time::Duration::from_nanos(time_ns),
+                original_len: orig_len.max(data.len() as u32),
+                data: Cow::Borrowed(data),
+                options: vec![EnhancedPacketOption::Comment(Cow::Owned(comment))],
+            })
+            .map_err(err)?;
+        Ok(())
+    }
+
+    pub fn flush(&mut self) -> std::io::Result<()> {
+        self.w.get_mut().flush()
+    }
+}
+
 /// Flows, samples and counters of a capture, as the datapath would have made them.
 #[derive(Default)]
 pub struct Offline {
