@@ -40,9 +40,11 @@ pub struct FlowKey {
     /// IPv6 address, or IPv4 mapped as `::ffff:a.b.c.d`.
     pub src: [u8; 16],
     pub dst: [u8; 16],
-    /// Outer source address of a mirrored copy (the switch), mapped like `src`; zero when
-    /// `mirror_kind` is `MIRROR_NONE`.
-    pub mirror_src: [u8; 16],
+    /// Outer source address of a mirrored copy (the switch), mapped like `src`, its 16
+    /// bytes held as words in memory order (word copies stay inline in the kernel, byte
+    /// arrays become calls); zero when `mirror_kind` is `MIRROR_NONE`. See
+    /// [`FlowKey::mirror_addr`].
+    pub mirror_src: [u32; 4],
     pub ifindex: u32,
     pub dest_qp: u32,
     /// ERSPAN session id, or the GRE key of plain GRE (0 without one).
@@ -54,6 +56,29 @@ pub struct FlowKey {
     /// `MIRROR_*`.
     pub mirror_kind: u8,
     pub _pad: [u8; 3],
+}
+
+impl FlowKey {
+    /// The switch's address bytes (`mirror_src`), mapped like `src`.
+    pub fn mirror_addr(&self) -> [u8; 16] {
+        addr_of_words(self.mirror_src)
+    }
+}
+
+/// 16 address bytes as four words in memory order, and back.
+#[inline(always)]
+pub fn words_of_addr(a: [u8; 16]) -> [u32; 4] {
+    let w = |i: usize| u32::from_ne_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
+    [w(0), w(4), w(8), w(12)]
+}
+
+/// The inverse of [`words_of_addr`].
+pub fn addr_of_words(w: [u32; 4]) -> [u8; 16] {
+    let mut a = [0u8; 16];
+    for (i, x) in w.iter().enumerate() {
+        a[4 * i..4 * i + 4].copy_from_slice(&x.to_ne_bytes());
+    }
+    a
 }
 
 /// Exact per-flow counters, one copy per CPU (summed in userspace).

@@ -24,7 +24,7 @@ pub struct MirrorSession {
 impl MirrorSession {
     pub fn of_key(k: &FlowKey) -> Option<Self> {
         (k.mirror_kind != MIRROR_NONE).then(|| Self {
-            src: ip_of_mapped(&k.mirror_src),
+            src: ip_of_mapped(&k.mirror_addr()),
             session: k.mirror_session,
             kind: k.mirror_kind,
         })
@@ -312,7 +312,7 @@ mod tests {
         let mut sw = FlowKey {
             mirror_kind: MIRROR_ERSPAN_II,
             mirror_session: 7,
-            mirror_src: std::net::Ipv4Addr::new(192, 0, 2, 9).to_ipv6_mapped().octets(),
+            mirror_src: words_of_addr(std::net::Ipv4Addr::new(192, 0, 2, 9).to_ipv6_mapped().octets()),
             ..plain
         };
         assert_eq!(t.index_of(&plain), Some(0));

@@ -795,7 +795,7 @@ fn check_row(t: &mut ProgTest, r: &Row, dir: u8) {
                 "{ctx}: mirror bit"
             );
             if let Some((sw, session, kind)) = r.mirror {
-                assert_eq!(k.mirror_src, mapped(sw), "{ctx}: the switch");
+                assert_eq!(k.mirror_addr(), mapped(sw), "{ctx}: the switch");
                 assert_eq!(
                     (k.mirror_session, k.mirror_kind),
                     (session, kind),
@@ -812,7 +812,7 @@ fn check_row(t: &mut ProgTest, r: &Row, dir: u8) {
             } else {
                 assert_eq!(
                     (k.mirror_src, k.mirror_session, k.mirror_kind),
-                    ([0; 16], 0, MIRROR_NONE),
+                    ([0; 4], 0, MIRROR_NONE),
                     "{ctx}: not mirrored"
                 );
                 assert_eq!(g.get(GlobalCounter::Mirrored, dir), 0, "{ctx}: mirrored count");
