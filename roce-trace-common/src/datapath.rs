@@ -6,6 +6,18 @@
 pub const DIR_INGRESS: u8 = 0;
 /// Packets the program saw leaving (TC egress).
 pub const DIR_EGRESS: u8 = 1;
+/// Direction of a mirror-session observation point (userspace only: the kernel keys a
+/// mirrored copy by the hook that received it and by its mirror session).
+pub const DIR_MIRROR: u8 = 2;
+
+/// How a mirrored copy reached us (`FlowKey::mirror_kind`); 0: it was not mirrored.
+pub const MIRROR_NONE: u8 = 0;
+/// Plain GRE carrying an Ethernet frame (0x6558) or an IP packet.
+pub const MIRROR_GRE: u8 = 1;
+/// ERSPAN type I: GRE protocol 0x88BE without a sequence number, no ERSPAN header.
+pub const MIRROR_ERSPAN_I: u8 = 2;
+pub const MIRROR_ERSPAN_II: u8 = 3;
+pub const MIRROR_ERSPAN_III: u8 = 4;
 
 /// Map and global names, shared so the loader and the programs cannot disagree.
 pub const MAP_FLOWS: &str = "FLOWS";
@@ -19,19 +31,54 @@ pub const PROG_TC: &str = "roce_tc";
 pub const DEFAULT_MAX_FLOWS: u32 = 65_536;
 pub const SAMPLE_RING_BYTES: u32 = 4 << 20;
 
-/// One RDMA QP direction as seen at one observation point (interface + direction).
+/// One RDMA QP direction as seen at one observation point: interface + direction, and for
+/// a mirrored copy also the mirror session (outer source + session), so counters per
+/// mirror session are exact.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct FlowKey {
     /// IPv6 address, or IPv4 mapped as `::ffff:a.b.c.d`.
     pub src: [u8; 16],
     pub dst: [u8; 16],
+    /// Outer source address of a mirrored copy (the switch), mapped like `src`, its 16
+    /// bytes held as words in memory order (word copies stay inline in the kernel, byte
+    /// arrays become calls); zero when `mirror_kind` is `MIRROR_NONE`. See
+    /// [`FlowKey::mirror_addr`].
+    pub mirror_src: [u32; 4],
     pub ifindex: u32,
     pub dest_qp: u32,
+    /// ERSPAN session id, or the GRE key of plain GRE (0 without one).
+    pub mirror_session: u32,
     pub udp_sport: u16,
     pub direction: u8,
     /// 4 or 6.
     pub ip_version: u8,
+    /// `MIRROR_*`.
+    pub mirror_kind: u8,
+    pub _pad: [u8; 3],
+}
+
+impl FlowKey {
+    /// The switch's address bytes (`mirror_src`), mapped like `src`.
+    pub fn mirror_addr(&self) -> [u8; 16] {
+        addr_of_words(self.mirror_src)
+    }
+}
+
+/// 16 address bytes as four words in memory order, and back.
+#[inline(always)]
+pub fn words_of_addr(a: [u8; 16]) -> [u32; 4] {
+    let w = |i: usize| u32::from_ne_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
+    [w(0), w(4), w(8), w(12)]
+}
+
+/// The inverse of [`words_of_addr`].
+pub fn addr_of_words(w: [u32; 4]) -> [u8; 16] {
+    let mut a = [0u8; 16];
+    for (i, x) in w.iter().enumerate() {
+        a[4 * i..4 * i + 4].copy_from_slice(&x.to_ne_bytes());
+    }
+    a
 }
 
 /// Exact per-flow counters, one copy per CPU (summed in userspace).
@@ -90,10 +137,16 @@ pub const HAS_RETH: u8 = 1 << 1;
 pub const HAS_DETH: u8 = 1 << 2;
 pub const HAS_ICRC: u8 = 1 << 3;
 pub const HAS_PCP: u8 = 1 << 4;
+/// Decapsulated from GRE/ERSPAN: the mirror fields of the key hold the session.
+pub const HAS_MIRROR: u8 = 1 << 5;
+
+/// Leading frame bytes a sample carries (headers; whole small packets such as CNPs and
+/// ACKs, whose ICRC userspace can then verify).
+pub const SAMPLE_HEAD_LEN: usize = 128;
 
 /// One sampled packet at one observation point, sent through the ring buffer.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sample {
     /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) when the program ran.
     pub ts_ns: u64,
@@ -108,6 +161,11 @@ pub struct Sample {
     pub pkey: u16,
     pub udp_dport: u16,
     pub udp_len: u16,
+    /// Bytes of `head` that hold frame data: `min(frame_len, SAMPLE_HEAD_LEN)`, or 0 when
+    /// they could not be read.
+    pub head_len: u16,
+    /// Offset of the (inner, for mirrored copies) IP header in the frame.
+    pub l3_off: u16,
     pub opcode: u8,
     /// BTH byte 1: SE, M, PadCnt, TVer.
     pub bth_flags: u8,
@@ -126,7 +184,43 @@ pub struct Sample {
     pub _pad: [u8; 3],
     /// `REASON_*` bits.
     pub reasons: u32,
-    pub _pad2: u32,
+    /// The frame's first `head_len` bytes, as received (outer headers of a mirrored copy
+    /// included).
+    pub head: [u8; SAMPLE_HEAD_LEN],
+}
+
+impl Default for Sample {
+    fn default() -> Self {
+        Self {
+            ts_ns: 0,
+            key: FlowKey::default(),
+            psn: 0,
+            frame_len: 0,
+            reth_dma_len: 0,
+            aeth_msn: 0,
+            deth_src_qp: 0,
+            icrc: [0; 4],
+            pkey: 0,
+            udp_dport: 0,
+            udp_len: 0,
+            head_len: 0,
+            l3_off: 0,
+            opcode: 0,
+            bth_flags: 0,
+            bth_fecn_becn: 0,
+            bth_ack_req: 0,
+            dscp: 0,
+            ecn: 0,
+            ttl: 0,
+            pcp: 0,
+            aeth_syndrome: 0,
+            vlan_depth: 0,
+            present: 0,
+            _pad: [0; 3],
+            reasons: 0,
+            head: [0; SAMPLE_HEAD_LEN],
+        }
+    }
 }
 
 /// Load-time configuration, set with `EbpfLoader::override_global(GLOBAL_CONFIG, …)`.
@@ -179,13 +273,19 @@ pub enum GlobalCounter {
     RingbufFull = 16,
     FlowInsertFailed = 17,
     PsnRegressions = 18,
+    /// A GRE or ERSPAN header (or its optional fields) runs past the frame.
+    TruncatedEncap = 19,
+    /// GRE version or routing, ERSPAN version or frame type we cannot decapsulate.
+    BadEncap = 20,
+    /// RoCEv2 packets decapsulated from GRE/ERSPAN (mirrored copies), also in `RoceV2`.
+    Mirrored = 21,
 }
 
 pub const GLOBAL_COUNTERS_PER_DIR: u32 = 32;
 pub const GLOBAL_COUNTERS_LEN: u32 = GLOBAL_COUNTERS_PER_DIR * 2;
 
 impl GlobalCounter {
-    pub const ALL: [GlobalCounter; 19] = [
+    pub const ALL: [GlobalCounter; 22] = [
         Self::FramesSeen,
         Self::RoceV2,
         Self::NonRoce,
@@ -205,6 +305,9 @@ impl GlobalCounter {
         Self::RingbufFull,
         Self::FlowInsertFailed,
         Self::PsnRegressions,
+        Self::TruncatedEncap,
+        Self::BadEncap,
+        Self::Mirrored,
     ];
 
     #[inline(always)]
@@ -234,6 +337,9 @@ impl GlobalCounter {
             Self::RingbufFull => "ringbuf_full",
             Self::FlowInsertFailed => "flow_insert_failed",
             Self::PsnRegressions => "psn_regressions",
+            Self::TruncatedEncap => "truncated_encap",
+            Self::BadEncap => "bad_encap",
+            Self::Mirrored => "mirrored",
         }
     }
 
@@ -251,15 +357,18 @@ impl GlobalCounter {
                 | Self::BadUdpLength
                 | Self::TruncatedBth
                 | Self::TruncatedExtHeader
+                | Self::TruncatedEncap
+                | Self::BadEncap
         )
     }
 }
 
 const _: () = {
-    assert!(core::mem::size_of::<FlowKey>() == 44);
+    assert!(core::mem::size_of::<FlowKey>() == 68);
     assert!(core::mem::size_of::<FlowCounters>() == 128);
     assert!(core::mem::size_of::<FlowState>() == 8);
-    assert!(core::mem::size_of::<Sample>() == 104);
+    assert!(core::mem::size_of::<Sample>() == 256);
+    assert!(core::mem::offset_of!(Sample, head) == 128);
     assert!(core::mem::size_of::<DatapathConfig>() == 24);
     assert!((GlobalCounter::ALL.len() as u32) < GLOBAL_COUNTERS_PER_DIR);
 };

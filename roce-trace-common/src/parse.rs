@@ -3,7 +3,11 @@
 //! and userspace implements over byte slices (tests, pcap input). Everything is
 //! `#[inline(always)]` so the kernel build is straight-line code the verifier accepts.
 
-use crate::datapath::{GlobalCounter, HAS_AETH, HAS_DETH, HAS_ICRC, HAS_PCP, HAS_RETH};
+use crate::datapath::{
+    GlobalCounter, HAS_AETH, HAS_DETH, HAS_ICRC, HAS_MIRROR, HAS_PCP, HAS_RETH, MIRROR_ERSPAN_I,
+    MIRROR_ERSPAN_II, MIRROR_ERSPAN_III, MIRROR_GRE, MIRROR_NONE, SAMPLE_HEAD_LEN, addr_of_words,
+    words_of_addr,
+};
 use crate::roce::{self, ext_layout};
 use crate::wire::*;
 
@@ -21,6 +25,73 @@ pub trait Packet {
     fn load4(&self, off: usize) -> Option<[u8; 4]>;
     /// The outermost VLAN TCI when the NIC or stack removed the tag from packet data.
     fn offload_vlan_tci(&self) -> Option<u16>;
+    /// Copies the frame's first `min(frame length, SAMPLE_HEAD_LEN)` bytes into `dst`;
+    /// how many (0 when they could not be read). Only reported packets pay for it.
+    fn load_head(&self, dst: &mut [u8; SAMPLE_HEAD_LEN]) -> u16;
+    /// Copies `min(frame length - off, INNER_HEAD_LEN)` bytes from `off` into `dst`; how
+    /// many (0 when none could be read).
+    fn copy_out(&self, off: usize, dst: &mut [u8; INNER_HEAD_LEN]) -> usize;
+}
+
+/// Bytes of a mirrored copy's inner frame the parser looks at (Ethernet, tags, IP with
+/// some extension headers, UDP, BTH, extended headers).
+pub const INNER_HEAD_LEN: usize = 256;
+
+/// The inner frame of a mirrored copy, copied out of the packet into a buffer of fixed
+/// size. Parsing a copy keeps the verifier's work additive: the inner parse starts from the
+/// same buffer whatever outer headers (tags, options, GRE fields) came before it.
+pub struct InnerPacket<'a> {
+    buf: &'a [u8; INNER_HEAD_LEN],
+    len: usize,
+}
+
+impl<'a> InnerPacket<'a> {
+    #[inline(always)]
+    pub fn new(buf: &'a [u8; INNER_HEAD_LEN], len: usize) -> Self {
+        Self { buf, len }
+    }
+}
+
+impl Packet for InnerPacket<'_> {
+    #[inline(always)]
+    fn header<T: Header>(&self, off: usize) -> Option<&T> {
+        // The first test bounds `off` within the buffer for the verifier; the second
+        // within the bytes that were copied.
+        if off > INNER_HEAD_LEN - T::LEN || off + T::LEN > self.len {
+            return None;
+        }
+        // SAFETY: [off, off + LEN) lies inside `buf` (checked above); `Header` types are
+        // alignment-1 byte structs valid for any bytes.
+        Some(unsafe { &*(self.buf.as_ptr().add(off) as *const T) })
+    }
+
+    #[inline(always)]
+    fn load4(&self, off: usize) -> Option<[u8; 4]> {
+        self.header::<[u8; 4]>(off).copied()
+    }
+
+    #[inline(always)]
+    fn offload_vlan_tci(&self) -> Option<u16> {
+        None
+    }
+
+    #[inline(always)]
+    fn load_head(&self, dst: &mut [u8; SAMPLE_HEAD_LEN]) -> u16 {
+        let n = if self.len < SAMPLE_HEAD_LEN {
+            self.len
+        } else {
+            SAMPLE_HEAD_LEN
+        };
+        dst[..n].copy_from_slice(&self.buf[..n]);
+        n as u16
+    }
+
+    #[inline(always)]
+    fn copy_out(&self, off: usize, dst: &mut [u8; INNER_HEAD_LEN]) -> usize {
+        let n = self.len.saturating_sub(off);
+        dst[..n].copy_from_slice(&self.buf[off..off + n]);
+        n
+    }
 }
 
 /// The fields of one RoCEv2 packet that the datapath records.
@@ -52,6 +123,13 @@ pub struct Parsed {
     pub icrc: [u8; 4],
     /// Offset of the ICRC in the frame.
     pub icrc_off: u32,
+    /// Offset of the IP header (the inner one of a mirrored copy).
+    pub l3_off: u16,
+    /// Valid with `HAS_MIRROR`: the outer source (mapped like `src`), the ERSPAN session id
+    /// or GRE key, and `datapath::MIRROR_*`.
+    pub mirror_src: [u32; 4],
+    pub mirror_session: u32,
+    pub mirror_kind: u8,
     /// `datapath::HAS_*` bits. Plain fields plus bits rather than `Option`s: writing a
     /// `None` leaves undefined bytes, which the verifier rejects.
     pub present: u8,
@@ -69,7 +147,8 @@ fn mapped_v4(a: [u8; 4]) -> [u8; 16] {
 /// [`parse_into`]).
 pub fn parse<P: Packet>(p: &P, udp_port: u16) -> Result<Parsed, Skip> {
     let mut out = Parsed::default();
-    parse_into(p, udp_port, &mut out)?;
+    let mut inner = [0u8; INNER_HEAD_LEN];
+    parse_into(p, udp_port, &mut out, &mut inner)?;
     load_icrc(p, &mut out);
     Ok(out)
 }
@@ -87,104 +166,69 @@ pub fn load_icrc<P: Packet>(p: &P, out: &mut Parsed) {
 
 /// Parses `p` as Ethernet → VLANs → IPv4/IPv6 → UDP(`udp_port`) → BTH → extended headers,
 /// writing into `out` (in the kernel a per-CPU scratch slot: the BPF stack is 512 bytes).
-/// On error `out` holds a partial parse and must not be used.
+/// A mirrored copy — IP → GRE (plain, ERSPAN I/II/III) → Ethernet or IP — is
+/// decapsulated once: its inner frame is copied into `inner` and parsed there, and the
+/// outer source and the session are recorded (`HAS_MIRROR`). On error `out` holds a
+/// partial parse and must not be used.
 #[inline(always)]
-pub fn parse_into<P: Packet>(p: &P, udp_port: u16, out: &mut Parsed) -> Result<(), Skip> {
-    let eth: &EthHdr = p.header(0).ok_or(Skip::TruncatedL2)?;
-    let mut ether_type = eth.ether_type();
-    let mut off = EthHdr::LEN;
-
+pub fn parse_into<P: Packet>(
+    p: &P,
+    udp_port: u16,
+    out: &mut Parsed,
+    inner: &mut [u8; INNER_HEAD_LEN],
+) -> Result<(), Skip> {
     out.present = 0;
     if let Some(tci) = p.offload_vlan_tci() {
         out.pcp = pcp_of_tci(tci);
         out.present |= HAS_PCP;
     }
-    out.vlan_depth = 0;
-    for _ in 0..MAX_VLAN_DEPTH {
-        if ether_type != ETH_P_8021Q && ether_type != ETH_P_8021AD {
-            break;
+    let (ether_type, off) = parse_l2(p, 0, out)?;
+    let (proto, off, l4_len) = parse_ip(p, ether_type, off, out)?;
+    if proto == IPPROTO_GRE {
+        out.mirror_src = words_of_addr(out.src);
+        let (inner_type, inner_off) = parse_mirror(p, off, l4_len, out)?;
+        // The class that matters is the mirrored packet's: the outer tags belong to the
+        // mirror's transport.
+        out.present = HAS_MIRROR;
+        let n = p.copy_out(inner_off, inner);
+        let q = InnerPacket::new(inner, n);
+        let (et, off) = if inner_type == GRE_PROTO_TEB {
+            parse_l2(&q, 0, out)?
+        } else {
+            out.vlan_depth = 0;
+            (inner_type, 0)
+        };
+        let (proto, off, l4_len) = parse_ip(&q, et, off, out)?;
+        if proto != IPPROTO_UDP {
+            return Err(Skip::NonRoce);
         }
-        let tag: &VlanHdr = p.header(off).ok_or(Skip::TruncatedL2)?;
-        if out.present & HAS_PCP == 0 {
-            out.pcp = tag.pcp();
-            out.present |= HAS_PCP;
-        }
-        ether_type = tag.ether_type();
-        off += VlanHdr::LEN;
-        out.vlan_depth += 1;
+        out.l3_off += inner_off as u16;
+        return parse_roce(&q, off, l4_len, udp_port, inner_off, out);
     }
-    if ether_type == ETH_P_8021Q || ether_type == ETH_P_8021AD {
-        return Err(Skip::VlanTooDeep);
+    out.mirror_kind = MIRROR_NONE;
+    out.mirror_session = 0;
+    // Word stores kept apart: merged into one memset they become a call (a byte loop) in
+    // the kernel build, on every packet.
+    for w in &mut out.mirror_src {
+        // SAFETY: `w` is a valid, aligned, exclusive reference to a u32.
+        unsafe { core::ptr::write_volatile(w, 0) };
     }
+    parse_roce(p, off, l4_len, udp_port, 0, out)
+}
 
-    let tos;
-    // Bytes from the start of the UDP header to the end of the IP payload.
-    let l4_len: usize;
-    match ether_type {
-        ETH_P_IPV4 => {
-            let ip: &Ipv4Hdr = p.header(off).ok_or(Skip::TruncatedIp)?;
-            let ihl = ip.header_len();
-            let tot = ip.tot_len() as usize;
-            if ip.version() != 4 || ihl < Ipv4Hdr::LEN || tot < ihl {
-                return Err(Skip::BadIpHeader);
-            }
-            if ip.protocol != IPPROTO_UDP {
-                return Err(Skip::NonRoce);
-            }
-            if ip.is_fragment() {
-                return Err(Skip::Fragment);
-            }
-            out.ip_version = 4;
-            out.src = mapped_v4(ip.src);
-            out.dst = mapped_v4(ip.dst);
-            tos = ip.tos;
-            out.ttl = ip.ttl;
-            l4_len = tot - ihl;
-            off += ihl;
-        }
-        ETH_P_IPV6 => {
-            let ip: &Ipv6Hdr = p.header(off).ok_or(Skip::TruncatedIp)?;
-            if ip.version() != 6 {
-                return Err(Skip::BadIpHeader);
-            }
-            out.ip_version = 6;
-            out.src = ip.src;
-            out.dst = ip.dst;
-            tos = ip.traffic_class();
-            out.ttl = ip.hop_limit;
-            let mut next = ip.next_hdr;
-            let mut remaining = ip.payload_len() as usize;
-            off += Ipv6Hdr::LEN;
-            for _ in 0..MAX_IPV6_EXT {
-                match next {
-                    IPV6_EXT_HOP_BY_HOP | IPV6_EXT_ROUTING | IPV6_EXT_DEST_OPTS | IPV6_EXT_AUTH => {
-                        let ext: &Ipv6ExtHdr = p.header(off).ok_or(Skip::TruncatedIp)?;
-                        let len = ext.length(next);
-                        if len > remaining {
-                            return Err(Skip::BadIpHeader);
-                        }
-                        next = ext.next_hdr;
-                        remaining -= len;
-                        off += len;
-                    }
-                    IPV6_EXT_FRAGMENT => return Err(Skip::Fragment),
-                    _ => break,
-                }
-            }
-            if next != IPPROTO_UDP {
-                return Err(match next {
-                    IPV6_EXT_HOP_BY_HOP | IPV6_EXT_ROUTING | IPV6_EXT_DEST_OPTS | IPV6_EXT_AUTH => {
-                        Skip::Ipv6ExtTooDeep
-                    }
-                    _ => Skip::NonRoce,
-                });
-            }
-            l4_len = remaining;
-        }
-        ETH_P_ROCEV1 => return Err(Skip::RoceV1),
-        _ => return Err(Skip::NonRoce),
-    }
-
+/// UDP(`udp_port`) at `off` of an IP payload of `l4_len` bytes, the BTH and extended
+/// headers. `base`: where `p` starts in the frame (a mirrored copy's inner frame), so the
+/// ICRC offset is the frame's.
+#[inline(always)]
+fn parse_roce<P: Packet>(
+    p: &P,
+    off: usize,
+    l4_len: usize,
+    udp_port: u16,
+    base: usize,
+    out: &mut Parsed,
+) -> Result<(), Skip> {
+    let mut off = off;
     let udp: &UdpHdr = p.header(off).ok_or(Skip::TruncatedUdp)?;
     let udp_dport = udp.dst_port();
     if udp_dport != udp_port {
@@ -226,13 +270,182 @@ pub fn parse_into<P: Packet>(p: &P, udp_port: u16, out: &mut Parsed) -> Result<(
             .src_qp();
         out.present |= HAS_DETH;
     }
-    out.icrc_off = (udp_off + udp_len as usize - ICRC_LEN) as u32;
-    out.dscp = tos >> 2;
-    out.ecn = tos & 0x3;
+    out.icrc_off = (base + udp_off + udp_len as usize - ICRC_LEN) as u32;
     out.udp_sport = udp.src_port();
     out.udp_dport = udp_dport;
     out.udp_len = udp_len;
     Ok(())
+}
+
+/// Ethernet and its VLAN tags from `off`: the EtherType after the tags and where the L3
+/// header starts. The first tag seen gives the PCP unless one is already known.
+#[inline(always)]
+fn parse_l2<P: Packet>(p: &P, off: usize, out: &mut Parsed) -> Result<(u16, usize), Skip> {
+    let eth: &EthHdr = p.header(off).ok_or(Skip::TruncatedL2)?;
+    let mut ether_type = eth.ether_type();
+    let mut off = off + EthHdr::LEN;
+    out.vlan_depth = 0;
+    for _ in 0..MAX_VLAN_DEPTH {
+        if ether_type != ETH_P_8021Q && ether_type != ETH_P_8021AD {
+            break;
+        }
+        let tag: &VlanHdr = p.header(off).ok_or(Skip::TruncatedL2)?;
+        if out.present & HAS_PCP == 0 {
+            out.pcp = tag.pcp();
+            out.present |= HAS_PCP;
+        }
+        ether_type = tag.ether_type();
+        off += VlanHdr::LEN;
+        out.vlan_depth += 1;
+    }
+    if ether_type == ETH_P_8021Q || ether_type == ETH_P_8021AD {
+        return Err(Skip::VlanTooDeep);
+    }
+    Ok((ether_type, off))
+}
+
+/// The IP header at `off` (`ether_type` says which): addresses, class and TTL into `out`;
+/// returns the payload's protocol (UDP or GRE; anything else is not ours), where it
+/// starts and how long it is.
+#[inline(always)]
+fn parse_ip<P: Packet>(
+    p: &P,
+    ether_type: u16,
+    off: usize,
+    out: &mut Parsed,
+) -> Result<(u8, usize, usize), Skip> {
+    out.l3_off = off as u16;
+    let tos;
+    let proto;
+    let l4_len: usize;
+    let mut off = off;
+    match ether_type {
+        ETH_P_IPV4 => {
+            let ip: &Ipv4Hdr = p.header(off).ok_or(Skip::TruncatedIp)?;
+            let ihl = ip.header_len();
+            let tot = ip.tot_len() as usize;
+            if ip.version() != 4 || ihl < Ipv4Hdr::LEN || tot < ihl {
+                return Err(Skip::BadIpHeader);
+            }
+            if ip.protocol != IPPROTO_UDP && ip.protocol != IPPROTO_GRE {
+                return Err(Skip::NonRoce);
+            }
+            if ip.is_fragment() {
+                return Err(Skip::Fragment);
+            }
+            out.ip_version = 4;
+            out.src = mapped_v4(ip.src);
+            out.dst = mapped_v4(ip.dst);
+            tos = ip.tos;
+            out.ttl = ip.ttl;
+            proto = ip.protocol;
+            l4_len = tot - ihl;
+            off += ihl;
+        }
+        ETH_P_IPV6 => {
+            let ip: &Ipv6Hdr = p.header(off).ok_or(Skip::TruncatedIp)?;
+            if ip.version() != 6 {
+                return Err(Skip::BadIpHeader);
+            }
+            out.ip_version = 6;
+            out.src = ip.src;
+            out.dst = ip.dst;
+            tos = ip.traffic_class();
+            out.ttl = ip.hop_limit;
+            let mut next = ip.next_hdr;
+            let mut remaining = ip.payload_len() as usize;
+            off += Ipv6Hdr::LEN;
+            for _ in 0..MAX_IPV6_EXT {
+                match next {
+                    IPV6_EXT_HOP_BY_HOP | IPV6_EXT_ROUTING | IPV6_EXT_DEST_OPTS | IPV6_EXT_AUTH => {
+                        let ext: &Ipv6ExtHdr = p.header(off).ok_or(Skip::TruncatedIp)?;
+                        let len = ext.length(next);
+                        if len > remaining {
+                            return Err(Skip::BadIpHeader);
+                        }
+                        next = ext.next_hdr;
+                        remaining -= len;
+                        off += len;
+                    }
+                    IPV6_EXT_FRAGMENT => return Err(Skip::Fragment),
+                    _ => break,
+                }
+            }
+            if next != IPPROTO_UDP && next != IPPROTO_GRE {
+                return Err(match next {
+                    IPV6_EXT_HOP_BY_HOP | IPV6_EXT_ROUTING | IPV6_EXT_DEST_OPTS | IPV6_EXT_AUTH => {
+                        Skip::Ipv6ExtTooDeep
+                    }
+                    _ => Skip::NonRoce,
+                });
+            }
+            proto = next;
+            l4_len = remaining;
+        }
+        ETH_P_ROCEV1 => return Err(Skip::RoceV1),
+        _ => return Err(Skip::NonRoce),
+    }
+    out.dscp = tos >> 2;
+    out.ecn = tos & 0x3;
+    Ok((proto, off, l4_len))
+}
+
+/// The GRE header at `off` (and the ERSPAN header after it) of an IP payload of `len`
+/// bytes: records the mirror kind and session in `out`; returns what follows —
+/// [`GRE_PROTO_TEB`] for an Ethernet frame, or an IP EtherType — and where.
+#[inline(always)]
+fn parse_mirror<P: Packet>(p: &P, off: usize, len: usize, out: &mut Parsed) -> Result<(u16, usize), Skip> {
+    let gre: &GreHdr = p.header(off).ok_or(Skip::TruncatedEncap)?;
+    let flags = gre.flags();
+    if gre.version() != 0 || flags & GRE_ROUTING != 0 {
+        return Err(Skip::BadEncap);
+    }
+    let gre_len = gre.header_len();
+    if gre_len > len {
+        return Err(Skip::TruncatedEncap);
+    }
+    let mut inner = off + gre_len;
+    out.mirror_session = 0;
+    match gre.protocol() {
+        GRE_PROTO_ERSPAN_II if flags & GRE_SEQ == 0 => {
+            // Type I: the mirrored frame follows the bare GRE header.
+            out.mirror_kind = MIRROR_ERSPAN_I;
+            Ok((GRE_PROTO_TEB, inner))
+        }
+        GRE_PROTO_ERSPAN_II => {
+            let e: &ErspanIIHdr = p.header(inner).ok_or(Skip::TruncatedEncap)?;
+            if e.version() != ERSPAN_II_VERSION {
+                return Err(Skip::BadEncap);
+            }
+            out.mirror_kind = MIRROR_ERSPAN_II;
+            out.mirror_session = e.session_id() as u32;
+            Ok((GRE_PROTO_TEB, inner + ErspanIIHdr::LEN))
+        }
+        GRE_PROTO_ERSPAN_III => {
+            let e: &ErspanIIIHdr = p.header(inner).ok_or(Skip::TruncatedEncap)?;
+            if e.version() != ERSPAN_III_VERSION || e.frame_type() != ERSPAN_III_FT_ETHERNET {
+                return Err(Skip::BadEncap);
+            }
+            out.mirror_kind = MIRROR_ERSPAN_III;
+            out.mirror_session = e.session_id() as u32;
+            inner += ErspanIIIHdr::LEN;
+            if e.has_platform_subheader() {
+                p.header::<ErspanIIIPlatformHdr>(inner)
+                    .ok_or(Skip::TruncatedEncap)?;
+                inner += ErspanIIIPlatformHdr::LEN;
+            }
+            Ok((GRE_PROTO_TEB, inner))
+        }
+        proto @ (GRE_PROTO_TEB | ETH_P_IPV4 | ETH_P_IPV6) => {
+            out.mirror_kind = MIRROR_GRE;
+            if flags & GRE_KEY != 0 {
+                let key = p.load4(off + gre.key_offset()).ok_or(Skip::TruncatedEncap)?;
+                out.mirror_session = u32::from_be_bytes(key);
+            }
+            Ok((proto, inner))
+        }
+        _ => Err(Skip::NonRoce),
+    }
 }
 
 impl Parsed {
@@ -263,6 +476,14 @@ impl Parsed {
     }
     pub fn icrc(&self) -> Option<[u8; 4]> {
         self.has(HAS_ICRC).then_some(self.icrc)
+    }
+    /// (outer source, session, `MIRROR_*`) of a mirrored copy.
+    pub fn mirror(&self) -> Option<([u8; 16], u32, u8)> {
+        self.has(HAS_MIRROR).then_some((
+            addr_of_words(self.mirror_src),
+            self.mirror_session,
+            self.mirror_kind,
+        ))
     }
 }
 
@@ -295,5 +516,18 @@ impl Packet for SlicePacket<'_> {
 
     fn offload_vlan_tci(&self) -> Option<u16> {
         self.vlan_tci
+    }
+
+    fn load_head(&self, dst: &mut [u8; SAMPLE_HEAD_LEN]) -> u16 {
+        let n = self.data.len().min(SAMPLE_HEAD_LEN);
+        dst[..n].copy_from_slice(&self.data[..n]);
+        n as u16
+    }
+
+    fn copy_out(&self, off: usize, dst: &mut [u8; INNER_HEAD_LEN]) -> usize {
+        let src = self.data.get(off..).unwrap_or_default();
+        let n = src.len().min(INNER_HEAD_LEN);
+        dst[..n].copy_from_slice(&src[..n]);
+        n
     }
 }

@@ -16,6 +16,9 @@ pub unsafe trait Header: Sized {
     }
 }
 
+// SAFETY: a byte array: any bytes are valid, alignment 1 (a 4-byte field read in place).
+unsafe impl Header for [u8; 4] {}
+
 pub const ETH_P_IPV4: u16 = 0x0800;
 pub const ETH_P_IPV6: u16 = 0x86DD;
 pub const ETH_P_8021Q: u16 = 0x8100;
@@ -23,7 +26,14 @@ pub const ETH_P_8021AD: u16 = 0x88A8;
 /// RoCEv1: BTH straight after a GRH, no IP/UDP. Counted, not parsed as v2.
 pub const ETH_P_ROCEV1: u16 = 0x8915;
 pub const IPPROTO_UDP: u8 = 17;
+pub const IPPROTO_GRE: u8 = 47;
 pub const ROCEV2_UDP_PORT: u16 = 4791;
+/// GRE protocol types of mirrored traffic: transparent Ethernet bridging (plain GRE
+/// carrying a whole frame), ERSPAN type I/II, ERSPAN type III. GRE may also carry IP
+/// directly (`ETH_P_IPV4` / `ETH_P_IPV6`).
+pub const GRE_PROTO_TEB: u16 = 0x6558;
+pub const GRE_PROTO_ERSPAN_II: u16 = 0x88BE;
+pub const GRE_PROTO_ERSPAN_III: u16 = 0x22EB;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -327,6 +337,199 @@ impl Deth {
     }
 }
 
+/// GRE base header (RFC 2784/2890): flags and version, protocol type. Checksum (C),
+/// key (K) and sequence number (S) each add 4 bytes, in that order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GreHdr {
+    /// C(15) R(14) K(13) S(12) s(11) Recur(10:8) Flags(7:3) Ver(2:0).
+    pub flags_version: [u8; 2],
+    pub protocol: [u8; 2],
+}
+// SAFETY: only byte fields.
+unsafe impl Header for GreHdr {}
+pub const GRE_CHECKSUM: u16 = 0x8000;
+/// RFC 1701 routing present: the header length is then unbounded; never sent for mirrors.
+pub const GRE_ROUTING: u16 = 0x4000;
+pub const GRE_KEY: u16 = 0x2000;
+pub const GRE_SEQ: u16 = 0x1000;
+impl GreHdr {
+    #[inline(always)]
+    pub fn flags(&self) -> u16 {
+        u16::from_be_bytes(self.flags_version)
+    }
+    #[inline(always)]
+    pub fn version(&self) -> u8 {
+        self.flags_version[1] & 0x7
+    }
+    #[inline(always)]
+    pub fn protocol(&self) -> u16 {
+        u16::from_be_bytes(self.protocol)
+    }
+    /// Offset of the key field from the start of the GRE header (valid with `GRE_KEY`).
+    #[inline(always)]
+    pub fn key_offset(&self) -> usize {
+        Self::LEN + if self.flags() & GRE_CHECKSUM != 0 { 4 } else { 0 }
+    }
+    /// The whole GRE header: base, checksum, key and sequence number as flagged.
+    #[inline(always)]
+    pub fn header_len(&self) -> usize {
+        let f = self.flags();
+        Self::LEN
+            + if f & GRE_CHECKSUM != 0 { 4 } else { 0 }
+            + if f & GRE_KEY != 0 { 4 } else { 0 }
+            + if f & GRE_SEQ != 0 { 4 } else { 0 }
+    }
+}
+
+pub const ERSPAN_II_VERSION: u8 = 1;
+pub const ERSPAN_III_VERSION: u8 = 2;
+/// Session ids are 10 bits.
+pub const ERSPAN_SESSION_MASK: u16 = 0x03ff;
+
+/// ERSPAN type II header (8 bytes, after a GRE header with a sequence number):
+/// Ver(4)=1 VLAN(12) | COS(3) En(2) T(1) Session ID(10) | Reserved(12) Index(20).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ErspanIIHdr {
+    pub ver_vlan: [u8; 2],
+    pub cos_en_t_session: [u8; 2],
+    pub reserved_index: [u8; 4],
+}
+// SAFETY: only byte fields.
+unsafe impl Header for ErspanIIHdr {}
+impl ErspanIIHdr {
+    #[inline(always)]
+    pub fn version(&self) -> u8 {
+        self.ver_vlan[0] >> 4
+    }
+    #[inline(always)]
+    pub fn vlan(&self) -> u16 {
+        u16::from_be_bytes(self.ver_vlan) & 0x0fff
+    }
+    #[inline(always)]
+    pub fn cos(&self) -> u8 {
+        self.cos_en_t_session[0] >> 5
+    }
+    /// How the original frame carried its VLAN: 0 untagged, 1 ISL, 2 802.1Q, 3 tag kept.
+    #[inline(always)]
+    pub fn encap_type(&self) -> u8 {
+        (self.cos_en_t_session[0] >> 3) & 0x3
+    }
+    /// The mirrored frame was truncated by the switch.
+    #[inline(always)]
+    pub fn truncated(&self) -> bool {
+        self.cos_en_t_session[0] & 0x04 != 0
+    }
+    #[inline(always)]
+    pub fn session_id(&self) -> u16 {
+        u16::from_be_bytes(self.cos_en_t_session) & ERSPAN_SESSION_MASK
+    }
+    #[inline(always)]
+    pub fn index(&self) -> u32 {
+        u32::from_be_bytes(self.reserved_index) & 0x000f_ffff
+    }
+}
+
+/// ERSPAN type III header (12 bytes): Ver(4)=2 VLAN(12) | COS(3) BSO(2) T(1) Session ID(10)
+/// | Timestamp(32) | SGT(16) | P(1) FT(5) HW ID(6) D(1) Gra(2) O(1). With O set, an
+/// 8-byte platform-specific subheader follows.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ErspanIIIHdr {
+    pub ver_vlan: [u8; 2],
+    pub cos_bso_t_session: [u8; 2],
+    pub timestamp: [u8; 4],
+    pub sgt: [u8; 2],
+    pub flags: [u8; 2],
+}
+// SAFETY: only byte fields.
+unsafe impl Header for ErspanIIIHdr {}
+/// The 8-byte platform-specific subheader of ERSPAN type III (its layout depends on the
+/// platform id; only skipped over).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ErspanIIIPlatformHdr {
+    pub bytes: [u8; 8],
+}
+// SAFETY: only byte fields.
+unsafe impl Header for ErspanIIIPlatformHdr {}
+impl ErspanIIIPlatformHdr {
+    /// Platform id (top 6 bits).
+    #[inline(always)]
+    pub fn platform_id(&self) -> u8 {
+        self.bytes[0] >> 2
+    }
+}
+/// Type III frame type of a mirrored Ethernet frame (the only one decapsulated).
+pub const ERSPAN_III_FT_ETHERNET: u8 = 0;
+impl ErspanIIIHdr {
+    #[inline(always)]
+    pub fn version(&self) -> u8 {
+        self.ver_vlan[0] >> 4
+    }
+    #[inline(always)]
+    pub fn vlan(&self) -> u16 {
+        u16::from_be_bytes(self.ver_vlan) & 0x0fff
+    }
+    #[inline(always)]
+    pub fn cos(&self) -> u8 {
+        self.cos_bso_t_session[0] >> 5
+    }
+    /// Bad/short/oversized frame status.
+    #[inline(always)]
+    pub fn bso(&self) -> u8 {
+        (self.cos_bso_t_session[0] >> 3) & 0x3
+    }
+    #[inline(always)]
+    pub fn truncated(&self) -> bool {
+        self.cos_bso_t_session[0] & 0x04 != 0
+    }
+    #[inline(always)]
+    pub fn session_id(&self) -> u16 {
+        u16::from_be_bytes(self.cos_bso_t_session) & ERSPAN_SESSION_MASK
+    }
+    #[inline(always)]
+    pub fn timestamp(&self) -> u32 {
+        u32::from_be_bytes(self.timestamp)
+    }
+    #[inline(always)]
+    pub fn sgt(&self) -> u16 {
+        u16::from_be_bytes(self.sgt)
+    }
+    #[inline(always)]
+    pub fn frame_type(&self) -> u8 {
+        (self.flags[0] >> 2) & 0x1f
+    }
+    #[inline(always)]
+    pub fn hw_id(&self) -> u8 {
+        ((u16::from_be_bytes(self.flags) >> 4) & 0x3f) as u8
+    }
+    /// 0: ingress, 1: egress traffic of the monitored port.
+    #[inline(always)]
+    pub fn direction(&self) -> u8 {
+        (self.flags[1] >> 3) & 1
+    }
+    #[inline(always)]
+    pub fn granularity(&self) -> u8 {
+        (self.flags[1] >> 1) & 0x3
+    }
+    #[inline(always)]
+    pub fn has_platform_subheader(&self) -> bool {
+        self.flags[1] & 1 != 0
+    }
+    /// This header plus the optional platform-specific subheader.
+    #[inline(always)]
+    pub fn header_len(&self) -> usize {
+        Self::LEN
+            + if self.has_platform_subheader() {
+                ErspanIIIPlatformHdr::LEN
+            } else {
+                0
+            }
+    }
+}
+
 /// Length of the invariant CRC that ends every RoCEv2 packet.
 pub const ICRC_LEN: usize = 4;
 
@@ -345,4 +548,8 @@ const _: () = {
     assert!(Aeth::LEN == 4);
     assert!(Reth::LEN == 16);
     assert!(Deth::LEN == 8);
+    assert!(GreHdr::LEN == 4);
+    assert!(ErspanIIHdr::LEN == 8);
+    assert!(ErspanIIIHdr::LEN == 12);
+    assert!(ErspanIIIPlatformHdr::LEN == 8);
 };

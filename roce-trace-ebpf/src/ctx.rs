@@ -6,7 +6,43 @@ use aya_ebpf::{
     helpers::generated::{bpf_skb_load_bytes, bpf_xdp_load_bytes},
     programs::{TcContext, XdpContext},
 };
-use roce_trace_common::{parse::Packet, wire::Header};
+use roce_trace_common::{
+    datapath::SAMPLE_HEAD_LEN,
+    parse::{INNER_HEAD_LEN, Packet},
+    wire::Header,
+};
+
+/// `min(len, MAX)`, at least 1, written so the verifier sees the bounds on the register
+/// the helper gets: LLVM turns a plain clamp and zero test into arithmetic the verifier
+/// cannot follow. Callers return early on a zero `len`.
+#[inline(always)]
+fn clamp<const MAX: u32>(len: u32) -> u32 {
+    let mut n = len as u64;
+    // SAFETY: register arithmetic only, no memory access.
+    unsafe {
+        core::arch::asm!(
+            "if {n} <= {max} goto +1",
+            "{n} = {max}",
+            "if {n} != 0 goto +1",
+            "{n} = 1",
+            n = inout(reg) n,
+            max = const MAX,
+        );
+    }
+    n as u32
+}
+
+/// Bytes to copy for a frame of `len`: all of a short frame, else `SAMPLE_HEAD_LEN`.
+#[inline(always)]
+fn head_len(len: u32) -> u32 {
+    clamp::<{ SAMPLE_HEAD_LEN as u32 }>(len)
+}
+
+/// Bytes to copy from `off` of a frame of `len` into an inner-frame buffer.
+#[inline(always)]
+fn inner_len(len: u32, off: usize) -> u32 {
+    clamp::<{ INNER_HEAD_LEN as u32 }>(len.saturating_sub(off as u32))
+}
 
 #[inline(always)]
 fn header_at<'a, T: Header>(start: usize, end: usize, off: usize) -> Option<&'a T> {
@@ -72,6 +108,38 @@ impl Packet for XdpPacket<'_> {
         // XDP sees the tag in packet data unless the driver strips it; the rx-vlan kfunc
         // needs a device-bound program, which generic attachment cannot offer.
         None
+    }
+
+    #[inline(always)]
+    fn load_head(&self, dst: &mut [u8; SAMPLE_HEAD_LEN]) -> u16 {
+        let len = self.frame_len();
+        if len == 0 {
+            return 0;
+        }
+        let n = head_len(len);
+        // SAFETY: the helper bounds-checks [0, n) against the frame and writes n bytes into
+        // `dst`, which holds SAMPLE_HEAD_LEN >= n.
+        let r = unsafe { bpf_xdp_load_bytes(self.ctx.ctx as *mut _, 0, dst.as_mut_ptr() as *mut c_void, n) };
+        if r == 0 { n as u16 } else { 0 }
+    }
+
+    #[inline(always)]
+    fn copy_out(&self, off: usize, dst: &mut [u8; INNER_HEAD_LEN]) -> usize {
+        if self.frame_len() as usize <= off {
+            return 0;
+        }
+        let n = inner_len(self.frame_len(), off);
+        // SAFETY: the helper bounds-checks [off, off + n) against the frame and writes n
+        // bytes into `dst`, which holds INNER_HEAD_LEN >= n.
+        let r = unsafe {
+            bpf_xdp_load_bytes(
+                self.ctx.ctx as *mut _,
+                off as u32,
+                dst.as_mut_ptr() as *mut c_void,
+                n,
+            )
+        };
+        if r == 0 { n as usize } else { 0 }
     }
 }
 
@@ -142,5 +210,44 @@ impl Packet for TcPacket<'_> {
         } else {
             None
         }
+    }
+
+    #[inline(always)]
+    fn load_head(&self, dst: &mut [u8; SAMPLE_HEAD_LEN]) -> u16 {
+        let len = self.frame_len();
+        if len == 0 {
+            return 0;
+        }
+        let n = head_len(len);
+        // SAFETY: the helper bounds-checks [0, n) against the skb (fragments included) and
+        // writes n bytes into `dst`, which holds SAMPLE_HEAD_LEN >= n.
+        let r = unsafe {
+            bpf_skb_load_bytes(
+                self.ctx.skb.skb as *const c_void,
+                0,
+                dst.as_mut_ptr() as *mut c_void,
+                n,
+            )
+        };
+        if r == 0 { n as u16 } else { 0 }
+    }
+
+    #[inline(always)]
+    fn copy_out(&self, off: usize, dst: &mut [u8; INNER_HEAD_LEN]) -> usize {
+        if self.frame_len() as usize <= off {
+            return 0;
+        }
+        let n = inner_len(self.frame_len(), off);
+        // SAFETY: the helper bounds-checks [off, off + n) against the skb (fragments
+        // included) and writes n bytes into `dst`, which holds INNER_HEAD_LEN >= n.
+        let r = unsafe {
+            bpf_skb_load_bytes(
+                self.ctx.skb.skb as *const c_void,
+                off as u32,
+                dst.as_mut_ptr() as *mut c_void,
+                n,
+            )
+        };
+        if r == 0 { n as usize } else { 0 }
     }
 }

@@ -3,6 +3,8 @@
 //! Every path returns pass; no packet is written.
 #![no_std]
 #![no_main]
+// Inline asm keeps the bounds of helper lengths visible to the verifier (ctx.rs).
+#![feature(asm_experimental_arch)]
 
 mod ctx;
 mod maps;
@@ -76,15 +78,18 @@ fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
     };
     // SAFETY: per-CPU slot; programs do not nest on one CPU for these hooks.
     let scratch = unsafe { &mut *scratch };
-    match parse_into(pkt, cfg.udp_port, &mut scratch.parsed) {
+    match parse_into(pkt, cfg.udp_port, &mut scratch.parsed, &mut scratch.inner) {
         Ok(()) => {
             bump(GlobalCounter::RoceV2, dir);
+            if scratch.parsed.present & HAS_MIRROR != 0 {
+                bump(GlobalCounter::Mirrored, dir);
+            }
             // SAFETY: bpf_ktime_get_ns has no preconditions.
             let now = unsafe { bpf_ktime_get_ns() };
             let reasons = account(scratch, &cfg, dir, ifindex, frame_len, now);
             if reasons != 0 {
                 load_icrc(pkt, &mut scratch.parsed);
-                emit(&scratch.parsed, &scratch.key, now, frame_len, reasons);
+                emit(pkt, &scratch.parsed, &scratch.key, now, frame_len, reasons);
             }
         }
         Err(reason) => bump(reason, dir),
@@ -141,7 +146,7 @@ fn account(
 }
 
 #[inline(always)]
-fn emit(p: &Parsed, key: &FlowKey, now: u64, frame_len: u32, reasons: u32) {
+fn emit<P: Packet>(pkt: &P, p: &Parsed, key: &FlowKey, now: u64, frame_len: u32, reasons: u32) {
     let dir = key.direction;
     let Some(mut entry) = SAMPLES.reserve::<Sample>(0) else {
         // Full ring: counted, and the packet passes untouched all the same.
@@ -150,8 +155,11 @@ fn emit(p: &Parsed, key: &FlowKey, now: u64, frame_len: u32, reasons: u32) {
     };
     let s = entry.as_mut_ptr();
     // SAFETY: `s` points at a reserved, exclusively owned `Sample` slot in the ring; every
-    // field is written here (field by field, so no 104-byte copy lands on the BPF stack).
+    // field is written here (field by field, so no 256-byte copy lands on the BPF stack;
+    // the head bytes go straight from the packet into the ring).
     unsafe {
+        (*s).head_len = pkt.load_head(&mut (*s).head);
+        (*s).l3_off = p.l3_off;
         (*s).ts_ns = now;
         (*s).key = *key;
         (*s).psn = p.bth.psn();
@@ -176,7 +184,6 @@ fn emit(p: &Parsed, key: &FlowKey, now: u64, frame_len: u32, reasons: u32) {
         (*s).present = p.present;
         (*s)._pad = [0; 3];
         (*s).reasons = reasons;
-        (*s)._pad2 = 0;
     }
     entry.submit(0);
     bump(GlobalCounter::SamplesEmitted, dir);

@@ -5,7 +5,10 @@ use aya_ebpf::{
     macros::map,
     maps::{LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
 };
-use roce_trace_common::{datapath::*, parse::Parsed};
+use roce_trace_common::{
+    datapath::*,
+    parse::{INNER_HEAD_LEN, Parsed},
+};
 
 /// Load-time configuration (port, sampling, expected DSCPs), overridden by the loader.
 #[unsafe(no_mangle)]
@@ -33,6 +36,8 @@ pub static SAMPLES: RingBuf = RingBuf::with_byte_size(SAMPLE_RING_BYTES, 0);
 pub struct Scratch {
     pub parsed: Parsed,
     pub key: FlowKey,
+    /// The inner frame of a mirrored copy, copied out for parsing.
+    pub inner: [u8; INNER_HEAD_LEN],
 }
 
 /// One [`Scratch`] per CPU.

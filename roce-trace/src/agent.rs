@@ -23,7 +23,7 @@ use tokio::{
 use crate::{
     datapath::{Attachment, Datapath, DatapathOptions, XdpModeChoice},
     http::{self, Response},
-    observation::{CounterDelta, Observation, PointDecl},
+    observation::{CounterDelta, Observation, PointDecl, PointTable},
     protocol::{Decoder, Encoder, Frame, MAX_BATCH, VERSION},
     record::{ECN_NAMES, direction_name},
     sys::KernelClock,
@@ -99,6 +99,8 @@ struct PointMetrics {
 }
 
 struct Shared {
+    /// Locked before `outbox` when both are needed.
+    points: Mutex<PointTable>,
     outbox: Mutex<Outbox>,
     /// Results of traces the collector asked for, waiting to be sent.
     traces: Mutex<VecDeque<crate::protocol::ProbeResult>>,
@@ -109,8 +111,9 @@ struct Shared {
 use crate::datapath::GlobalTotals;
 
 impl Shared {
-    fn new(queue: usize) -> Self {
+    fn new(queue: usize, points: Vec<PointDecl>) -> Self {
         Self {
+            points: Mutex::new(PointTable::new(points)),
             outbox: Mutex::new(Outbox {
                 cap: queue,
                 ..Outbox::default()
@@ -146,16 +149,13 @@ pub async fn run(
         .enumerate()
         .map(|(i, h)| PointDecl {
             index: i as u16,
+            node: String::new(),
             iface: h.iface.clone(),
             ifindex: h.ifindex,
             direction: if h.hook == "xdp" { DIR_INGRESS } else { DIR_EGRESS },
         })
         .collect();
-    let point_of: HashMap<(u32, u8), u16> = points
-        .iter()
-        .map(|p| ((p.ifindex, p.direction), p.index))
-        .collect();
-    let shared = Arc::new(Shared::new(opts.queue));
+    let shared = Arc::new(Shared::new(opts.queue, points));
 
     let mut metrics_addr = None;
     if let Some(addr) = opts.metrics {
@@ -175,7 +175,7 @@ pub async fn run(
     // SAFETY: the RingBuf owns its map fd and keeps it open for as long as this AsyncFd.
     let mut ring = unsafe { tokio::io::unix::AsyncFd::register(ring) }
         .map_err(|e| anyhow::anyhow!("polling the sample ring buffer: {e}"))?;
-    let sender = tokio::spawn(send_loop(opts.clone(), points.clone(), shared.clone()));
+    let sender = tokio::spawn(send_loop(opts.clone(), shared.clone()));
     ready(&hooks, metrics_addr);
 
     let mut prev: HashMap<FlowKey, FlowCounters> = HashMap::new();
@@ -187,7 +187,7 @@ pub async fn run(
             _ = &mut shutdown => break,
             guard = ring.readable_mut() => {
                 let mut guard = guard.context("waiting for samples")?;
-                let n = drain(guard.get_inner_mut(), &clock, &point_of, &shared);
+                let n = drain(guard.get_inner_mut(), &clock, &shared);
                 guard.clear_ready();
                 if n > 0 {
                     shared.notify.notify_one();
@@ -197,10 +197,11 @@ pub async fn run(
                 let flows = dp.flows()?;
                 let globals = dp.globals()?;
                 let mut by_point: BTreeMap<u16, PointMetrics> = BTreeMap::new();
-                {
+                let points = {
+                    let mut table = shared.points.lock().expect("points");
                     let mut ob = shared.outbox.lock().expect("outbox");
                     for (k, c) in &flows {
-                        let Some(&p) = point_of.get(&(k.ifindex, k.direction)) else { continue };
+                        let Some(p) = table.index_of(k) else { continue };
                         let d = CounterDelta::between(p, k, c, prev.get(k));
                         if d.packets > 0 {
                             ob.push_counter(d);
@@ -219,11 +220,15 @@ pub async fn run(
                         m.psn_gaps += c.psn_gaps;
                     }
                     ob.stats.ringbuf_drops = globals.total(GlobalCounter::RingbufFull);
-                }
+                    table.decls().to_vec()
+                };
                 *shared.metrics.lock().expect("metrics") = (
                     points
                         .iter()
-                        .map(|p| (format!("{}\t{}", p.iface, direction_name(p.direction)), by_point.remove(&p.index).unwrap_or_default()))
+                        .map(|p| {
+                            let iface = if p.node.is_empty() { p.iface.clone() } else { format!("{}/{}", p.node, p.iface) };
+                            (format!("{iface}\t{}", direction_name(p.direction)), by_point.remove(&p.index).unwrap_or_default())
+                        })
                         .collect(),
                     globals,
                 );
@@ -233,7 +238,7 @@ pub async fn run(
         }
     }
     // Whatever the kernel queued still goes, and the sender gets a moment to deliver.
-    drain(ring.get_mut(), &clock, &point_of, &shared);
+    drain(ring.get_mut(), &clock, &shared);
     shared.notify.notify_one();
     let deadline = Instant::now() + Duration::from_secs(2);
     while Instant::now() < deadline && !shared.outbox.lock().expect("outbox").obs.is_empty() {
@@ -244,12 +249,7 @@ pub async fn run(
     Ok(stats)
 }
 
-fn drain(
-    ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
-    clock: &KernelClock,
-    point_of: &HashMap<(u32, u8), u16>,
-    sh: &Shared,
-) -> usize {
+fn drain(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, clock: &KernelClock, sh: &Shared) -> usize {
     let mut batch = Vec::new();
     while let Some(item) = ring.next() {
         if item.len() < std::mem::size_of::<Sample>() {
@@ -257,7 +257,7 @@ fn drain(
         }
         // SAFETY: a whole Sample (size checked); read_unaligned copes with any alignment.
         let s: Sample = unsafe { std::ptr::read_unaligned(item.as_ptr() as *const Sample) };
-        if let Some(&p) = point_of.get(&(s.key.ifindex, s.key.direction)) {
+        if let Some(p) = sh.points.lock().expect("points").index_of(&s.key) {
             batch.push(Observation::from_sample(&s, p, clock));
         }
     }
@@ -271,11 +271,11 @@ fn drain(
 
 /// Connects, shakes hands, streams; on any failure waits (100 ms doubling to 5 s) and
 /// connects again. Never touches the datapath.
-async fn send_loop(opts: AgentOptions, points: Vec<PointDecl>, sh: Arc<Shared>) {
+async fn send_loop(opts: AgentOptions, sh: Arc<Shared>) {
     let mut backoff = Duration::from_millis(100);
     let mut last_error = String::new();
     loop {
-        match session(&opts, &points, &sh).await {
+        match session(&opts, &sh).await {
             Ok(()) => backoff = Duration::from_millis(100),
             Err(e) => {
                 if e != last_error {
@@ -289,7 +289,7 @@ async fn send_loop(opts: AgentOptions, points: Vec<PointDecl>, sh: Arc<Shared>) 
     }
 }
 
-async fn session(opts: &AgentOptions, points: &[PointDecl], sh: &Arc<Shared>) -> Result<(), String> {
+async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
     let mut sock = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(&opts.collector))
         .await
         .map_err(|_| "connect timed out".to_owned())?
@@ -326,7 +326,9 @@ async fn session(opts: &AgentOptions, points: &[PointDecl], sh: &Arc<Shared>) ->
     }
     tracing::info!("connected to collector {}", opts.collector);
     sh.outbox.lock().expect("outbox").stats.connections += 1;
-    sock.write_all(&enc.encode(&Frame::Points(points.to_vec())))
+    let points = sh.points.lock().expect("points").decls().to_vec();
+    let mut declared = points.len();
+    sock.write_all(&enc.encode(&Frame::Points(points)))
         .await
         .map_err(|e| e.to_string())?;
     // The collector may ask for traces: read its frames beside the sending below.
@@ -407,6 +409,14 @@ async fn session(opts: &AgentOptions, points: &[PointDecl], sh: &Arc<Shared>) ->
         loop {
             // Take a batch; put it back at the front if it cannot be written.
             let (obs, counters, dropped) = {
+                // Points first: what is queued may name a mirror session seen since.
+                let new_points = sh.points.lock().expect("points").decls()[declared..].to_vec();
+                if !new_points.is_empty() {
+                    declared += new_points.len();
+                    sock.write_all(&enc.encode(&Frame::Points(new_points)))
+                        .await
+                        .map_err(|e| format!("sending: {e}"))?;
+                }
                 let mut ob = sh.outbox.lock().expect("outbox");
                 let n = ob.obs.len().min(MAX_BATCH);
                 let obs: Vec<Observation> = ob.obs.drain(..n).collect();
@@ -656,12 +666,13 @@ pub async fn run_pcap(
     let mut offline = crate::pcap::Offline::new(&opts.datapath)?;
     let points = vec![PointDecl {
         index: 0,
+        node: String::new(),
         iface: "pcap".into(),
         ifindex: 0,
         direction: DIR_INGRESS,
     }];
-    let shared = Arc::new(Shared::new(opts.queue));
-    let sender = tokio::spawn(send_loop(opts.clone(), points, shared.clone()));
+    let shared = Arc::new(Shared::new(opts.queue, points));
+    let sender = tokio::spawn(send_loop(opts.clone(), shared.clone()));
     ready(
         &[Attachment {
             iface: format!("pcap:{}", input.display()),
@@ -678,22 +689,28 @@ pub async fn run_pcap(
         let mut prev: HashMap<FlowKey, FlowCounters> = HashMap::new();
         let mut last = Instant::now();
         let deltas = |off: &crate::pcap::Offline, prev: &mut HashMap<FlowKey, FlowCounters>| {
+            let mut table = sh.points.lock().expect("points");
             let mut ob = sh.outbox.lock().expect("outbox");
             for (k, (_, c)) in &off.flows {
                 if prev.get(k).map(|p| p.packets) != Some(c.packets) {
-                    ob.push_counter(CounterDelta::between(0, k, c, prev.get(k)));
+                    if let Some(p) = table.index_of(k) {
+                        ob.push_counter(CounterDelta::between(p, k, c, prev.get(k)));
+                    }
                     prev.insert(*k, *c);
                 }
             }
+            drop(table);
             drop(ob);
             sh.notify.notify_one();
         };
         let result = crate::pcap::read_frames(reader, |fr| {
             offline.frame(&fr, |s| {
-                sh.outbox
-                    .lock()
-                    .expect("outbox")
-                    .push_obs(Observation::from_sample(s, 0, &KernelClock::UNIX));
+                if let Some(p) = sh.points.lock().expect("points").index_of(&s.key) {
+                    sh.outbox
+                        .lock()
+                        .expect("outbox")
+                        .push_obs(Observation::from_sample(s, p, &KernelClock::UNIX));
+                }
             });
             if last.elapsed() >= interval {
                 last = Instant::now();

@@ -33,8 +33,9 @@ pub struct CaptureOptions {
     pub datapath: DatapathOptions,
     /// JSON Lines on stdout instead of the live view.
     pub json_stdout: bool,
-    /// JSON Lines to this file as well.
-    pub write: Option<PathBuf>,
+    /// Files to write as well: pcapng of the sampled packets for `*.pcapng`, JSON Lines
+    /// otherwise.
+    pub write: Vec<PathBuf>,
     pub interval: Duration,
 }
 
@@ -63,6 +64,86 @@ impl JsonSink {
     }
 }
 
+type PcapOut = crate::pcap::PcapNgOut<BufWriter<File>>;
+
+/// The outputs a capture writes: JSON Lines (stdout and files) and pcapng files.
+pub(crate) struct Outputs {
+    pub(crate) json: JsonSink,
+    pcaps: Vec<PcapOut>,
+    /// This host's name, the node of its points in pcapng.
+    node: String,
+    /// ICRC errors per flow among samples that held their whole packet; a flow is here
+    /// once one of its samples could be checked.
+    icrc_errors: HashMap<FlowKey, u64>,
+}
+
+impl Outputs {
+    fn open(opts: &CaptureOptions) -> anyhow::Result<Self> {
+        let mut json = JsonSink { outs: Vec::new() };
+        if opts.json_stdout {
+            json.outs.push(Box::new(BufWriter::new(std::io::stdout())));
+        }
+        let mut pcaps = Vec::new();
+        for path in &opts.write {
+            let f = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+            if path.extension().is_some_and(|e| e == "pcapng") {
+                pcaps.push(
+                    crate::pcap::PcapNgOut::new(BufWriter::new(f))
+                        .with_context(|| format!("writing {}", path.display()))?,
+                );
+            } else {
+                json.outs.push(Box::new(BufWriter::new(f)));
+            }
+        }
+        Ok(Self {
+            json,
+            pcaps,
+            node: crate::sys::hostname(),
+            icrc_errors: HashMap::new(),
+        })
+    }
+
+    /// One sample seen on `iface`: its JSON record, its packet in pcapng, and its ICRC
+    /// checked when it carries the whole packet.
+    fn sample(&mut self, s: &Sample, clock: &KernelClock, iface: &str) -> anyhow::Result<()> {
+        let rec = SampleRecord::from_sample(s, clock, iface);
+        if let Some(ok) = rec.icrc_ok {
+            *self.icrc_errors.entry(s.key).or_default() += (!ok) as u64;
+        }
+        if !self.pcaps.is_empty() {
+            let point = point_name(&self.node, iface, &s.key);
+            let head = &s.head[..(s.head_len as usize).min(SAMPLE_HEAD_LEN)];
+            let comment = format!(
+                "roce-trace {} psn={} reasons={}",
+                rec.opcode_name,
+                rec.psn,
+                rec.reasons.join(",")
+            );
+            for p in &mut self.pcaps {
+                p.write(&point, rec.time_ns, s.frame_len, head, comment.clone())
+                    .context("writing pcapng")?;
+            }
+        }
+        self.json.emit(&rec)
+    }
+
+    fn flush(&mut self) -> anyhow::Result<()> {
+        for p in &mut self.pcaps {
+            p.flush().context("flushing pcapng")?;
+        }
+        self.json.flush()
+    }
+}
+
+/// The observation point of a packet as named in pcapng: `node/iface/direction`, or for
+/// a mirrored copy `switch/erspan-<session>/mirror` (`gre-<key>` for plain GRE).
+pub fn point_name(node: &str, iface: &str, k: &FlowKey) -> String {
+    match crate::observation::MirrorSession::of_key(k) {
+        Some(m) => format!("{}/{}/mirror", m.node(), m.iface()),
+        None => format!("{node}/{iface}/{}", crate::record::direction_name(k.direction)),
+    }
+}
+
 /// Runs a capture until `shutdown` resolves, the duration passes or the count is reached.
 /// `ready` is called once every hook is attached (tests start traffic then).
 pub async fn run(
@@ -83,14 +164,7 @@ pub async fn run(
     let names: HashMap<u32, String> = hooks.iter().map(|h| (h.ifindex, h.iface.clone())).collect();
     let name_of = |idx: u32| names.get(&idx).cloned().unwrap_or_else(|| idx.to_string());
 
-    let mut sink = JsonSink { outs: Vec::new() };
-    if opts.json_stdout {
-        sink.outs.push(Box::new(BufWriter::new(std::io::stdout())));
-    }
-    if let Some(path) = &opts.write {
-        let f = File::create(path).with_context(|| format!("creating {}", path.display()))?;
-        sink.outs.push(Box::new(BufWriter::new(f)));
-    }
+    let mut out = Outputs::open(&opts)?;
     let live = !opts.json_stdout;
     let tty = std::io::stdout().is_terminal();
 
@@ -124,7 +198,7 @@ pub async fn run(
             _ = &mut sleep_until => break "duration",
             guard = ring.readable_mut() => {
                 let mut guard = guard.context("waiting for samples")?;
-                samples_received += drain(guard.get_inner_mut(), &clock, &name_of, &mut sink)?;
+                samples_received += drain(guard.get_inner_mut(), &clock, &name_of, &mut out)?;
                 guard.clear_ready();
             }
             _ = poll.tick(), if opts.count.is_some() => {
@@ -136,14 +210,14 @@ pub async fn run(
             _ = tick.tick() => {
                 let now = Instant::now();
                 let flows = dp.flows()?;
-                let recs = snapshot(&flows, &prev, now - last_tick, &clock, &name_of, false);
+                let recs = snapshot(&flows, &prev, now - last_tick, &clock, &name_of, &out.icrc_errors, false);
                 // Periodic records only for flows that moved since the last snapshot.
                 for (k, r) in &recs {
                     if prev.get(k).map(|p| p.packets) != Some(r.packets) {
-                        sink.emit(r)?;
+                        out.json.emit(r)?;
                     }
                 }
-                sink.flush()?;
+                out.flush()?;
                 if live {
                     let g = dp.globals()?;
                     let recs: Vec<FlowRecord> = recs.into_iter().map(|(_, r)| r).collect();
@@ -156,15 +230,23 @@ pub async fn run(
     };
 
     // Whatever the kernel queued before we stopped still counts.
-    samples_received += drain(ring.get_mut(), &clock, &name_of, &mut sink)?;
+    samples_received += drain(ring.get_mut(), &clock, &name_of, &mut out)?;
     let flows = dp.flows()?;
     let globals = dp.globals()?;
-    let recs: Vec<FlowRecord> = snapshot(&flows, &prev, Instant::now() - last_tick, &clock, &name_of, true)
-        .into_iter()
-        .map(|(_, r)| r)
-        .collect();
+    let recs: Vec<FlowRecord> = snapshot(
+        &flows,
+        &prev,
+        Instant::now() - last_tick,
+        &clock,
+        &name_of,
+        &out.icrc_errors,
+        true,
+    )
+    .into_iter()
+    .map(|(_, r)| r)
+    .collect();
     for r in &recs {
-        sink.emit(r)?;
+        out.json.emit(r)?;
     }
     let summary = summarize(
         &hooks,
@@ -175,8 +257,8 @@ pub async fn run(
         stopped_by,
         &clock,
     );
-    sink.emit(&summary)?;
-    sink.flush()?;
+    out.json.emit(&summary)?;
+    out.flush()?;
     if live {
         print_live(&recs, &globals, samples_received, started.elapsed(), false);
         print_summary(&summary);
@@ -188,7 +270,7 @@ fn drain(
     ring: &mut RingBuf<MapData>,
     clock: &KernelClock,
     name_of: &impl Fn(u32) -> String,
-    sink: &mut JsonSink,
+    out: &mut Outputs,
 ) -> anyhow::Result<u64> {
     let mut n = 0;
     while let Some(item) = ring.next() {
@@ -200,7 +282,7 @@ fn drain(
         // with the ring's 8-byte alignment guarantees or lack of them.
         let s: Sample = unsafe { std::ptr::read_unaligned(item.as_ptr() as *const Sample) };
         drop(item);
-        sink.emit(&SampleRecord::from_sample(&s, clock, &name_of(s.key.ifindex)))?;
+        out.sample(&s, clock, &name_of(s.key.ifindex))?;
         n += 1;
     }
     Ok(n)
@@ -212,6 +294,7 @@ fn snapshot(
     elapsed: Duration,
     clock: &KernelClock,
     name_of: &impl Fn(u32) -> String,
+    icrc_errors: &HashMap<FlowKey, u64>,
     is_final: bool,
 ) -> Vec<(FlowKey, FlowRecord)> {
     let now_ns = clock.to_unix_ns(KernelClock::mono_now_ns());
@@ -226,6 +309,7 @@ fn snapshot(
             r.pps = c.packets.saturating_sub(pp) as f64 / secs;
             r.gbps = c.bytes.saturating_sub(pb) as f64 * 8.0 / secs / 1e9;
             r.is_final = is_final;
+            r.icrc_errors = icrc_errors.get(k).copied();
             (*k, r)
         })
         .collect()
@@ -385,21 +469,14 @@ pub(crate) fn print_summary(s: &SummaryRecord) {
 pub fn run_offline(opts: &CaptureOptions, path: &std::path::Path) -> anyhow::Result<SummaryRecord> {
     let started = Instant::now();
     let input = crate::pcap::open(path)?;
-    let mut sink = JsonSink { outs: Vec::new() };
-    if opts.json_stdout {
-        sink.outs.push(Box::new(BufWriter::new(std::io::stdout())));
-    }
-    if let Some(p) = &opts.write {
-        let f = File::create(p).with_context(|| format!("creating {}", p.display()))?;
-        sink.outs.push(Box::new(BufWriter::new(f)));
-    }
+    let mut out = Outputs::open(opts)?;
     let iface = format!("pcap:{}", path.display());
     let clock = KernelClock::UNIX;
     let mut samples = 0u64;
     let mut write_error = None;
     let off = crate::pcap::analyse(input, &opts.datapath, |s| {
         samples += 1;
-        if let Err(e) = sink.emit(&SampleRecord::from_sample(s, &clock, &iface))
+        if let Err(e) = out.sample(s, &clock, &iface)
             && write_error.is_none()
         {
             write_error = Some(e);
@@ -428,7 +505,7 @@ pub fn run_offline(opts: &CaptureOptions, path: &std::path::Path) -> anyhow::Res
         })
         .collect();
     for r in &recs {
-        sink.emit(r)?;
+        out.json.emit(r)?;
     }
     let hooks = [Attachment {
         iface: iface.clone(),
@@ -446,8 +523,8 @@ pub fn run_offline(opts: &CaptureOptions, path: &std::path::Path) -> anyhow::Res
         "end of input",
         &clock,
     );
-    sink.emit(&summary)?;
-    sink.flush()?;
+    out.json.emit(&summary)?;
+    out.flush()?;
     if !opts.json_stdout {
         print_live(&recs, &off.globals, samples, started.elapsed(), false);
         let bad: u64 = recs.iter().filter_map(|r| r.icrc_errors).sum();
@@ -503,6 +580,7 @@ mod tests {
             pps: 1000.0,
             gbps: 0.008,
             icrc_errors: None,
+            mirror: None,
         }
     }
 

@@ -308,7 +308,8 @@ async fn serve_agent(
             Frame::Points(decls) => {
                 for d in decls {
                     let p = j.point(PointInfo {
-                        node: node.clone(),
+                        // A mirror session is the switch's point, not the agent's.
+                        node: if d.node.is_empty() { node.clone() } else { d.node },
                         iface: d.iface,
                         direction: direction_name(d.direction).into(),
                         clock_synced,

@@ -24,6 +24,14 @@ pub fn icrc(l3: &[u8]) -> Option<[u8; 4]> {
     Some(icrc_finish(icrc_prefix(&l3[..hdrs]), &l3[hdrs..end - ICRC_LEN]))
 }
 
+/// Verifies a parsed packet's ICRC (`stored`, as read by the parser) against the frame's
+/// bytes from its IP header at `l3_off`: `None` when the frame does not hold the whole
+/// packet (a short capture, a sample's header copy of a big packet).
+pub fn check_icrc(frame: &[u8], l3_off: usize, stored: Option<[u8; 4]>) -> Option<bool> {
+    let computed = icrc(frame.get(l3_off..)?)?;
+    Some(stored == Some(computed))
+}
+
 /// The ICRC's running CRC over the 8 0xFF bytes and the IP and UDP headers (`headers`,
 /// IPv4 with its options), their variant fields masked. Packets of one flow and one
 /// length share it, so a sender computes it once per length.
@@ -203,47 +211,15 @@ impl RoceFrame {
     /// 0 (IPv6: filled in by [`Self::ip_packet`]).
     pub fn ip_udp_headers(&self, udp_len: u16) -> Vec<u8> {
         let tos = (self.dscp << 2) | (self.ecn & 3);
-        let mut out = match (self.src, self.dst) {
-            (IpAddr::V4(s), IpAddr::V4(d)) => {
-                let mut opts = self.ipv4_options.clone();
-                while !opts.len().is_multiple_of(4) {
-                    opts.push(0);
-                }
-                let ihl = (Ipv4Hdr::LEN + opts.len()) / 4;
-                let tot = (ihl * 4) as u16 + udp_len;
-                let hdr = Ipv4Hdr {
-                    version_ihl: 0x40 | ihl as u8,
-                    tos,
-                    tot_len: tot.to_be_bytes(),
-                    id: [0, 0],
-                    frag_off: 0x4000u16.to_be_bytes(), // DF, as RoCE NICs send
-                    ttl: self.ttl,
-                    protocol: IPPROTO_UDP,
-                    check: [0, 0],
-                    src: s.octets(),
-                    dst: d.octets(),
-                };
-                let mut v = hdr.as_bytes().to_vec();
-                v.extend_from_slice(&opts);
-                let c = inet_checksum(&v, 0);
-                v[10..12].copy_from_slice(&c.to_be_bytes());
-                v
-            }
-            (IpAddr::V6(s), IpAddr::V6(d)) => {
-                let vtcfl = (6u32 << 28) | (tos as u32) << 20;
-                Ipv6Hdr {
-                    vtcfl: vtcfl.to_be_bytes(),
-                    payload_len: udp_len.to_be_bytes(),
-                    next_hdr: IPPROTO_UDP,
-                    hop_limit: self.ttl,
-                    src: s.octets(),
-                    dst: d.octets(),
-                }
-                .as_bytes()
-                .to_vec()
-            }
-            _ => panic!("source and destination must be the same IP version"),
-        };
+        let mut out = ip_header(
+            self.src,
+            self.dst,
+            tos,
+            self.ttl,
+            IPPROTO_UDP,
+            udp_len,
+            &self.ipv4_options,
+        );
         let udp = UdpHdr {
             src_port: self.udp_sport.to_be_bytes(),
             dst_port: self.udp_dport.to_be_bytes(),
@@ -284,6 +260,165 @@ impl RoceFrame {
             ETH_P_IPV6
         };
         ethernet(self.dst_mac, self.src_mac, &self.vlans, ethertype, &ip)
+    }
+}
+
+/// An IPv4 (DF set, ID 0, checksum filled in; `ipv4_options` padded to 4 bytes) or IPv6
+/// header for `payload_len` bytes of protocol `proto`.
+pub fn ip_header(
+    src: IpAddr,
+    dst: IpAddr,
+    tos: u8,
+    ttl: u8,
+    proto: u8,
+    payload_len: u16,
+    ipv4_options: &[u8],
+) -> Vec<u8> {
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let mut opts = ipv4_options.to_vec();
+            while !opts.len().is_multiple_of(4) {
+                opts.push(0);
+            }
+            let ihl = (Ipv4Hdr::LEN + opts.len()) / 4;
+            let tot = (ihl * 4) as u16 + payload_len;
+            let hdr = Ipv4Hdr {
+                version_ihl: 0x40 | ihl as u8,
+                tos,
+                tot_len: tot.to_be_bytes(),
+                id: [0, 0],
+                frag_off: 0x4000u16.to_be_bytes(), // DF, as RoCE NICs send
+                ttl,
+                protocol: proto,
+                check: [0, 0],
+                src: s.octets(),
+                dst: d.octets(),
+            };
+            let mut v = hdr.as_bytes().to_vec();
+            v.extend_from_slice(&opts);
+            let c = inet_checksum(&v, 0);
+            v[10..12].copy_from_slice(&c.to_be_bytes());
+            v
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            let vtcfl = (6u32 << 28) | (tos as u32) << 20;
+            Ipv6Hdr {
+                vtcfl: vtcfl.to_be_bytes(),
+                payload_len: payload_len.to_be_bytes(),
+                next_hdr: proto,
+                hop_limit: ttl,
+                src: s.octets(),
+                dst: d.octets(),
+            }
+            .as_bytes()
+            .to_vec()
+        }
+        _ => panic!("source and destination must be the same IP version"),
+    }
+}
+
+/// How a switch mirrors a frame to a remote analyser.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mirror {
+    /// Plain GRE, transparent Ethernet bridging (0x6558), optional key.
+    GreEthernet { key: Option<u32> },
+    /// Plain GRE carrying the IP packet (0x0800 / 0x86DD), optional key.
+    GreIp { key: Option<u32> },
+    /// ERSPAN type II: GRE with a sequence number, 0x88BE, 8-byte ERSPAN header.
+    ErspanII { session: u16, seq: u32, index: u32 },
+    /// ERSPAN type III: GRE with a sequence number, 0x22EB, 12-byte header, and the
+    /// 8-byte platform-specific subheader when `platform` is set.
+    ErspanIII {
+        session: u16,
+        seq: u32,
+        timestamp: u32,
+        platform: bool,
+    },
+}
+
+impl Mirror {
+    /// The mirrored copy of `frame` (an Ethernet frame) as the switch `src` sends it to
+    /// the analyser `dst`: outer Ethernet, IP (TTL 64, DSCP 0), GRE, ERSPAN, the frame —
+    /// or for [`Mirror::GreIp`], the frame's IP packet.
+    pub fn encapsulate(&self, src: IpAddr, dst: IpAddr, frame: &[u8]) -> Vec<u8> {
+        let gre = |proto: u16, key: Option<u32>, seq: Option<u32>| {
+            let flags = if key.is_some() { GRE_KEY } else { 0 } | if seq.is_some() { GRE_SEQ } else { 0 };
+            let mut v = GreHdr {
+                flags_version: flags.to_be_bytes(),
+                protocol: proto.to_be_bytes(),
+            }
+            .as_bytes()
+            .to_vec();
+            for f in [key, seq].into_iter().flatten() {
+                v.extend_from_slice(&f.to_be_bytes());
+            }
+            v
+        };
+        // Where the frame's IP packet starts, and its EtherType (for GRE carrying IP).
+        let mut l3 = EthHdr::LEN - 2;
+        while matches!(
+            u16::from_be_bytes([frame[l3], frame[l3 + 1]]),
+            ETH_P_8021Q | ETH_P_8021AD
+        ) {
+            l3 += VlanHdr::LEN;
+        }
+        let ip_type = u16::from_be_bytes([frame[l3], frame[l3 + 1]]);
+        l3 += 2;
+        let mut payload = match *self {
+            Mirror::GreEthernet { key } => gre(GRE_PROTO_TEB, key, None),
+            Mirror::GreIp { key } => gre(ip_type, key, None),
+            Mirror::ErspanII { session, seq, index } => {
+                let mut v = gre(GRE_PROTO_ERSPAN_II, None, Some(seq));
+                let hdr = ErspanIIHdr {
+                    ver_vlan: ((ERSPAN_II_VERSION as u16) << 12).to_be_bytes(),
+                    cos_en_t_session: (session & ERSPAN_SESSION_MASK).to_be_bytes(),
+                    reserved_index: (index & 0x000f_ffff).to_be_bytes(),
+                };
+                v.extend_from_slice(hdr.as_bytes());
+                v
+            }
+            Mirror::ErspanIII {
+                session,
+                seq,
+                timestamp,
+                platform,
+            } => {
+                let mut v = gre(GRE_PROTO_ERSPAN_III, None, Some(seq));
+                let hdr = ErspanIIIHdr {
+                    ver_vlan: ((ERSPAN_III_VERSION as u16) << 12).to_be_bytes(),
+                    cos_bso_t_session: (session & ERSPAN_SESSION_MASK).to_be_bytes(),
+                    timestamp: timestamp.to_be_bytes(),
+                    sgt: [0, 0],
+                    // Frame type 0 (Ethernet), granularity 3 (IEEE 1588), O as asked.
+                    flags: [0, 0b110 | platform as u8],
+                };
+                v.extend_from_slice(hdr.as_bytes());
+                if platform {
+                    v.extend_from_slice(
+                        ErspanIIIPlatformHdr {
+                            bytes: [0x0c, 0, 0, 0x05, 0, 0, 0, 0],
+                        }
+                        .as_bytes(),
+                    );
+                }
+                v
+            }
+        };
+        match self {
+            Mirror::GreIp { .. } => payload.extend_from_slice(&frame[l3..]),
+            _ => payload.extend_from_slice(frame),
+        }
+        let ip = ip_header(src, dst, 0, 64, IPPROTO_GRE, payload.len() as u16, &[]);
+        let et = if src.is_ipv4() { ETH_P_IPV4 } else { ETH_P_IPV6 };
+        let mut inner = ip;
+        inner.extend_from_slice(&payload);
+        ethernet(
+            [0x02, 0, 0, 0, 0, 0xaa],
+            [0x02, 0, 0, 0, 0, 0xbb],
+            &[],
+            et,
+            &inner,
+        )
     }
 }
 

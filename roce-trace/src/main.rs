@@ -416,9 +416,11 @@ struct CaptureArgs {
     /// JSON Lines on stdout instead of the live view.
     #[arg(long)]
     json: bool,
-    /// Also write JSON Lines to FILE.
+    /// Also write to FILE (repeatable): the sampled packets as pcapng when FILE ends in
+    /// `.pcapng` (headers, original length, one interface per observation point), JSON
+    /// Lines otherwise.
     #[arg(short = 'w', long = "write", value_name = "FILE")]
-    write: Option<PathBuf>,
+    write: Vec<PathBuf>,
     /// Refresh interval of the live view and of periodic flow records.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "1s")]
     interval: Duration,
@@ -590,18 +592,6 @@ async fn run_gen(a: GenArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: buf is writable for its length.
-    let r = unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) };
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    if r == 0 {
-        String::from_utf8_lossy(&buf[..end]).into_owned()
-    } else {
-        "unknown".into()
-    }
-}
-
 async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
     use roce_trace::agent::{self, AgentConfig, AgentOptions};
     let cfg = match &a.config {
@@ -631,7 +621,7 @@ async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
             XdpModeArg::Native => XdpModeChoice::Native,
             XdpModeArg::Generic => XdpModeChoice::Generic,
         },
-        node: a.node.or(cfg.node).unwrap_or_else(hostname),
+        node: a.node.or(cfg.node).unwrap_or_else(roce_trace::sys::hostname),
         token,
         datapath: DatapathOptions {
             udp_port: a.port.or(cfg.port).unwrap_or(4791),

@@ -7,7 +7,58 @@ use std::net::IpAddr;
 use roce_trace_common::datapath::*;
 use serde::Serialize;
 
-use crate::{record::ip_of, sys::KernelClock};
+use crate::{
+    record::{ip_of, ip_of_mapped},
+    sys::KernelClock,
+};
+
+/// A mirror session as an observation point: the switch (outer source) that mirrored the
+/// packets, its session id (ERSPAN) or key (GRE), and the encapsulation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MirrorSession {
+    pub src: IpAddr,
+    pub session: u32,
+    pub kind: u8,
+}
+
+impl MirrorSession {
+    pub fn of_key(k: &FlowKey) -> Option<Self> {
+        (k.mirror_kind != MIRROR_NONE).then(|| Self {
+            src: ip_of_mapped(&k.mirror_addr()),
+            session: k.mirror_session,
+            kind: k.mirror_kind,
+        })
+    }
+    pub fn kind_name(&self) -> &'static str {
+        match self.kind {
+            MIRROR_GRE => "gre",
+            MIRROR_ERSPAN_I => "erspan1",
+            MIRROR_ERSPAN_II => "erspan2",
+            _ => "erspan3",
+        }
+    }
+    /// The point's node: the switch.
+    pub fn node(&self) -> String {
+        self.src.to_string()
+    }
+    /// The point's interface: `erspan-<session>`, or `gre-<key>` for plain GRE.
+    pub fn iface(&self) -> String {
+        match self.kind {
+            MIRROR_GRE => format!("gre-{}", self.session),
+            _ => format!("erspan-{}", self.session),
+        }
+    }
+    /// The point it is: node = the switch, direction [`DIR_MIRROR`].
+    pub fn point(&self, index: u16, ifindex: u32) -> PointDecl {
+        PointDecl {
+            index,
+            node: self.node(),
+            iface: self.iface(),
+            ifindex,
+            direction: DIR_MIRROR,
+        }
+    }
+}
 
 /// What stays the same for one RDMA QP direction everywhere in the fabric.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -212,7 +263,91 @@ impl CounterDelta {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct PointDecl {
     pub index: u16,
+    /// Empty: the agent's own node. A mirror session names its switch.
+    pub node: String,
     pub iface: String,
     pub ifindex: u32,
     pub direction: u8,
+}
+
+/// The observation points of one agent: its hooks, declared up front, and the mirror
+/// sessions it receives, declared as they are first seen. Keys map to point indexes.
+#[derive(Debug, Default)]
+pub struct PointTable {
+    decls: Vec<PointDecl>,
+    hooks: std::collections::HashMap<(u32, u8), u16>,
+    mirrors: std::collections::HashMap<MirrorSession, u16>,
+}
+
+impl PointTable {
+    pub fn new(hooks: Vec<PointDecl>) -> Self {
+        let map = hooks
+            .iter()
+            .map(|p| ((p.ifindex, p.direction), p.index))
+            .collect();
+        Self {
+            decls: hooks,
+            hooks: map,
+            mirrors: Default::default(),
+        }
+    }
+
+    /// The point of a flow key: its hook's, or its mirror session's (declared now if new;
+    /// `None` once 65,536 points exist).
+    pub fn index_of(&mut self, k: &FlowKey) -> Option<u16> {
+        let Some(m) = MirrorSession::of_key(k) else {
+            return self.hooks.get(&(k.ifindex, k.direction)).copied();
+        };
+        if let Some(&i) = self.mirrors.get(&m) {
+            return Some(i);
+        }
+        let i = u16::try_from(self.decls.len()).ok()?;
+        self.decls.push(m.point(i, k.ifindex));
+        self.mirrors.insert(m, i);
+        Some(i)
+    }
+
+    /// Every point declared so far, in index order.
+    pub fn decls(&self) -> &[PointDecl] {
+        &self.decls
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mirror_sessions_become_points_once_each() {
+        let mut t = PointTable::new(vec![PointDecl {
+            index: 0,
+            node: String::new(),
+            iface: "eth0".into(),
+            ifindex: 2,
+            direction: DIR_INGRESS,
+        }]);
+        let plain = FlowKey {
+            ifindex: 2,
+            direction: DIR_INGRESS,
+            ..Default::default()
+        };
+        let mut sw = FlowKey {
+            mirror_kind: MIRROR_ERSPAN_II,
+            mirror_session: 7,
+            mirror_src: words_of_addr(std::net::Ipv4Addr::new(192, 0, 2, 9).to_ipv6_mapped().octets()),
+            ..plain
+        };
+        assert_eq!(t.index_of(&plain), Some(0));
+        assert_eq!(t.index_of(&sw), Some(1));
+        assert_eq!(t.index_of(&sw), Some(1), "declared once");
+        sw.mirror_session = 8;
+        assert_eq!(t.index_of(&sw), Some(2), "another session is another point");
+        let d = &t.decls()[1];
+        assert_eq!(
+            (d.node.as_str(), d.iface.as_str(), d.direction),
+            ("192.0.2.9", "erspan-7", DIR_MIRROR)
+        );
+        let other_hook = FlowKey { ifindex: 3, ..plain };
+        assert_eq!(t.index_of(&other_hook), None);
+    }
 }

@@ -12,7 +12,7 @@ use std::{
 use roce_trace_common::{
     account,
     datapath::*,
-    parse::{SlicePacket, load_icrc, parse_into},
+    parse::{INNER_HEAD_LEN, Packet, SlicePacket, load_icrc, parse_into},
 };
 use thiserror::Error;
 
@@ -156,6 +156,82 @@ fn read_pcapng(r: impl Read, mut f: impl FnMut(Frame)) -> Result<u64, PcapError>
     Ok(n)
 }
 
+/// Sampled packets as pcapng, for Wireshark: one Interface Description Block per
+/// observation point (its name `node/iface/direction`, nanosecond timestamps), each
+/// packet's leading bytes with its original length, and a comment saying why it was
+/// sampled.
+pub struct PcapNgOut<W: std::io::Write> {
+    w: pcap_file::pcapng::PcapNgWriter<W>,
+    ids: HashMap<String, u32>,
+}
+
+impl<W: std::io::Write> PcapNgOut<W> {
+    pub fn new(w: W) -> Result<Self, PcapError> {
+        let w = pcap_file::pcapng::PcapNgWriter::new(w).map_err(|e| PcapError::PcapNg(e.to_string()))?;
+        Ok(Self {
+            w,
+            ids: HashMap::new(),
+        })
+    }
+
+    /// One packet seen at `point`; its interface is described on first use.
+    pub fn write(
+        &mut self,
+        point: &str,
+        time_ns: u64,
+        orig_len: u32,
+        data: &[u8],
+        comment: String,
+    ) -> Result<(), PcapError> {
+        use std::borrow::Cow;
+
+        use pcap_file::{
+            DataLink,
+            pcapng::blocks::{
+                enhanced_packet::{EnhancedPacketBlock, EnhancedPacketOption},
+                interface_description::{InterfaceDescriptionBlock, InterfaceDescriptionOption},
+            },
+        };
+        let err = |e: pcap_file::PcapError| PcapError::PcapNg(e.to_string());
+        let id = match self.ids.get(point) {
+            Some(&id) => id,
+            None => {
+                let id = self.ids.len() as u32;
+                self.w
+                    .write_pcapng_block(InterfaceDescriptionBlock {
+                        linktype: DataLink::ETHERNET,
+                        snaplen: SAMPLE_HEAD_LEN as u32,
+                        options: vec![
+                            InterfaceDescriptionOption::IfName(Cow::Owned(point.to_owned())),
+                            InterfaceDescriptionOption::IfDescription(Cow::Borrowed(
+                                "roce-trace observation point",
+                            )),
+                            // pcap-file writes timestamps in nanoseconds.
+                            InterfaceDescriptionOption::IfTsResol(9),
+                        ],
+                    })
+                    .map_err(err)?;
+                self.ids.insert(point.to_owned(), id);
+                id
+            }
+        };
+        self.w
+            .write_pcapng_block(EnhancedPacketBlock {
+                interface_id: id,
+                timestamp: std::time::Duration::from_nanos(time_ns),
+                original_len: orig_len.max(data.len() as u32),
+                data: Cow::Borrowed(data),
+                options: vec![EnhancedPacketOption::Comment(Cow::Owned(comment))],
+            })
+            .map_err(err)?;
+        Ok(())
+    }
+
+    pub fn flush(&mut self) -> std::io::Result<()> {
+        self.w.get_mut().flush()
+    }
+}
+
 /// Flows, samples and counters of a capture, as the datapath would have made them.
 #[derive(Default)]
 pub struct Offline {
@@ -185,11 +261,15 @@ impl Offline {
         g[GlobalCounter::FramesSeen.index(dir) as usize] += 1;
         let pkt = SlicePacket::new(&fr.data);
         let mut p = Default::default();
-        if let Err(reason) = parse_into(&pkt, cfg.udp_port, &mut p) {
+        let mut inner = [0u8; INNER_HEAD_LEN];
+        if let Err(reason) = parse_into(&pkt, cfg.udp_port, &mut p, &mut inner) {
             g[reason.index(dir) as usize] += 1;
             return;
         }
         g[GlobalCounter::RoceV2.index(dir) as usize] += 1;
+        if p.mirror().is_some() {
+            g[GlobalCounter::Mirrored.index(dir) as usize] += 1;
+        }
         load_icrc(&pkt, &mut p);
         let key = account::flow_key(&p, 0, dir);
         let (state, counters) = self
@@ -211,9 +291,8 @@ impl Offline {
             fr.time_ns,
             &update,
         );
-        // The ICRC: recomputed over the whole IP packet (when it was captured whole).
-        let l3 = (14 + 4 * p.vlan_depth as usize).min(fr.data.len());
-        let icrc_ok = crate::frame::icrc(&fr.data[l3..]).is_some_and(|c| p.icrc() == Some(c));
+        // The ICRC, recomputed over the whole IP packet; one captured short counts as wrong.
+        let icrc_ok = crate::frame::check_icrc(&fr.data, p.l3_off as usize, p.icrc()) == Some(true);
         let e = self.icrc_errors.entry(key).or_default();
         if !icrc_ok {
             *e += 1;
@@ -221,6 +300,8 @@ impl Offline {
         let reasons = account::reasons(&p, &cfg);
         if reasons != 0 {
             g[GlobalCounter::SamplesEmitted.index(dir) as usize] += 1;
+            let mut head = [0u8; SAMPLE_HEAD_LEN];
+            let head_len = pkt.load_head(&mut head);
             on_sample(&Sample {
                 ts_ns: fr.time_ns,
                 key,
@@ -233,6 +314,8 @@ impl Offline {
                 pkey: p.bth.pkey(),
                 udp_dport: p.udp_dport,
                 udp_len: p.udp_len,
+                head_len,
+                l3_off: p.l3_off,
                 opcode: p.bth.opcode,
                 bth_flags: p.bth.flags,
                 bth_fecn_becn: p.bth.fecn_becn,
@@ -246,7 +329,7 @@ impl Offline {
                 present: p.present,
                 _pad: [0; 3],
                 reasons,
-                _pad2: 0,
+                head,
             });
         }
     }

@@ -7,7 +7,8 @@ use thiserror::Error;
 
 use crate::observation::{CounterDelta, FlowId, Observation, PacketId, PointDecl};
 
-pub const VERSION: u16 = 1;
+/// 2: points name their node (mirror sessions) and may be declared at any time.
+pub const VERSION: u16 = 2;
 /// Largest frame either side accepts (length field included).
 pub const MAX_FRAME: usize = 4 << 20;
 /// Observations per OBSERVATIONS frame a sender should not exceed.
@@ -148,6 +149,7 @@ pub fn encode(f: &Frame, seq: u64) -> Bytes {
                 b.put_u8(p.direction);
                 b.put_u32(p.ifindex);
                 put_str(&mut b, &p.iface);
+                put_str(&mut b, &p.node);
             }
         }
         Frame::Observations(obs) => {
@@ -330,11 +332,13 @@ impl Decoder {
                     let index = b.get_u16();
                     let direction = b.get_u8();
                     let ifindex = b.get_u32();
+                    let iface = get_str(&mut b)?;
                     v.push(PointDecl {
                         index,
                         direction,
                         ifindex,
-                        iface: get_str(&mut b)?,
+                        iface,
+                        node: get_str(&mut b)?,
                     });
                 }
                 Frame::Points(v)
@@ -513,6 +517,7 @@ impl Encoder {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use roce_trace_common::datapath::DIR_MIRROR;
 
     fn obs(i: u32) -> Observation {
         Observation {
@@ -551,12 +556,22 @@ mod tests {
                 clock_synced: true,
             },
             Frame::Welcome { version: VERSION },
-            Frame::Points(vec![PointDecl {
-                index: 0,
-                iface: "eth0".into(),
-                ifindex: 2,
-                direction: 1,
-            }]),
+            Frame::Points(vec![
+                PointDecl {
+                    index: 0,
+                    node: String::new(),
+                    iface: "eth0".into(),
+                    ifindex: 2,
+                    direction: 1,
+                },
+                PointDecl {
+                    index: 1,
+                    node: "192.0.2.9".into(),
+                    iface: "erspan-7".into(),
+                    ifindex: 2,
+                    direction: DIR_MIRROR,
+                },
+            ]),
             Frame::Observations((0..100).map(obs).collect()),
             Frame::Counters {
                 interval_end_ns: 5,

@@ -16,8 +16,41 @@ pub fn ip_of(version: u8, a: &[u8; 16]) -> IpAddr {
     }
 }
 
+/// An address the datapath stored IPv4-mapped (`::ffff:a.b.c.d`), as written.
+pub fn ip_of_mapped(a: &[u8; 16]) -> IpAddr {
+    match Ipv6Addr::from(*a).to_ipv4_mapped() {
+        Some(v4) => IpAddr::V4(v4),
+        None => IpAddr::V6(Ipv6Addr::from(*a)),
+    }
+}
+
 pub fn direction_name(d: u8) -> &'static str {
-    if d == DIR_INGRESS { "ingress" } else { "egress" }
+    match d {
+        DIR_INGRESS => "ingress",
+        DIR_MIRROR => "mirror",
+        _ => "egress",
+    }
+}
+
+/// The mirror session a record's packets arrived through (GRE/ERSPAN from a switch).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct MirrorRecord {
+    /// Outer source address: the switch that mirrored the packet.
+    pub src_ip: IpAddr,
+    /// ERSPAN session id, or the GRE key (0 without one).
+    pub session: u32,
+    /// `gre`, `erspan1`, `erspan2`, `erspan3`.
+    pub kind: String,
+}
+
+impl MirrorRecord {
+    pub fn of_key(k: &FlowKey) -> Option<Self> {
+        crate::observation::MirrorSession::of_key(k).map(|m| Self {
+            src_ip: m.src,
+            session: m.session,
+            kind: m.kind_name().into(),
+        })
+    }
 }
 
 pub const ECN_NAMES: [&str; 4] = ["not_ect", "ect1", "ect0", "ce"];
@@ -69,6 +102,13 @@ pub struct SampleRecord {
     pub icrc: Option<String>,
     /// Why it was reported: `hash`, `cnp`, `ce`, `nak`, `unexpected_dscp`.
     pub reasons: Vec<String>,
+    /// Present for a mirrored copy: the switch and session it came through.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mirror: Option<MirrorRecord>,
+    /// The ICRC recomputed from the sample's header bytes, when they hold the whole packet
+    /// (small packets: CNPs, ACKs); null otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub icrc_ok: Option<bool>,
 }
 
 impl SampleRecord {
@@ -135,8 +175,20 @@ impl SampleRecord {
             deth_src_qp: has(HAS_DETH).then_some(s.deth_src_qp),
             icrc: has(HAS_ICRC).then(|| s.icrc.iter().map(|b| format!("{b:02x}")).collect()),
             reasons,
+            mirror: MirrorRecord::of_key(k),
+            icrc_ok: sample_icrc_ok(s),
         }
     }
+}
+
+/// Whether a sample's ICRC is right, judged from its header bytes when they hold the
+/// whole packet; `None` when they do not (or the ICRC could not be read).
+pub fn sample_icrc_ok(s: &Sample) -> Option<bool> {
+    if s.present & HAS_ICRC == 0 {
+        return None;
+    }
+    let head = &s.head[..(s.head_len as usize).min(SAMPLE_HEAD_LEN)];
+    crate::frame::check_icrc(head, s.l3_off as usize, Some(s.icrc))
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -193,6 +245,9 @@ pub struct FlowRecord {
     /// seen (pcap input).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub icrc_errors: Option<u64>,
+    /// Present when the flow was seen through a mirror session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mirror: Option<MirrorRecord>,
 }
 
 impl FlowRecord {
@@ -234,6 +289,7 @@ impl FlowRecord {
             pps: 0.0,
             gbps: 0.0,
             icrc_errors: None,
+            mirror: MirrorRecord::of_key(k),
         }
     }
 

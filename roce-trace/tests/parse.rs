@@ -185,3 +185,221 @@ fn every_skip_reason() {
     v6frag[14 + 6] = IPV6_EXT_FRAGMENT;
     assert_eq!(p(&v6frag), Err(Skip::Fragment));
 }
+
+mod mirrored {
+    use std::net::IpAddr;
+
+    use roce_trace::frame::{Mirror, RoceFrame, check_icrc, ext};
+    use roce_trace_common::{
+        datapath::{
+            GlobalCounter as Skip, HAS_MIRROR, MIRROR_ERSPAN_I, MIRROR_ERSPAN_II, MIRROR_ERSPAN_III,
+            MIRROR_GRE,
+        },
+        roce::op,
+        wire::*,
+    };
+
+    use super::p;
+
+    fn switch() -> IpAddr {
+        "198.51.100.7".parse().unwrap()
+    }
+    fn analyser() -> IpAddr {
+        "198.51.100.1".parse().unwrap()
+    }
+    fn inner() -> RoceFrame {
+        RoceFrame {
+            vlans: vec![(ETH_P_8021Q, (3 << 13) | 100)],
+            dscp: 26,
+            ecn: 3,
+            ttl: 62,
+            psn: 0x10203,
+            dest_qp: 0x4455,
+            opcode: op::ACKNOWLEDGE,
+            ext: ext::aeth(0x1f, 7),
+            ..Default::default()
+        }
+    }
+
+    /// Every encapsulation decapsulates to the inner packet's fields, with the switch and
+    /// the session recorded, and the ICRC found and correct at the inner packet's offset.
+    #[test]
+    fn every_mirror_encapsulation_yields_the_inner_packet() {
+        let f = inner();
+        let frame = f.build();
+        let cases = [
+            (
+                Mirror::ErspanII {
+                    session: 0x3ff,
+                    seq: 9,
+                    index: 0xfffff,
+                },
+                MIRROR_ERSPAN_II,
+                0x3ff,
+                true,
+            ),
+            (
+                Mirror::ErspanIII {
+                    session: 17,
+                    seq: 1,
+                    timestamp: 5,
+                    platform: false,
+                },
+                MIRROR_ERSPAN_III,
+                17,
+                true,
+            ),
+            (
+                Mirror::ErspanIII {
+                    session: 18,
+                    seq: 1,
+                    timestamp: 5,
+                    platform: true,
+                },
+                MIRROR_ERSPAN_III,
+                18,
+                true,
+            ),
+            (
+                Mirror::GreEthernet {
+                    key: Some(0xdead_beef),
+                },
+                MIRROR_GRE,
+                0xdead_beef,
+                true,
+            ),
+            (Mirror::GreEthernet { key: None }, MIRROR_GRE, 0, true),
+            (Mirror::GreIp { key: Some(5) }, MIRROR_GRE, 5, false),
+        ];
+        for (m, kind, session, has_l2) in cases {
+            let bytes = m.encapsulate(switch(), analyser(), &frame);
+            let got = p(&bytes).unwrap_or_else(|e| panic!("{m:?}: {e:?}"));
+            assert_eq!(&got.src[12..], &[10, 0, 0, 1], "{m:?}: inner source");
+            assert_eq!(&got.dst[12..], &[10, 0, 0, 2], "{m:?}");
+            assert_eq!(
+                (got.dscp, got.ecn, got.ttl),
+                (26, 3, 62),
+                "{m:?}: inner class and TTL"
+            );
+            assert_eq!((got.bth.psn(), got.bth.dest_qp()), (0x10203, 0x4455), "{m:?}");
+            assert_eq!(got.aeth().map(|a| a.syndrome), Some(0x1f), "{m:?}");
+            assert_eq!(got.present & HAS_MIRROR, HAS_MIRROR, "{m:?}");
+            let (src, sess, k) = got.mirror().unwrap();
+            assert_eq!(&src[12..], &[198, 51, 100, 7], "{m:?}: the switch");
+            assert_eq!((sess, k), (session, kind), "{m:?}: session and kind");
+            // The inner tag gives the PCP; GRE carrying IP has none.
+            assert_eq!(got.pcp(), has_l2.then_some(3), "{m:?}: pcp");
+            assert_eq!(got.vlan_depth, has_l2 as u8, "{m:?}");
+            assert_eq!(got.icrc(), roce_trace::frame::icrc(&f.ip_packet()), "{m:?}: icrc");
+            assert_eq!(
+                check_icrc(&bytes, got.l3_off as usize, got.icrc()),
+                Some(true),
+                "{m:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn ipv6_outer_and_inner_and_erspan_type_i() {
+        let f = RoceFrame {
+            src: "fd00::1".parse().unwrap(),
+            dst: "fd00::2".parse().unwrap(),
+            ..inner()
+        };
+        let bytes = Mirror::ErspanII {
+            session: 1,
+            seq: 0,
+            index: 0,
+        }
+        .encapsulate(
+            "2001:db8::7".parse().unwrap(),
+            "2001:db8::1".parse().unwrap(),
+            &f.build(),
+        );
+        let got = p(&bytes).unwrap();
+        assert_eq!(got.ip_version, 6);
+        assert_eq!(
+            got.mirror().unwrap().0,
+            "2001:db8::7".parse::<std::net::Ipv6Addr>().unwrap().octets()
+        );
+        // Type I: 0x88BE without a sequence number, the frame right after GRE.
+        let mut t1 = Mirror::GreEthernet { key: None }.encapsulate(switch(), analyser(), &inner().build());
+        t1[14 + 20 + 2..14 + 20 + 4].copy_from_slice(&GRE_PROTO_ERSPAN_II.to_be_bytes());
+        assert_eq!(p(&t1).unwrap().mirror().unwrap().2, MIRROR_ERSPAN_I);
+    }
+
+    /// Cut anywhere inside the GRE or ERSPAN header: a skip count, not a parse.
+    #[test]
+    fn truncated_and_bad_encapsulation_is_a_skip_reason() {
+        let frame = inner().build();
+        let enc = |m: Mirror| m.encapsulate(switch(), analyser(), &frame);
+        let outer = 14 + 20;
+        let cut = |mut b: Vec<u8>, at: usize| {
+            b.truncate(at);
+            // The outer IP length still claims the whole payload, as a snaplen cut leaves it.
+            b
+        };
+        let e2 = enc(Mirror::ErspanII {
+            session: 1,
+            seq: 1,
+            index: 1,
+        });
+        for at in [outer + 2, outer + 6, outer + 8 + 4] {
+            assert_eq!(
+                p(&cut(e2.clone(), at)),
+                Err(Skip::TruncatedEncap),
+                "ERSPAN II cut at {at}"
+            );
+        }
+        let e3 = enc(Mirror::ErspanIII {
+            session: 1,
+            seq: 1,
+            timestamp: 0,
+            platform: true,
+        });
+        for at in [outer + 8 + 10, outer + 8 + 12 + 4] {
+            assert_eq!(
+                p(&cut(e3.clone(), at)),
+                Err(Skip::TruncatedEncap),
+                "ERSPAN III cut at {at}"
+            );
+        }
+        let keyed = enc(Mirror::GreEthernet { key: Some(1) });
+        assert_eq!(
+            p(&cut(keyed, outer + 6)),
+            Err(Skip::TruncatedEncap),
+            "GRE key cut"
+        );
+        // An IP payload too short for the GRE header it announces.
+        let mut short = enc(Mirror::GreEthernet { key: Some(1) });
+        short[14 + 2..14 + 4].copy_from_slice(&(20u16 + 6).to_be_bytes());
+        assert_eq!(p(&short), Err(Skip::TruncatedEncap));
+        // Wrong versions: GRE version 1 (PPTP), ERSPAN II header saying version 2.
+        let mut v1 = e2.clone();
+        v1[outer + 1] |= 1;
+        assert_eq!(p(&v1), Err(Skip::BadEncap));
+        let mut bad = e2.clone();
+        bad[outer + 8] = 0x20;
+        assert_eq!(p(&bad), Err(Skip::BadEncap));
+        // Type III frame type IP (not Ethernet): not decapsulated.
+        let mut ft = enc(Mirror::ErspanIII {
+            session: 1,
+            seq: 1,
+            timestamp: 0,
+            platform: false,
+        });
+        ft[outer + 8 + 10] = 2 << 2;
+        assert_eq!(p(&ft), Err(Skip::BadEncap));
+        // The mirrored frame itself cut short: the inner layer's reason.
+        assert_eq!(
+            p(&cut(e2.clone(), outer + 16 + 14 + 4 + 10)),
+            Err(Skip::TruncatedIp)
+        );
+        // GRE of another protocol (MPLS) is simply not RoCE; nor is GRE inside GRE.
+        let mut mpls = enc(Mirror::GreEthernet { key: None });
+        mpls[outer + 2..outer + 4].copy_from_slice(&0x8847u16.to_be_bytes());
+        assert_eq!(p(&mpls), Err(Skip::NonRoce));
+        let nested = Mirror::GreEthernet { key: None }.encapsulate(switch(), analyser(), &e2);
+        assert_eq!(p(&nested), Err(Skip::NonRoce));
+    }
+}

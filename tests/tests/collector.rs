@@ -179,6 +179,7 @@ fn bad_peers_are_cut_off_and_good_ones_keep_being_served() {
     assert_eq!(reply, Some(Frame::Welcome { version: VERSION }));
     good.send(&Frame::Points(vec![PointDecl {
         index: 0,
+        node: String::new(),
         iface: "eth0".into(),
         ifindex: 2,
         direction: 0,
@@ -277,6 +278,7 @@ fn the_api_serves_flows_paths_and_class_changes() {
     let (mut a, _) = FakeAgent::connect(&c, "h1", "t0ken");
     a.send(&Frame::Points(vec![PointDecl {
         index: 0,
+        node: String::new(),
         iface: "eth0".into(),
         ifindex: 2,
         direction: 1,
@@ -285,12 +287,14 @@ fn the_api_serves_flows_paths_and_class_changes() {
     b.send(&Frame::Points(vec![
         PointDecl {
             index: 0,
+            node: String::new(),
             iface: "l1".into(),
             ifindex: 2,
             direction: 0,
         },
         PointDecl {
             index: 1,
+            node: String::new(),
             iface: "l2".into(),
             ifindex: 3,
             direction: 1,
@@ -330,4 +334,88 @@ fn the_api_serves_flows_paths_and_class_changes() {
     );
     assert!(metrics.contains("roce_trace_collector_anomalies{kind=\"class_change\"} 1"));
     c.finish();
+}
+
+/// Mirrored copies of the same packets from two switches (ERSPAN II from one, ERSPAN III
+/// from the next, the inner TTL one lower) reach one analyser host, whose agent reads them
+/// from a pcap: each mirror session becomes its switch's observation point, and the
+/// collector joins them into a two-hop path.
+#[test]
+fn mirrored_copies_from_two_switches_join_into_a_two_hop_path() {
+    use roce_trace::frame::{Mirror, RoceFrame};
+    use roce_trace_tests::{TempDir, roce_trace_bin, write_pcap};
+    let c = Running::start();
+    let analyser = "192.0.2.100".parse().unwrap();
+    let mut frames = Vec::new();
+    for psn in 0..5u32 {
+        let at = |ttl| {
+            RoceFrame {
+                psn,
+                ttl,
+                payload: vec![psn as u8; 64],
+                ..Default::default()
+            }
+            .build()
+        };
+        frames.push(
+            Mirror::ErspanII {
+                session: 1,
+                seq: psn,
+                index: 3,
+            }
+            .encapsulate("198.51.100.7".parse().unwrap(), analyser, &at(63)),
+        );
+        frames.push(
+            Mirror::ErspanIII {
+                session: 2,
+                seq: psn,
+                timestamp: psn,
+                platform: false,
+            }
+            .encapsulate("198.51.100.8".parse().unwrap(), analyser, &at(62)),
+        );
+    }
+    let dir = TempDir::new("mirror-agent");
+    let pcap = dir.path("mirrored.pcap");
+    write_pcap(&pcap, &frames);
+    let out = std::process::Command::new(roce_trace_bin())
+        .args(["agent", "-r"])
+        .arg(&pcap)
+        .args(["--collector", &c.agents.to_string()])
+        .args([
+            "--node",
+            "analyser",
+            "--token",
+            "t0ken",
+            "--sample-rate",
+            "1",
+            "--interval",
+            "100ms",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let flows = wait_for(&c, "/flows", |v| {
+        v.as_array()
+            .is_some_and(|f| f.first().is_some_and(|f| f["trajectories"] == 5))
+    });
+    let f = &flows[0];
+    assert_eq!(
+        f["path"],
+        serde_json::json!(["198.51.100.7:erspan-1:mirror", "198.51.100.8:erspan-2:mirror"]),
+        "{f}"
+    );
+    assert_eq!(f["hops"], serde_json::json!([1]), "{f}");
+    assert_eq!(flows.as_array().unwrap().len(), 1);
+    let report = c.finish();
+    let points: Vec<String> = report
+        .points
+        .iter()
+        .map(|p| format!("{}:{}:{}", p.node, p.iface, p.direction))
+        .collect();
+    assert!(
+        points.contains(&"198.51.100.7:erspan-1:mirror".to_owned())
+            && points.contains(&"198.51.100.8:erspan-2:mirror".to_owned()),
+        "{points:?}"
+    );
 }

@@ -6,7 +6,7 @@ use std::net::IpAddr;
 
 use roce_trace::{
     datapath::DatapathOptions,
-    frame::{RoceFrame, ethernet, ext, icrc},
+    frame::{Mirror, RoceFrame, check_icrc, ethernet, ext, icrc},
 };
 use roce_trace_common::{datapath::*, roce::op, wire::*};
 use roce_trace_tests::*;
@@ -34,6 +34,9 @@ struct Row {
     /// Frames to feed; built from `specs` unless given raw.
     frames: Vec<Vec<u8>>,
     want: Want,
+    /// A mirrored copy: the switch (outer source), session and `MIRROR_*` the flow key and
+    /// samples must carry.
+    mirror: Option<(IpAddr, u32, u8)>,
 }
 
 fn raw(desc: &'static str, frames: Vec<Vec<u8>>, skip: GlobalCounter) -> Row {
@@ -42,7 +45,12 @@ fn raw(desc: &'static str, frames: Vec<Vec<u8>>, skip: GlobalCounter) -> Row {
         specs: Vec::new(),
         frames,
         want: Want::Skip(skip),
+        mirror: None,
     }
+}
+
+fn send_frame() -> Vec<u8> {
+    f(op::SEND_ONLY).build()
 }
 
 fn f(opcode: u8) -> RoceFrame {
@@ -86,6 +94,7 @@ fn table() -> Vec<Row> {
             specs,
             frames,
             want: Want::Roce { counters, ext },
+            mirror: None,
         }
     };
     let none = &|_: &mut FlowCounters| {};
@@ -441,7 +450,172 @@ fn table() -> Vec<Row> {
         specs: vec![spec],
         frames: vec![frame],
         want: Want::Roce { counters, ext: hash },
+        mirror: None,
     });
+
+    // Mirrored copies from switches: decapsulated, keyed and sampled per mirror session.
+    let switch: IpAddr = "198.51.100.7".parse().unwrap();
+    let switch6: IpAddr = "2001:db8::7".parse().unwrap();
+    let collector: IpAddr = "198.51.100.1".parse().unwrap();
+    let collector6: IpAddr = "2001:db8::1".parse().unwrap();
+    let tagged = |s: RoceFrame| RoceFrame {
+        vlans: vec![(ETH_P_8021Q, (5 << 13) | 30)],
+        ..s
+    };
+    let cnp = RoceFrame {
+        opcode: 0x81,
+        dscp: 48,
+        udp_sport: 0,
+        becn: true,
+        dest_qp: 0x118,
+        ext: ext::cnp(),
+        ttl: 63,
+        ..Default::default()
+    };
+    let write = RoceFrame {
+        psn: 300,
+        ttl: 62,
+        ext: ext::reth(0x1000, 9, 2048),
+        payload: vec![6; 1024],
+        ..f(op::WRITE_ONLY)
+    };
+    let mirrored = [
+        (
+            "ERSPAN II of a tagged CNP",
+            tagged(cnp.clone()),
+            Mirror::ErspanII {
+                session: 0x3ff,
+                seq: 1,
+                index: 5,
+            },
+            switch,
+            collector,
+            0x3ff,
+            MIRROR_ERSPAN_II,
+            ExtWant {
+                reasons: REASON_HASH | REASON_CNP,
+                ..Default::default()
+            },
+            &(|c: &mut FlowCounters| c.cnp = 1) as &dyn Fn(&mut FlowCounters),
+        ),
+        (
+            "ERSPAN III with platform subheader of a WRITE ONLY",
+            write.clone(),
+            Mirror::ErspanIII {
+                session: 42,
+                seq: 7,
+                timestamp: 1234,
+                platform: true,
+            },
+            switch,
+            collector,
+            42,
+            MIRROR_ERSPAN_III,
+            ExtWant {
+                reth_len: Some(2048),
+                ..hash
+            },
+            none,
+        ),
+        (
+            "ERSPAN III over IPv6 of an IPv6 ACK",
+            v6(RoceFrame {
+                ext: ext::aeth(0x1f, 2),
+                ..f(op::ACKNOWLEDGE)
+            }),
+            Mirror::ErspanIII {
+                session: 3,
+                seq: 7,
+                timestamp: 0,
+                platform: false,
+            },
+            switch6,
+            collector6,
+            3,
+            MIRROR_ERSPAN_III,
+            ExtWant {
+                aeth: Some((0x1f, 2)),
+                ..hash
+            },
+            &(|c: &mut FlowCounters| c.ack = 1) as &dyn Fn(&mut FlowCounters),
+        ),
+        (
+            "GRE (0x6558) with key of a tagged WRITE ONLY",
+            tagged(write.clone()),
+            Mirror::GreEthernet { key: Some(0xabcd) },
+            switch,
+            collector,
+            0xabcd,
+            MIRROR_GRE,
+            ExtWant {
+                reth_len: Some(2048),
+                ..hash
+            },
+            none,
+        ),
+        (
+            "GRE carrying IPv4 directly",
+            write.clone(),
+            Mirror::GreIp { key: None },
+            switch,
+            collector,
+            0,
+            MIRROR_GRE,
+            ExtWant {
+                reth_len: Some(2048),
+                ..hash
+            },
+            none,
+        ),
+    ];
+    for (desc, spec, m, sw, coll, session, kind, ext, tweak) in mirrored {
+        let frames = vec![m.encapsulate(sw, coll, &spec.build())];
+        let mut counters = counts(std::slice::from_ref(&spec), &frames);
+        tweak(&mut counters);
+        rows.push(Row {
+            desc,
+            specs: vec![spec],
+            frames,
+            want: Want::Roce { counters, ext },
+            mirror: Some((sw, session, kind)),
+        });
+    }
+    let e2 = Mirror::ErspanII {
+        session: 1,
+        seq: 1,
+        index: 1,
+    }
+    .encapsulate(switch, collector, &send_frame());
+    rows.push(raw(
+        "ERSPAN II header cut short",
+        vec![e2[..14 + 20 + 8 + 4].to_vec()],
+        GlobalCounter::TruncatedEncap,
+    ));
+    let e3 = Mirror::ErspanIII {
+        session: 1,
+        seq: 1,
+        timestamp: 0,
+        platform: true,
+    }
+    .encapsulate(switch, collector, &send_frame());
+    rows.push(raw(
+        "ERSPAN III platform subheader cut short",
+        vec![e3[..14 + 20 + 8 + 12 + 4].to_vec()],
+        GlobalCounter::TruncatedEncap,
+    ));
+    let keyed = Mirror::GreEthernet { key: Some(1) }.encapsulate(switch, collector, &send_frame());
+    rows.push(raw(
+        "GRE key cut short",
+        vec![keyed[..14 + 20 + 6].to_vec()],
+        GlobalCounter::TruncatedEncap,
+    ));
+    let mut bad = e2.clone();
+    bad[14 + 20 + 8] = 0x20; // ERSPAN II header claiming version 2
+    rows.push(raw(
+        "ERSPAN II with a wrong version",
+        vec![bad],
+        GlobalCounter::BadEncap,
+    ));
 
     // Frames that are not parsed RoCEv2.
     let send = f(op::SEND_ONLY).build();
@@ -610,20 +784,53 @@ fn check_row(t: &mut ProgTest, r: &Row, dir: u8) {
                 want_pcp,
                 "{ctx}: pcp"
             );
-            // The ICRC is found from the UDP length: it must equal the one the builder
-            // computed over the IP packet.
-            let l3_start = 14 + 4 * last.vlans.len();
-            let ip_len = if last.src.is_ipv4() {
-                u16::from_be_bytes([fr[l3_start + 2], fr[l3_start + 3]]) as usize
-            } else {
-                40 + u16::from_be_bytes([fr[l3_start + 4], fr[l3_start + 5]]) as usize
-            };
-            let l3 = &fr[l3_start..l3_start + ip_len];
             assert!(s.present & HAS_ICRC != 0, "{ctx}: icrc read");
-            if r.desc.contains("hop-by-hop") {
-                assert_eq!(&s.icrc[..], &l3[l3.len() - 4..], "{ctx}: icrc bytes");
+            // The leading bytes of the frame travel with the sample.
+            let head = fr.len().min(SAMPLE_HEAD_LEN);
+            assert_eq!(s.head_len as usize, head, "{ctx}: head length");
+            assert_eq!(&s.head[..head], &fr[..head], "{ctx}: head bytes");
+            assert_eq!(
+                k.mirror_kind != MIRROR_NONE,
+                s.present & HAS_MIRROR != 0,
+                "{ctx}: mirror bit"
+            );
+            if let Some((sw, session, kind)) = r.mirror {
+                assert_eq!(k.mirror_addr(), mapped(sw), "{ctx}: the switch");
+                assert_eq!(
+                    (k.mirror_session, k.mirror_kind),
+                    (session, kind),
+                    "{ctx}: session"
+                );
+                assert_eq!(g.get(GlobalCounter::Mirrored, dir), n, "{ctx}: mirrored count");
+                // The ICRC is the inner packet's, found from the inner UDP length.
+                assert_eq!(Some(s.icrc), icrc(&last.ip_packet()), "{ctx}: inner icrc");
+                assert_eq!(
+                    check_icrc(fr, s.l3_off as usize, Some(s.icrc)),
+                    Some(true),
+                    "{ctx}: inner IP header offset"
+                );
             } else {
-                assert_eq!(Some(s.icrc), icrc(l3), "{ctx}: icrc");
+                assert_eq!(
+                    (k.mirror_src, k.mirror_session, k.mirror_kind),
+                    ([0; 4], 0, MIRROR_NONE),
+                    "{ctx}: not mirrored"
+                );
+                assert_eq!(g.get(GlobalCounter::Mirrored, dir), 0, "{ctx}: mirrored count");
+                // The ICRC is found from the UDP length: it must equal the one the builder
+                // computed over the IP packet.
+                let l3_start = 14 + 4 * last.vlans.len();
+                assert_eq!(s.l3_off as usize, l3_start, "{ctx}: IP header offset");
+                let ip_len = if last.src.is_ipv4() {
+                    u16::from_be_bytes([fr[l3_start + 2], fr[l3_start + 3]]) as usize
+                } else {
+                    40 + u16::from_be_bytes([fr[l3_start + 4], fr[l3_start + 5]]) as usize
+                };
+                let l3 = &fr[l3_start..l3_start + ip_len];
+                if r.desc.contains("hop-by-hop") {
+                    assert_eq!(&s.icrc[..], &l3[l3.len() - 4..], "{ctx}: icrc bytes");
+                } else {
+                    assert_eq!(Some(s.icrc), icrc(l3), "{ctx}: icrc");
+                }
             }
             let aeth = (s.present & HAS_AETH != 0).then_some((s.aeth_syndrome, s.aeth_msn));
             assert_eq!(aeth, ext.aeth, "{ctx}: aeth");
@@ -801,7 +1008,7 @@ fn a_full_ring_is_counted_and_the_packet_passes() {
         ..f(op::WRITE_MIDDLE)
     }
     .build();
-    // 4 MiB of 104-byte samples (plus ring headers) is about 37,000; send more, unread.
+    // 4 MiB of 256-byte samples (plus ring headers) is about 16,000; send more, unread.
     let n = 60_000u64;
     t.time_xdp(&frame, n as u32);
     assert_eq!(t.run_xdp(&frame), XDP_PASS, "still passing with the ring full");

@@ -92,6 +92,24 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
             1000,
         ),
         (
+            "ERSPAN II mirrored WRITE MIDDLE, 1 in 1000",
+            roce_trace::frame::Mirror::ErspanII {
+                session: 1,
+                seq: 1,
+                index: 1,
+            }
+            .encapsulate(
+                "198.51.100.7".parse()?,
+                "198.51.100.1".parse()?,
+                &RoceFrame {
+                    payload: vec![0; 1024],
+                    ..f(op::WRITE_MIDDLE)
+                }
+                .build(),
+            ),
+            1000,
+        ),
+        (
             "UDP to another port (non-RoCE)",
             RoceFrame {
                 udp_dport: 5000,
@@ -109,10 +127,11 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
             ..Default::default()
         });
         // A full ring is cheaper than a real sample and would flatter the numbers: when
-        // every packet is emitted, run few enough that the 4 MiB ring never fills.
+        // every packet is emitted, run few enough that the 4 MiB ring of 256-byte samples
+        // never fills.
         let every_packet_emitted = rate == 1 || name.contains("always reported");
         let n = if every_packet_emitted {
-            repeat.min(30_000)
+            repeat.min(12_000)
         } else {
             repeat
         };
