@@ -727,7 +727,7 @@ fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
                 ingress: true,
                 egress: true,
                 xdp_mode: XdpModeChoice::Auto,
-                node: hostname(),
+                node: roce_trace::sys::hostname(),
                 token: String::new(),
                 datapath: DatapathOptions {
                     udp_port: a.port,
