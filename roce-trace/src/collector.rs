@@ -509,10 +509,9 @@ fn metrics(s: &State) -> String {
 
 fn short(point: &str) -> String {
     // node:iface:direction → node/iface(in|out)
-    let mut it = point.split(':');
-    match (it.next(), it.next(), it.next()) {
-        (Some(n), Some(i), Some(d)) => format!("{n}/{i}{}", if d == "ingress" { "<" } else { ">" }),
-        _ => point.to_owned(),
+    match crate::correlate::split_label(point) {
+        Some((n, i, d)) => format!("{n}/{i}{}", if d == "ingress" { "<" } else { ">" }),
+        None => point.to_owned(),
     }
 }
 

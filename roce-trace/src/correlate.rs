@@ -28,6 +28,31 @@ impl PointInfo {
     }
 }
 
+/// A point label's (node, interface, direction), split from the right: a node may be an
+/// IPv6 address (a mirroring switch), interfaces and directions hold no `:`.
+pub fn split_label(label: &str) -> Option<(&str, &str, &str)> {
+    let mut it = label.rsplitn(3, ':');
+    let (d, i, n) = (it.next()?, it.next()?, it.next()?);
+    Some((n, i, d))
+}
+
+/// The node of a point label (the whole label when it is not one).
+pub fn node_of(label: &str) -> &str {
+    split_label(label).map_or(label, |(n, _, _)| n)
+}
+
+/// The nodes a path crosses, in order, each once per visit.
+pub fn path_nodes(path: &[String]) -> Vec<&str> {
+    let mut v: Vec<&str> = Vec::new();
+    for p in path {
+        let n = node_of(p);
+        if v.last() != Some(&n) {
+            v.push(n);
+        }
+    }
+    v
+}
+
 #[derive(Clone, Copy, Debug)]
 pub struct JoinConfig {
     /// A trajectory is complete this long after its first observation arrived.
@@ -782,6 +807,24 @@ mod tests {
     use roce_trace_common::datapath::{REASON_CE, REASON_CNP, REASON_HASH};
 
     use super::*;
+
+    #[test]
+    fn labels_split_from_the_right_so_ipv6_switches_stay_whole() {
+        assert_eq!(split_label("h1:eth0:egress"), Some(("h1", "eth0", "egress")));
+        assert_eq!(
+            split_label("2001:db8::7:erspan-5:mirror"),
+            Some(("2001:db8::7", "erspan-5", "mirror"))
+        );
+        assert_eq!(node_of("nolabel"), "nolabel");
+        let path = [
+            "h1:eth0:egress",
+            "l1:h1:ingress",
+            "l1:s1:egress",
+            "2001:db8::7:erspan-5:mirror",
+        ]
+        .map(String::from);
+        assert_eq!(path_nodes(&path), vec!["h1", "l1", "2001:db8::7"]);
+    }
 
     const MS: u64 = 1_000_000;
 

@@ -8,7 +8,7 @@ use anyhow::Context as _;
 use serde::{Deserialize, Serialize};
 
 use super::checks::{CheckResult, Evidence, Role, Status, role, stability};
-use crate::collector::CollectorReport;
+use crate::{collector::CollectorReport, correlate::path_nodes};
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct FlowBase {
@@ -30,14 +30,7 @@ pub struct Baseline {
 }
 
 fn nodes(path: &[String]) -> Vec<String> {
-    let mut v: Vec<String> = Vec::new();
-    for p in path {
-        let n = p.split(':').next().unwrap_or(p).to_owned();
-        if v.last() != Some(&n) {
-            v.push(n);
-        }
-    }
-    v
+    path_nodes(path).into_iter().map(str::to_owned).collect()
 }
 
 fn pair(src: &str, dst: &str) -> String {

@@ -6,7 +6,11 @@ use std::{collections::BTreeMap, net::IpAddr};
 use serde::{Deserialize, Serialize};
 
 use super::policy::{HopRule, Policy};
-use crate::{collector::CollectorReport, correlate::FlowReport, observation::CounterDelta};
+use crate::{
+    collector::CollectorReport,
+    correlate::{FlowReport, node_of},
+    observation::CounterDelta,
+};
 
 /// What the traffic in the window was meant to be.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -158,10 +162,6 @@ fn counters_at(f: &FlowReport, first: bool) -> Option<&CounterDelta> {
 
 fn ip(s: &str) -> Option<IpAddr> {
     s.parse().ok()
-}
-
-fn node_of(point: &str) -> &str {
-    point.split(':').next().unwrap_or(point)
 }
 
 fn ppm(n: u64, of: u64) -> u64 {

@@ -20,7 +20,10 @@ use super::{
     checks::{CheckResult, Evidence, Role, Status, ecmp_shares, role},
     policy::Policy,
 };
-use crate::{collector::CollectorReport, correlate::FlowReport};
+use crate::{
+    collector::CollectorReport,
+    correlate::{FlowReport, path_nodes},
+};
 
 #[derive(Clone, Debug)]
 pub struct DrillOptions {
@@ -138,17 +141,6 @@ fn by_id(r: &CollectorReport) -> BTreeMap<&str, &FlowReport> {
     r.flows.iter().map(|f| (f.id.as_str(), f)).collect()
 }
 
-fn nodes(path: &[String]) -> Vec<&str> {
-    let mut v: Vec<&str> = Vec::new();
-    for p in path {
-        let n = p.split(':').next().unwrap_or(p);
-        if v.last() != Some(&n) {
-            v.push(n);
-        }
-    }
-    v
-}
-
 /// What the three snapshots say about the failure at `down_at_ns` and the repair at
 /// `up_at_ns`.
 pub fn measure(
@@ -195,7 +187,7 @@ pub fn measure(
     d.spread_after = ecmp_shares(&data(after), via);
     for f in data(before) {
         if let Some(x) = a.get(f.id.as_str())
-            && nodes(&x.path) != nodes(&f.path)
+            && path_nodes(&x.path) != path_nodes(&f.path)
         {
             d.not_returned.push(f.id.clone());
         }
