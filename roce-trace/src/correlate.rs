@@ -567,23 +567,12 @@ impl Joiner {
             class: f
                 .path
                 .iter()
-                .filter_map(|p| f.class_at.get(p).map(|c| (p, c)))
-                .map(|(p, &(dscp, ecn, pcp))| ClassAt {
-                    point: l(p),
-                    dscp,
-                    ecn,
-                    pcp: (pcp != PCP_NONE).then_some(pcp),
-                })
+                .filter_map(|p| f.class_at.get(p).map(|c| ClassAt::new(l(p), *c)))
                 .collect(),
             cnp_class: f
                 .cnp_class_at
                 .iter()
-                .map(|(p, &(dscp, ecn, pcp))| ClassAt {
-                    point: l(p),
-                    dscp,
-                    ecn,
-                    pcp: (pcp != PCP_NONE).then_some(pcp),
-                })
+                .map(|(p, c)| ClassAt::new(l(p), *c))
                 .collect(),
             max_frame: f.max_frame.iter().map(|(p, m)| (l(p), *m)).collect(),
             class_changes: f
@@ -714,6 +703,18 @@ pub struct ClassAt {
     pub dscp: u8,
     pub ecn: u8,
     pub pcp: Option<u8>,
+}
+
+impl ClassAt {
+    /// From the join's (DSCP, ECN, PCP or `PCP_NONE`).
+    fn new(point: String, (dscp, ecn, pcp): (u8, u8, u8)) -> Self {
+        Self {
+            point,
+            dscp,
+            ecn,
+            pcp: (pcp != PCP_NONE).then_some(pcp),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]

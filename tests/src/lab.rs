@@ -813,3 +813,63 @@ impl Drop for LabGuard {
         let _ = self.0.down();
     }
 }
+
+/// A collector on the lab's management network (agents at `MGMT_COLLECTOR:4792`, its
+/// report written to `report`) and an agent on every node sampling 1 in 4.
+pub struct Observers {
+    collector: Option<crate::Daemon>,
+    agents: Vec<crate::Daemon>,
+    report: std::path::PathBuf,
+}
+
+impl Observers {
+    /// `extra`: more collector arguments (`--http ADDR`, `--trace`).
+    pub fn start(lab: &Lab, report: std::path::PathBuf, token: &str, extra: &[&str]) -> Self {
+        let listen = format!("{MGMT_COLLECTOR}:4792");
+        let mut args = vec![
+            "collect",
+            "--listen",
+            &listen,
+            "--token",
+            token,
+            "--quiet",
+            "--report",
+            report.to_str().expect("utf-8 path"),
+            "--trajectory-timeout",
+            "1s",
+        ];
+        args.extend_from_slice(extra);
+        let collector = crate::Daemon::start(&lab.ns("mgmt"), &args, "collecting on");
+        let mut agents = Vec::new();
+        for n in Lab::nodes() {
+            let a = lab.agent_args(&n, &listen, token, 4).expect("agent arguments");
+            let a: Vec<&str> = a.iter().map(String::as_str).collect();
+            agents.push(crate::Daemon::start(&lab.ns(&n), &a, "connected to collector"));
+        }
+        Self {
+            collector: Some(collector),
+            agents,
+            report,
+        }
+    }
+
+    /// Stops the agents, then the collector; the report it wrote.
+    pub fn stop(mut self) -> std::path::PathBuf {
+        for a in self.agents.drain(..) {
+            a.stop();
+        }
+        self.collector.take().expect("running").stop();
+        self.report.clone()
+    }
+}
+
+impl Drop for Observers {
+    fn drop(&mut self) {
+        for a in self.agents.drain(..) {
+            a.kill();
+        }
+        if let Some(c) = self.collector.take() {
+            c.kill();
+        }
+    }
+}

@@ -6,7 +6,7 @@
 use std::{collections::BTreeMap, sync::Mutex, time::Duration};
 
 use roce_trace_tests::{
-    lab::{Fault, Lab, MGMT_COLLECTOR},
+    lab::{Fault, Lab, Observers},
     *,
 };
 use serde_json::Value;
@@ -16,9 +16,8 @@ const TOKEN: &str = "lab-token";
 
 struct Fabric {
     lab: Lab,
-    dir: TempDir,
-    collector: Option<Daemon>,
-    agents: Vec<Daemon>,
+    _dir: TempDir,
+    obs: Option<Observers>,
 }
 
 impl Fabric {
@@ -30,57 +29,24 @@ impl Fabric {
         lab.down().unwrap();
         lab.up().unwrap();
         let dir = TempDir::new(&format!("collab-{tag}"));
-        let report = dir.path("report.json").to_string_lossy().into_owned();
-        let listen = format!("{MGMT_COLLECTOR}:4792");
-        let collector = Daemon::start(
-            &lab.ns("mgmt"),
-            &[
-                "collect",
-                "--listen",
-                &listen,
-                "--token",
-                TOKEN,
-                "--quiet",
-                "--report",
-                &report,
-                "--trajectory-timeout",
-                "1s",
-                "--trace",
-            ],
-            "collecting on",
-        );
-        let mut agents = Vec::new();
-        for n in Lab::nodes() {
-            let args = lab.agent_args(&n, &listen, TOKEN, 4).unwrap();
-            let a: Vec<&str> = args.iter().map(String::as_str).collect();
-            agents.push(Daemon::start(&lab.ns(&n), &a, "connected to collector"));
-        }
+        let obs = Observers::start(&lab, dir.path("report.json"), TOKEN, &["--trace"]);
         Self {
             lab,
-            dir,
-            collector: Some(collector),
-            agents,
+            _dir: dir,
+            obs: Some(obs),
         }
     }
 
     /// Stops agents, then the collector; returns its report.
     fn report(&mut self) -> Value {
-        for a in self.agents.drain(..) {
-            a.stop();
-        }
-        self.collector.take().unwrap().stop();
-        serde_json::from_str(&std::fs::read_to_string(self.dir.path("report.json")).unwrap()).unwrap()
+        let report = self.obs.take().unwrap().stop();
+        serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap()
     }
 }
 
 impl Drop for Fabric {
     fn drop(&mut self) {
-        for a in self.agents.drain(..) {
-            a.kill();
-        }
-        if let Some(c) = self.collector.take() {
-            c.kill();
-        }
+        self.obs.take();
         let _ = self.lab.down();
     }
 }

@@ -12,7 +12,7 @@ use std::{
 };
 
 use roce_trace_tests::{
-    lab::{Fault, Lab, LabGuard, MGMT_COLLECTOR},
+    lab::{Fault, Lab, LabGuard, Observers},
     *,
 };
 use serde_json::Value;
@@ -34,69 +34,15 @@ fn xtask_bin() -> PathBuf {
     bin
 }
 
-/// A collector on the management network and an agent on every node.
-struct Observers {
-    collector: Option<Daemon>,
-    agents: Vec<Daemon>,
-    report: PathBuf,
-}
-
 const HTTP: &str = "10.255.0.1:8080";
 
-impl Observers {
-    fn start(lab: &Lab, dir: &TempDir, name: &str) -> Self {
-        let report = dir.path(&format!("{name}-report.json"));
-        let listen = format!("{MGMT_COLLECTOR}:4792");
-        let collector = Daemon::start(
-            &lab.ns("mgmt"),
-            &[
-                "collect",
-                "--listen",
-                &listen,
-                "--http",
-                HTTP,
-                "--token",
-                TOKEN,
-                "--quiet",
-                "--report",
-                report.to_str().unwrap(),
-                "--trajectory-timeout",
-                "1s",
-            ],
-            "collecting on",
-        );
-        let mut agents = Vec::new();
-        for n in Lab::nodes() {
-            let args = lab.agent_args(&n, &listen, TOKEN, 4).unwrap();
-            let a: Vec<&str> = args.iter().map(String::as_str).collect();
-            agents.push(Daemon::start(&lab.ns(&n), &a, "connected to collector"));
-        }
-        Self {
-            collector: Some(collector),
-            agents,
-            report,
-        }
-    }
-
-    /// Stops the agents, then the collector; the report it wrote.
-    fn stop(mut self) -> PathBuf {
-        for a in self.agents.drain(..) {
-            a.stop();
-        }
-        self.collector.take().unwrap().stop();
-        self.report.clone()
-    }
-}
-
-impl Drop for Observers {
-    fn drop(&mut self) {
-        for a in self.agents.drain(..) {
-            a.kill();
-        }
-        if let Some(c) = self.collector.take() {
-            c.kill();
-        }
-    }
+fn observe(lab: &Lab, dir: &TempDir, name: &str) -> Observers {
+    Observers::start(
+        lab,
+        dir.path(&format!("{name}-report.json")),
+        TOKEN,
+        &["--http", HTTP],
+    )
 }
 
 /// h1 → h3 on 8 QPs and h2 → h1 on 2 QPs for `secs` (h1's generator answers h2); CNPs
@@ -359,7 +305,7 @@ fn a_healthy_fabric_passes_and_each_fault_fails_exactly_its_checks() {
         for f in &s.faults {
             lab.0.apply(f).unwrap();
         }
-        let obs = Observers::start(&lab.0, &dir, s.name);
+        let obs = observe(&lab.0, &dir, s.name);
         traffic(&lab.0, 5, s.cnp_dscp);
         let report = obs.stop();
         for f in &s.faults {
@@ -395,7 +341,7 @@ fn a_link_failure_drill_measures_loss_recovery_and_return() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let lab = LabGuard::up("rtvd");
     let dir = TempDir::new("verify-drill");
-    let obs = Observers::start(&lab.0, &dir, "drill");
+    let obs = observe(&lab.0, &dir, "drill");
     let l = lab.0.clone();
     let traffic = std::thread::spawn(move || traffic(&l, 18, 48));
     std::thread::sleep(Duration::from_secs(1));
