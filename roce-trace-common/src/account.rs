@@ -20,11 +20,8 @@ pub fn flow_key(p: &Parsed, ifindex: u32, direction: u8) -> FlowKey {
         udp_sport: p.udp_sport,
         direction,
         ip_version: p.ip_version,
-        // Zero unless mirrored (the parser clears them), so one key per mirror session.
-        mirror_src: p.mirror_src,
-        mirror_session: p.mirror_session,
-        mirror_kind: p.mirror_kind,
-        _pad: [0; 3],
+        // Zero unless mirrored (the parser clears it), so one key per mirror session.
+        mirror: p.mirror_id,
     }
 }
 

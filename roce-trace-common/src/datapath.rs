@@ -10,7 +10,7 @@ pub const DIR_EGRESS: u8 = 1;
 /// mirrored copy by the hook that received it and by its mirror session).
 pub const DIR_MIRROR: u8 = 2;
 
-/// How a mirrored copy reached us (`FlowKey::mirror_kind`); 0: it was not mirrored.
+/// How a mirrored copy reached us (`MirrorInfo::kind`); 0: it was not mirrored.
 pub const MIRROR_NONE: u8 = 0;
 /// Plain GRE carrying an Ethernet frame (0x6558) or an IP packet.
 pub const MIRROR_GRE: u8 = 1;
@@ -24,44 +24,65 @@ pub const MAP_FLOWS: &str = "FLOWS";
 pub const MAP_FLOW_STATE: &str = "FLOW_STATE";
 pub const MAP_GLOBALS: &str = "GLOBALS";
 pub const MAP_SAMPLES: &str = "SAMPLES";
+pub const MAP_MIRRORS: &str = "MIRRORS";
 pub const GLOBAL_CONFIG: &str = "CONFIG";
 pub const PROG_XDP: &str = "roce_xdp";
 pub const PROG_TC: &str = "roce_tc";
 
 pub const DEFAULT_MAX_FLOWS: u32 = 65_536;
 pub const SAMPLE_RING_BYTES: u32 = 4 << 20;
+/// Mirror sessions the kernel remembers (`MIRRORS`): switches × sessions, far below this.
+pub const MAX_MIRRORS: u32 = 1024;
 
 /// One RDMA QP direction as seen at one observation point: interface + direction, and for
-/// a mirrored copy also the mirror session (outer source + session), so counters per
-/// mirror session are exact.
+/// a mirrored copy also the mirror session (as its [`MirrorInfo::id`]), so counters per
+/// mirror session are exact. 48 bytes: every packet hashes it twice (`FLOWS`,
+/// `FLOW_STATE`), so what only mirrored copies need lives in `MIRRORS`, keyed by the id.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct FlowKey {
     /// IPv6 address, or IPv4 mapped as `::ffff:a.b.c.d`.
     pub src: [u8; 16],
     pub dst: [u8; 16],
-    /// Outer source address of a mirrored copy (the switch), mapped like `src`, its 16
-    /// bytes held as words in memory order (word copies stay inline in the kernel, byte
-    /// arrays become calls); zero when `mirror_kind` is `MIRROR_NONE`. See
-    /// [`FlowKey::mirror_addr`].
-    pub mirror_src: [u32; 4],
     pub ifindex: u32,
     pub dest_qp: u32,
-    /// ERSPAN session id, or the GRE key of plain GRE (0 without one).
-    pub mirror_session: u32,
+    /// 0: not mirrored. Else the [`MirrorInfo::id`] of the mirror session the copy came
+    /// through; the kernel's `MIRRORS` map (userspace: its mirror table) says which.
+    pub mirror: u32,
     pub udp_sport: u16,
     pub direction: u8,
     /// 4 or 6.
     pub ip_version: u8,
+}
+
+/// A mirror session: the switch that mirrored a copy (its outer source), the session id
+/// and the encapsulation. Written only for mirrored copies.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MirrorInfo {
+    /// Outer source address, mapped like [`FlowKey::src`], its 16 bytes held as words in
+    /// memory order (word copies stay inline in the kernel, byte arrays become calls). See
+    /// [`MirrorInfo::addr`].
+    pub src: [u32; 4],
+    /// ERSPAN session id, or the GRE key of plain GRE (0 without one).
+    pub session: u32,
     /// `MIRROR_*`.
-    pub mirror_kind: u8,
+    pub kind: u8,
     pub _pad: [u8; 3],
 }
 
-impl FlowKey {
-    /// The switch's address bytes (`mirror_src`), mapped like `src`.
-    pub fn mirror_addr(&self) -> [u8; 16] {
-        addr_of_words(self.mirror_src)
+impl MirrorInfo {
+    /// The switch's address bytes, mapped like [`FlowKey::src`].
+    pub fn addr(&self) -> [u8; 16] {
+        addr_of_words(self.src)
+    }
+
+    /// The session's id in [`FlowKey::mirror`]: a 32-bit hash of (outer source, session,
+    /// kind), never 0. Two sessions sharing an id (about 1 in 2^31 for a pair) share their
+    /// flows' counters; the kernel keeps the first one's info.
+    #[inline(always)]
+    pub fn id(&self) -> u32 {
+        crate::sampling::mirror_hash(self.src, self.session, self.kind)
     }
 }
 
@@ -137,7 +158,7 @@ pub const HAS_RETH: u8 = 1 << 1;
 pub const HAS_DETH: u8 = 1 << 2;
 pub const HAS_ICRC: u8 = 1 << 3;
 pub const HAS_PCP: u8 = 1 << 4;
-/// Decapsulated from GRE/ERSPAN: the mirror fields of the key hold the session.
+/// Decapsulated from GRE/ERSPAN: `Sample::mirror` holds the session, the key its id.
 pub const HAS_MIRROR: u8 = 1 << 5;
 
 /// Leading frame bytes a sample carries (headers; whole small packets such as CNPs and
@@ -184,6 +205,10 @@ pub struct Sample {
     pub _pad: [u8; 3],
     /// `REASON_*` bits.
     pub reasons: u32,
+    /// The mirror session of a mirrored copy (`HAS_MIRROR`; zero otherwise), carried so a
+    /// sample names its session by itself.
+    pub mirror: MirrorInfo,
+    pub _pad2: u32,
     /// The frame's first `head_len` bytes, as received (outer headers of a mirrored copy
     /// included).
     pub head: [u8; SAMPLE_HEAD_LEN],
@@ -218,8 +243,17 @@ impl Default for Sample {
             present: 0,
             _pad: [0; 3],
             reasons: 0,
+            mirror: MirrorInfo::default(),
+            _pad2: 0,
             head: [0; SAMPLE_HEAD_LEN],
         }
+    }
+}
+
+impl Sample {
+    /// The mirror session of a mirrored copy.
+    pub fn mirror(&self) -> Option<MirrorInfo> {
+        (self.present & HAS_MIRROR != 0).then_some(self.mirror)
     }
 }
 
@@ -364,11 +398,13 @@ impl GlobalCounter {
 }
 
 const _: () = {
-    assert!(core::mem::size_of::<FlowKey>() == 68);
+    assert!(core::mem::size_of::<FlowKey>() == 48);
+    assert!(core::mem::size_of::<MirrorInfo>() == 24);
     assert!(core::mem::size_of::<FlowCounters>() == 128);
     assert!(core::mem::size_of::<FlowState>() == 8);
-    assert!(core::mem::size_of::<Sample>() == 256);
-    assert!(core::mem::offset_of!(Sample, head) == 128);
+    assert!(core::mem::size_of::<Sample>() == 264);
+    assert!(core::mem::offset_of!(Sample, head) == 136);
+    assert!(core::mem::offset_of!(Sample, head) + SAMPLE_HEAD_LEN == core::mem::size_of::<Sample>());
     assert!(core::mem::size_of::<DatapathConfig>() == 24);
     assert!((GlobalCounter::ALL.len() as u32) < GLOBAL_COUNTERS_PER_DIR);
 };
@@ -379,6 +415,8 @@ mod pod {
     // SAFETY: all are #[repr(C)] plain integers and byte arrays with explicit padding,
     // so every bit pattern is valid and there are no implicit padding bytes.
     unsafe impl aya::Pod for FlowKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for MirrorInfo {}
     // SAFETY: as above.
     unsafe impl aya::Pod for FlowCounters {}
     // SAFETY: as above.

@@ -5,8 +5,7 @@
 
 use crate::datapath::{
     GlobalCounter, HAS_AETH, HAS_DETH, HAS_ICRC, HAS_MIRROR, HAS_PCP, HAS_RETH, MIRROR_ERSPAN_I,
-    MIRROR_ERSPAN_II, MIRROR_ERSPAN_III, MIRROR_GRE, MIRROR_NONE, SAMPLE_HEAD_LEN, addr_of_words,
-    words_of_addr,
+    MIRROR_ERSPAN_II, MIRROR_ERSPAN_III, MIRROR_GRE, MirrorInfo, SAMPLE_HEAD_LEN, words_of_addr,
 };
 use crate::roce::{self, ext_layout};
 use crate::wire::*;
@@ -125,11 +124,12 @@ pub struct Parsed {
     pub icrc_off: u32,
     /// Offset of the IP header (the inner one of a mirrored copy).
     pub l3_off: u16,
+    /// 0 unless mirrored; then `mirror_info.id()` (the flow key's `mirror`). The only
+    /// mirror field an ordinary packet writes.
+    pub mirror_id: u32,
     /// Valid with `HAS_MIRROR`: the outer source (mapped like `src`), the ERSPAN session id
-    /// or GRE key, and `datapath::MIRROR_*`.
-    pub mirror_src: [u32; 4],
-    pub mirror_session: u32,
-    pub mirror_kind: u8,
+    /// or GRE key, and `datapath::MIRROR_*`. Stale otherwise (not cleared per packet).
+    pub mirror_info: MirrorInfo,
     /// `datapath::HAS_*` bits. Plain fields plus bits rather than `Option`s: writing a
     /// `None` leaves undefined bytes, which the verifier rejects.
     pub present: u8,
@@ -168,8 +168,8 @@ pub fn load_icrc<P: Packet>(p: &P, out: &mut Parsed) {
 /// writing into `out` (in the kernel a per-CPU scratch slot: the BPF stack is 512 bytes).
 /// A mirrored copy — IP → GRE (plain, ERSPAN I/II/III) → Ethernet or IP — is
 /// decapsulated once: its inner frame is copied into `inner` and parsed there, and the
-/// outer source and the session are recorded (`HAS_MIRROR`). On error `out` holds a
-/// partial parse and must not be used.
+/// outer source and the session are recorded (`HAS_MIRROR`, `mirror_info`, `mirror_id`).
+/// On error `out` holds a partial parse and must not be used.
 #[inline(always)]
 pub fn parse_into<P: Packet>(
     p: &P,
@@ -185,8 +185,10 @@ pub fn parse_into<P: Packet>(
     let (ether_type, off) = parse_l2(p, 0, out)?;
     let (proto, off, l4_len) = parse_ip(p, ether_type, off, out)?;
     if proto == IPPROTO_GRE {
-        out.mirror_src = words_of_addr(out.src);
+        out.mirror_info.src = words_of_addr(out.src);
+        out.mirror_info._pad = [0; 3];
         let (inner_type, inner_off) = parse_mirror(p, off, l4_len, out)?;
+        out.mirror_id = out.mirror_info.id();
         // The class that matters is the mirrored packet's: the outer tags belong to the
         // mirror's transport.
         out.present = HAS_MIRROR;
@@ -205,14 +207,8 @@ pub fn parse_into<P: Packet>(
         out.l3_off += inner_off as u16;
         return parse_roce(&q, off, l4_len, udp_port, inner_off, out);
     }
-    out.mirror_kind = MIRROR_NONE;
-    out.mirror_session = 0;
-    // Word stores kept apart: merged into one memset they become a call (a byte loop) in
-    // the kernel build, on every packet.
-    for w in &mut out.mirror_src {
-        // SAFETY: `w` is a valid, aligned, exclusive reference to a u32.
-        unsafe { core::ptr::write_volatile(w, 0) };
-    }
+    // One store: the mirror session itself is written only for mirrored copies.
+    out.mirror_id = 0;
     parse_roce(p, off, l4_len, udp_port, 0, out)
 }
 
@@ -405,11 +401,11 @@ fn parse_mirror<P: Packet>(p: &P, off: usize, len: usize, out: &mut Parsed) -> R
         return Err(Skip::TruncatedEncap);
     }
     let mut inner = off + gre_len;
-    out.mirror_session = 0;
+    out.mirror_info.session = 0;
     match gre.protocol() {
         GRE_PROTO_ERSPAN_II if flags & GRE_SEQ == 0 => {
             // Type I: the mirrored frame follows the bare GRE header.
-            out.mirror_kind = MIRROR_ERSPAN_I;
+            out.mirror_info.kind = MIRROR_ERSPAN_I;
             Ok((GRE_PROTO_TEB, inner))
         }
         GRE_PROTO_ERSPAN_II => {
@@ -417,8 +413,8 @@ fn parse_mirror<P: Packet>(p: &P, off: usize, len: usize, out: &mut Parsed) -> R
             if e.version() != ERSPAN_II_VERSION {
                 return Err(Skip::BadEncap);
             }
-            out.mirror_kind = MIRROR_ERSPAN_II;
-            out.mirror_session = e.session_id() as u32;
+            out.mirror_info.kind = MIRROR_ERSPAN_II;
+            out.mirror_info.session = e.session_id() as u32;
             Ok((GRE_PROTO_TEB, inner + ErspanIIHdr::LEN))
         }
         GRE_PROTO_ERSPAN_III => {
@@ -426,8 +422,8 @@ fn parse_mirror<P: Packet>(p: &P, off: usize, len: usize, out: &mut Parsed) -> R
             if e.version() != ERSPAN_III_VERSION || e.frame_type() != ERSPAN_III_FT_ETHERNET {
                 return Err(Skip::BadEncap);
             }
-            out.mirror_kind = MIRROR_ERSPAN_III;
-            out.mirror_session = e.session_id() as u32;
+            out.mirror_info.kind = MIRROR_ERSPAN_III;
+            out.mirror_info.session = e.session_id() as u32;
             inner += ErspanIIIHdr::LEN;
             if e.has_platform_subheader() {
                 p.header::<ErspanIIIPlatformHdr>(inner)
@@ -437,10 +433,10 @@ fn parse_mirror<P: Packet>(p: &P, off: usize, len: usize, out: &mut Parsed) -> R
             Ok((GRE_PROTO_TEB, inner))
         }
         proto @ (GRE_PROTO_TEB | ETH_P_IPV4 | ETH_P_IPV6) => {
-            out.mirror_kind = MIRROR_GRE;
+            out.mirror_info.kind = MIRROR_GRE;
             if flags & GRE_KEY != 0 {
                 let key = p.load4(off + gre.key_offset()).ok_or(Skip::TruncatedEncap)?;
-                out.mirror_session = u32::from_be_bytes(key);
+                out.mirror_info.session = u32::from_be_bytes(key);
             }
             Ok((proto, inner))
         }
@@ -477,13 +473,9 @@ impl Parsed {
     pub fn icrc(&self) -> Option<[u8; 4]> {
         self.has(HAS_ICRC).then_some(self.icrc)
     }
-    /// (outer source, session, `MIRROR_*`) of a mirrored copy.
-    pub fn mirror(&self) -> Option<([u8; 16], u32, u8)> {
-        self.has(HAS_MIRROR).then_some((
-            addr_of_words(self.mirror_src),
-            self.mirror_session,
-            self.mirror_kind,
-        ))
+    /// The mirror session of a mirrored copy (its id is `mirror_id`).
+    pub fn mirror(&self) -> Option<MirrorInfo> {
+        self.has(HAS_MIRROR).then_some(self.mirror_info)
     }
 }
 

@@ -38,6 +38,21 @@ pub fn identity_hash(
     fmix(h)
 }
 
+/// Id of a mirror session (outer source as four words, session id or GRE key, `MIRROR_*`):
+/// the same murmur mix, a fixed seed (ids are local to one host, never compared across
+/// hosts), and never 0, which means "not mirrored" in a flow key.
+#[inline(always)]
+pub const fn mirror_hash(src: [u32; 4], session: u32, kind: u8) -> u32 {
+    let mut h = 0x6d69_7272; // "mirr"
+    h = mix(h, src[0]);
+    h = mix(h, src[1]);
+    h = mix(h, src[2]);
+    h = mix(h, src[3]);
+    h = mix(h, session);
+    h = mix(h, kind as u32);
+    fmix(h) | 1
+}
+
 // murmur3's 32-bit block mix and finaliser.
 #[inline(always)]
 const fn mix(h: u32, k: u32) -> u32 {
@@ -90,6 +105,20 @@ mod tests {
         assert_ne!(base, identity_hash(7, &a, &b, 1, 4791, 0x11, 6, 0x0a));
         assert_ne!(base, identity_hash(7, &a, &b, 1, 4791, 0x11, 5, 0x0b));
         assert_eq!(base, identity_hash(7, &a, &b, 1, 4791, 0x11, 5, 0x0a));
+    }
+
+    #[test]
+    fn mirror_ids_are_nonzero_and_depend_on_every_field() {
+        let src = [0, 0, 0xffff_0000, 0x0964_00c6];
+        let base = mirror_hash(src, 7, 3);
+        assert_ne!(base, 0);
+        assert_eq!(base, mirror_hash(src, 7, 3));
+        assert_ne!(base, mirror_hash([0, 0, 0xffff_0000, 0x0a64_00c6], 7, 3));
+        assert_ne!(base, mirror_hash([1, 0, 0xffff_0000, 0x0964_00c6], 7, 3));
+        assert_ne!(base, mirror_hash(src, 8, 3));
+        assert_ne!(base, mirror_hash(src, 7, 4));
+        // Zero is never an id, even for an all-zero session.
+        assert!((0..10_000u32).all(|s| mirror_hash([0; 4], s, 0) != 0));
     }
 
     #[test]

@@ -10,7 +10,7 @@ mod ctx;
 mod maps;
 
 use aya_ebpf::{
-    bindings::{TC_ACT_UNSPEC, xdp_action::XDP_PASS},
+    bindings::{BPF_NOEXIST, TC_ACT_UNSPEC, xdp_action::XDP_PASS},
     helpers::bpf_ktime_get_ns,
     macros::{classifier, xdp},
     programs::{TcContext, XdpContext},
@@ -23,7 +23,7 @@ use roce_trace_common::{
 
 use crate::{
     ctx::{TcPacket, XdpPacket},
-    maps::{CONFIG, FLOW_STATE, FLOWS, GLOBALS, SAMPLES, SCRATCH, Scratch},
+    maps::{CONFIG, FLOW_STATE, FLOWS, GLOBALS, MIRRORS, SAMPLES, SCRATCH, Scratch},
 };
 
 #[xdp]
@@ -83,6 +83,7 @@ fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
             bump(GlobalCounter::RoceV2, dir);
             if scratch.parsed.present & HAS_MIRROR != 0 {
                 bump(GlobalCounter::Mirrored, dir);
+                remember_mirror(&scratch.parsed);
             }
             // SAFETY: bpf_ktime_get_ns has no preconditions.
             let now = unsafe { bpf_ktime_get_ns() };
@@ -93,6 +94,21 @@ fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
             }
         }
         Err(reason) => bump(reason, dir),
+    }
+}
+
+/// Records a mirrored copy's session under its id (before its flow exists, so userspace
+/// can name every flow it reads). The first session to claim an id keeps it.
+#[inline(always)]
+fn remember_mirror(p: &Parsed) {
+    let id = p.mirror_id;
+    if MIRRORS.get_ptr(id).is_none() {
+        // Full, or another CPU just inserted it: either way nothing more to do here.
+        #[expect(
+            clippy::needless_borrows_for_generic_args,
+            reason = "the value straight from the scratch slot, no copy on the BPF stack"
+        )]
+        let _ = MIRRORS.insert(id, &p.mirror_info, BPF_NOEXIST as u64);
     }
 }
 
@@ -155,7 +171,7 @@ fn emit<P: Packet>(pkt: &P, p: &Parsed, key: &FlowKey, now: u64, frame_len: u32,
     };
     let s = entry.as_mut_ptr();
     // SAFETY: `s` points at a reserved, exclusively owned `Sample` slot in the ring; every
-    // field is written here (field by field, so no 256-byte copy lands on the BPF stack;
+    // field is written here (field by field, so no 264-byte copy lands on the BPF stack;
     // the head bytes go straight from the packet into the ring).
     unsafe {
         (*s).head_len = pkt.load_head(&mut (*s).head);
@@ -184,6 +200,16 @@ fn emit<P: Packet>(pkt: &P, p: &Parsed, key: &FlowKey, now: u64, frame_len: u32,
         (*s).present = p.present;
         (*s)._pad = [0; 3];
         (*s).reasons = reasons;
+        if p.present & HAS_MIRROR != 0 {
+            (*s).mirror = p.mirror_info;
+        } else {
+            let m = &mut (*s).mirror;
+            m.src = [0; 4];
+            m.session = 0;
+            m.kind = 0;
+            m._pad = [0; 3];
+        }
+        (*s)._pad2 = 0;
     }
     entry.submit(0);
     bump(GlobalCounter::SamplesEmitted, dir);

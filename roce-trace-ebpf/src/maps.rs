@@ -3,7 +3,7 @@
 use aya_ebpf::{
     Global,
     macros::map,
-    maps::{LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
+    maps::{HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
 };
 use roce_trace_common::{
     datapath::*,
@@ -22,6 +22,11 @@ pub static FLOWS: LruPerCpuHashMap<FlowKey, FlowCounters> =
 /// Per-flow PSN sequence and first DSCP, shared by all CPUs.
 #[map]
 pub static FLOW_STATE: LruHashMap<FlowKey, FlowState> = LruHashMap::with_max_entries(DEFAULT_MAX_FLOWS, 0);
+
+/// Mirror sessions by id (`FlowKey::mirror`), so userspace can name them. Touched only by
+/// mirrored copies; the first session to claim an id keeps it.
+#[map]
+pub static MIRRORS: HashMap<u32, MirrorInfo> = HashMap::with_max_entries(MAX_MIRRORS, 0);
 
 /// Global counters indexed by `GlobalCounter::index(direction)`.
 #[map]

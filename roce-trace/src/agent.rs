@@ -199,6 +199,7 @@ pub async fn run(
                 let mut by_point: BTreeMap<u16, PointMetrics> = BTreeMap::new();
                 let points = {
                     let mut table = shared.points.lock().expect("points");
+                    dp.resolve_mirrors(&mut table.mirrors, flows.keys())?;
                     let mut ob = shared.outbox.lock().expect("outbox");
                     for (k, c) in &flows {
                         let Some(p) = table.index_of(k) else { continue };
@@ -257,7 +258,7 @@ fn drain(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, clock: &KernelClock,
         }
         // SAFETY: a whole Sample (size checked); read_unaligned copes with any alignment.
         let s: Sample = unsafe { std::ptr::read_unaligned(item.as_ptr() as *const Sample) };
-        if let Some(p) = sh.points.lock().expect("points").index_of(&s.key) {
+        if let Some(p) = sh.points.lock().expect("points").index_of_sample(&s) {
             batch.push(Observation::from_sample(&s, p, clock));
         }
     }
@@ -690,6 +691,7 @@ pub async fn run_pcap(
         let mut last = Instant::now();
         let deltas = |off: &crate::pcap::Offline, prev: &mut HashMap<FlowKey, FlowCounters>| {
             let mut table = sh.points.lock().expect("points");
+            table.mirrors.extend(off.mirrors.iter());
             let mut ob = sh.outbox.lock().expect("outbox");
             for (k, (_, c)) in &off.flows {
                 if prev.get(k).map(|p| p.packets) != Some(c.packets) {
@@ -705,7 +707,7 @@ pub async fn run_pcap(
         };
         let result = crate::pcap::read_frames(reader, |fr| {
             offline.frame(&fr, |s| {
-                if let Some(p) = sh.points.lock().expect("points").index_of(&s.key) {
+                if let Some(p) = sh.points.lock().expect("points").index_of_sample(s) {
                     sh.outbox
                         .lock()
                         .expect("outbox")

@@ -17,6 +17,7 @@ use tokio::io::unix::AsyncFd;
 
 use crate::{
     datapath::{Attachment, Datapath, DatapathOptions, GlobalTotals, XdpModeChoice},
+    observation::{MirrorSession, MirrorTable},
     record::{FlowRecord, HookRecord, SampleRecord, SummaryRecord},
     sys::KernelClock,
 };
@@ -75,6 +76,9 @@ pub(crate) struct Outputs {
     /// ICRC errors per flow among samples that held their whole packet; a flow is here
     /// once one of its samples could be checked.
     icrc_errors: HashMap<FlowKey, u64>,
+    /// Names the mirror ids of flow keys: from the datapath, and from samples (which carry
+    /// their session).
+    mirrors: MirrorTable,
 }
 
 impl Outputs {
@@ -100,6 +104,7 @@ impl Outputs {
             pcaps,
             node: crate::sys::hostname(),
             icrc_errors: HashMap::new(),
+            mirrors: MirrorTable::default(),
         })
     }
 
@@ -107,11 +112,12 @@ impl Outputs {
     /// checked when it carries the whole packet.
     fn sample(&mut self, s: &Sample, clock: &KernelClock, iface: &str) -> anyhow::Result<()> {
         let rec = SampleRecord::from_sample(s, clock, iface);
+        let mirror = self.mirrors.learn_sample(s);
         if let Some(ok) = rec.icrc_ok {
             *self.icrc_errors.entry(s.key).or_default() += (!ok) as u64;
         }
         if !self.pcaps.is_empty() {
-            let point = point_name(&self.node, iface, &s.key);
+            let point = point_name(&self.node, iface, &s.key, mirror.as_ref());
             let head = &s.head[..(s.head_len as usize).min(SAMPLE_HEAD_LEN)];
             let comment = format!(
                 "roce-trace {} psn={} reasons={}",
@@ -136,9 +142,10 @@ impl Outputs {
 }
 
 /// The observation point of a packet as named in pcapng: `node/iface/direction`, or for
-/// a mirrored copy `switch/erspan-<session>/mirror` (`gre-<key>` for plain GRE).
-pub fn point_name(node: &str, iface: &str, k: &FlowKey) -> String {
-    match crate::observation::MirrorSession::of_key(k) {
+/// a mirrored copy (`mirror`: its session) `switch/erspan-<session>/mirror` (`gre-<key>` for
+/// plain GRE).
+pub fn point_name(node: &str, iface: &str, k: &FlowKey, mirror: Option<&MirrorSession>) -> String {
+    match mirror {
         Some(m) => format!("{}/{}/mirror", m.node(), m.iface()),
         None => format!("{node}/{iface}/{}", crate::record::direction_name(k.direction)),
     }
@@ -210,7 +217,8 @@ pub async fn run(
             _ = tick.tick() => {
                 let now = Instant::now();
                 let flows = dp.flows()?;
-                let recs = snapshot(&flows, &prev, now - last_tick, &clock, &name_of, &out.icrc_errors, false);
+                dp.resolve_mirrors(&mut out.mirrors, flows.keys())?;
+                let recs = snapshot(&flows, &prev, now - last_tick, &clock, &name_of, &out, false);
                 // Periodic records only for flows that moved since the last snapshot.
                 for (k, r) in &recs {
                     if prev.get(k).map(|p| p.packets) != Some(r.packets) {
@@ -232,6 +240,7 @@ pub async fn run(
     // Whatever the kernel queued before we stopped still counts.
     samples_received += drain(ring.get_mut(), &clock, &name_of, &mut out)?;
     let flows = dp.flows()?;
+    dp.resolve_mirrors(&mut out.mirrors, flows.keys())?;
     let globals = dp.globals()?;
     let recs: Vec<FlowRecord> = snapshot(
         &flows,
@@ -239,7 +248,7 @@ pub async fn run(
         Instant::now() - last_tick,
         &clock,
         &name_of,
-        &out.icrc_errors,
+        &out,
         true,
     )
     .into_iter()
@@ -294,7 +303,7 @@ fn snapshot(
     elapsed: Duration,
     clock: &KernelClock,
     name_of: &impl Fn(u32) -> String,
-    icrc_errors: &HashMap<FlowKey, u64>,
+    out: &Outputs,
     is_final: bool,
 ) -> Vec<(FlowKey, FlowRecord)> {
     let now_ns = clock.to_unix_ns(KernelClock::mono_now_ns());
@@ -304,12 +313,12 @@ fn snapshot(
     keys.into_iter()
         .map(|k| {
             let c = &flows[k];
-            let mut r = FlowRecord::new(k, c, clock, &name_of(k.ifindex), now_ns);
+            let mut r = FlowRecord::new(k, c, clock, &name_of(k.ifindex), now_ns, &out.mirrors);
             let (pp, pb) = prev.get(k).map(|p| (p.packets, p.bytes)).unwrap_or((0, 0));
             r.pps = c.packets.saturating_sub(pp) as f64 / secs;
             r.gbps = c.bytes.saturating_sub(pb) as f64 * 8.0 / secs / 1e9;
             r.is_final = is_final;
-            r.icrc_errors = icrc_errors.get(k).copied();
+            r.icrc_errors = out.icrc_errors.get(k).copied();
             (*k, r)
         })
         .collect()
@@ -493,7 +502,7 @@ pub fn run_offline(opts: &CaptureOptions, path: &std::path::Path) -> anyhow::Res
         .into_iter()
         .map(|k| {
             let c = &off.flows[k].1;
-            let mut r = FlowRecord::new(k, c, &clock, &iface, now);
+            let mut r = FlowRecord::new(k, c, &clock, &iface, now, &off.mirrors);
             r.is_final = true;
             let secs = (c.last_ns.saturating_sub(c.first_ns)) as f64 / 1e9;
             if secs > 0.0 {

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{MapData, PerCpuArray, PerCpuHashMap, RingBuf},
+    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap, RingBuf},
     programs::{SchedClassifier, TcAttachType, Xdp, XdpMode, tc},
 };
 use roce_trace_common::{datapath::*, sampling::threshold_for_rate};
@@ -297,6 +297,41 @@ impl Datapath {
             out.insert(k, merge_percpu(&values));
         }
         Ok(out)
+    }
+
+    /// The mirror sessions the datapath has seen, by id (`FlowKey::mirror`). Read after
+    /// [`Datapath::flows`]: the programs record a session before its first flow, so every
+    /// flow read before holds an id found here (unless the map was full).
+    pub fn mirrors(&self) -> Result<HashMap<u32, MirrorInfo>, DatapathError> {
+        let map = self
+            .ebpf
+            .map(MAP_MIRRORS)
+            .ok_or(DatapathError::MissingMap(MAP_MIRRORS))?;
+        let map: BpfHashMap<&MapData, u32, MirrorInfo> =
+            BpfHashMap::try_from(map).map_err(|source| DatapathError::Map {
+                name: MAP_MIRRORS,
+                source,
+            })?;
+        map.iter()
+            .collect::<Result<_, _>>()
+            .map_err(|source| DatapathError::Map {
+                name: MAP_MIRRORS,
+                source,
+            })
+    }
+
+    /// Fills `t` from [`Datapath::mirrors`] when one of `keys` has an id it cannot name
+    /// (the map is read only then), and warns about any it still cannot.
+    pub fn resolve_mirrors<'a>(
+        &self,
+        t: &mut crate::observation::MirrorTable,
+        keys: impl Iterator<Item = &'a FlowKey> + Clone,
+    ) -> Result<(), DatapathError> {
+        if keys.clone().any(|k| t.missing(k)) {
+            t.extend(self.mirrors()?);
+            t.warn_missing(keys);
+        }
+        Ok(())
     }
 
     /// Global counters summed over CPUs, indexed by `GlobalCounter::index(direction)`.

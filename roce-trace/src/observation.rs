@@ -2,7 +2,10 @@
 //! per-flow counter deltas. The agent makes them from the datapath's records; the
 //! collector joins them. One definition, shared by both ends of the wire protocol.
 
-use std::net::IpAddr;
+use std::{
+    collections::{HashMap, HashSet},
+    net::IpAddr,
+};
 
 use roce_trace_common::datapath::*;
 use serde::Serialize;
@@ -22,12 +25,12 @@ pub struct MirrorSession {
 }
 
 impl MirrorSession {
-    pub fn of_key(k: &FlowKey) -> Option<Self> {
-        (k.mirror_kind != MIRROR_NONE).then(|| Self {
-            src: ip_of_mapped(&k.mirror_addr()),
-            session: k.mirror_session,
-            kind: k.mirror_kind,
-        })
+    pub fn of_info(m: &MirrorInfo) -> Self {
+        Self {
+            src: ip_of_mapped(&m.addr()),
+            session: m.session,
+            kind: m.kind,
+        }
     }
     pub fn kind_name(&self) -> &'static str {
         match self.kind {
@@ -56,6 +59,97 @@ impl MirrorSession {
             iface: self.iface(),
             ifindex,
             direction: DIR_MIRROR,
+        }
+    }
+}
+
+/// Mirror sessions by id (`FlowKey::mirror`): what the kernel's `MIRRORS` map holds, or
+/// for pcap input what its own parse found. The first session to claim an id keeps it,
+/// as in the kernel; samples carry their own session, so a disagreement (two sessions on
+/// one id: their flow counters are merged) is noticed and logged, once per id.
+#[derive(Clone, Debug, Default)]
+pub struct MirrorTable {
+    by_id: HashMap<u32, MirrorInfo>,
+    warned: HashSet<u32>,
+}
+
+impl MirrorTable {
+    /// Records `info` under `id` unless the id is taken (the kernel's `BPF_NOEXIST`).
+    pub fn insert(&mut self, id: u32, info: MirrorInfo) {
+        self.by_id.entry(id).or_insert(info);
+    }
+
+    /// Every entry of `other` whose id is not taken here.
+    pub fn extend(&mut self, other: impl IntoIterator<Item = (u32, MirrorInfo)>) {
+        for (id, info) in other {
+            self.insert(id, info);
+        }
+    }
+
+    pub fn get(&self, id: u32) -> Option<&MirrorInfo> {
+        self.by_id.get(&id)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (u32, MirrorInfo)> + '_ {
+        self.by_id.iter().map(|(&id, &m)| (id, m))
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+
+    /// A mirrored flow key whose id the table does not know (yet).
+    pub fn missing(&self, k: &FlowKey) -> bool {
+        k.mirror != 0 && !self.by_id.contains_key(&k.mirror)
+    }
+
+    /// The mirror session of a flow key: `None` when it was not mirrored, or when its id
+    /// is unknown (see [`MirrorTable::warn_missing`]).
+    pub fn session(&self, k: &FlowKey) -> Option<MirrorSession> {
+        if k.mirror == 0 {
+            return None;
+        }
+        self.by_id.get(&k.mirror).map(MirrorSession::of_info)
+    }
+
+    /// The session of a sample (its own, which it carries), learnt into the table; a
+    /// warning when the table holds another session under the sample's id.
+    pub fn learn_sample(&mut self, s: &Sample) -> Option<MirrorSession> {
+        let info = s.mirror()?;
+        let id = s.key.mirror;
+        let known = *self.by_id.entry(id).or_insert(info);
+        if known != info && self.warned.insert(id) {
+            let (a, b) = (MirrorSession::of_info(&known), MirrorSession::of_info(&info));
+            tracing::warn!(
+                "mirror sessions {}/{} ({}) and {}/{} ({}) share id {id:#010x}: their flows' \
+                 counters are merged under the first",
+                a.node(),
+                a.iface(),
+                a.kind_name(),
+                b.node(),
+                b.iface(),
+                b.kind_name()
+            );
+        }
+        Some(MirrorSession::of_info(&info))
+    }
+
+    /// Logs once per id each mirrored key the table cannot name (the kernel's map was
+    /// full); such flows are reported without their session.
+    pub fn warn_missing<'a>(&mut self, keys: impl IntoIterator<Item = &'a FlowKey>) {
+        for k in keys {
+            if self.missing(k) && self.warned.insert(k.mirror) {
+                tracing::warn!(
+                    "mirror session id {:#010x} is not in the mirror table ({} sessions known); \
+                     its flows are reported without their session",
+                    k.mirror,
+                    self.by_id.len()
+                );
+            }
         }
     }
 }
@@ -271,12 +365,16 @@ pub struct PointDecl {
 }
 
 /// The observation points of one agent: its hooks, declared up front, and the mirror
-/// sessions it receives, declared as they are first seen. Keys map to point indexes.
+/// sessions it receives, declared as they are first seen. Keys map to point indexes, a
+/// mirrored key through [`PointTable::mirrors`].
 #[derive(Debug, Default)]
 pub struct PointTable {
     decls: Vec<PointDecl>,
-    hooks: std::collections::HashMap<(u32, u8), u16>,
-    mirrors: std::collections::HashMap<MirrorSession, u16>,
+    hooks: HashMap<(u32, u8), u16>,
+    sessions: HashMap<MirrorSession, u16>,
+    /// Names the mirror ids of flow keys; the agent fills it from the datapath (or the
+    /// pcap reader) and from samples.
+    pub mirrors: MirrorTable,
 }
 
 impl PointTable {
@@ -288,22 +386,39 @@ impl PointTable {
         Self {
             decls: hooks,
             hooks: map,
+            sessions: Default::default(),
             mirrors: Default::default(),
         }
     }
 
-    /// The point of a flow key: its hook's, or its mirror session's (declared now if new;
-    /// `None` once 65,536 points exist).
+    /// The point of a flow key: its hook's, or its mirror session's (declared now if new).
+    /// `None` once 65,536 points exist, or for a mirror id the table cannot name.
     pub fn index_of(&mut self, k: &FlowKey) -> Option<u16> {
-        let Some(m) = MirrorSession::of_key(k) else {
+        if k.mirror == 0 {
             return self.hooks.get(&(k.ifindex, k.direction)).copied();
-        };
-        if let Some(&i) = self.mirrors.get(&m) {
+        }
+        let m = self.mirrors.session(k)?;
+        self.session_index(m, k.ifindex)
+    }
+
+    /// The point of a sample: as [`PointTable::index_of`], a mirrored copy by the session
+    /// it carries (which is also learnt into the mirror table).
+    pub fn index_of_sample(&mut self, s: &Sample) -> Option<u16> {
+        match self.mirrors.learn_sample(s) {
+            Some(m) => self.session_index(m, s.key.ifindex),
+            None if s.key.mirror == 0 => self.hooks.get(&(s.key.ifindex, s.key.direction)).copied(),
+            // A mirror id without the mirror bit: not a sample the datapath makes.
+            None => None,
+        }
+    }
+
+    fn session_index(&mut self, m: MirrorSession, ifindex: u32) -> Option<u16> {
+        if let Some(&i) = self.sessions.get(&m) {
             return Some(i);
         }
         let i = u16::try_from(self.decls.len()).ok()?;
-        self.decls.push(m.point(i, k.ifindex));
-        self.mirrors.insert(m, i);
+        self.decls.push(m.point(i, ifindex));
+        self.sessions.insert(m, i);
         Some(i)
     }
 
@@ -331,17 +446,36 @@ mod tests {
             direction: DIR_INGRESS,
             ..Default::default()
         };
+        let mut info = MirrorInfo {
+            kind: MIRROR_ERSPAN_II,
+            session: 7,
+            src: words_of_addr(std::net::Ipv4Addr::new(192, 0, 2, 9).to_ipv6_mapped().octets()),
+            _pad: [0; 3],
+        };
         let mut sw = FlowKey {
-            mirror_kind: MIRROR_ERSPAN_II,
-            mirror_session: 7,
-            mirror_src: words_of_addr(std::net::Ipv4Addr::new(192, 0, 2, 9).to_ipv6_mapped().octets()),
+            mirror: info.id(),
             ..plain
         };
         assert_eq!(t.index_of(&plain), Some(0));
+        assert_eq!(t.index_of(&sw), None, "an id the mirror table cannot name yet");
+        t.mirrors.insert(info.id(), info);
         assert_eq!(t.index_of(&sw), Some(1));
         assert_eq!(t.index_of(&sw), Some(1), "declared once");
-        sw.mirror_session = 8;
-        assert_eq!(t.index_of(&sw), Some(2), "another session is another point");
+        info.session = 8;
+        sw.mirror = info.id();
+        // A sample names its session by itself, and teaches the table.
+        let sample = Sample {
+            key: sw,
+            present: HAS_MIRROR,
+            mirror: info,
+            ..Sample::default()
+        };
+        assert_eq!(
+            t.index_of_sample(&sample),
+            Some(2),
+            "another session is another point"
+        );
+        assert_eq!(t.index_of(&sw), Some(2), "learnt from the sample");
         let d = &t.decls()[1];
         assert_eq!(
             (d.node.as_str(), d.iface.as_str(), d.direction),
@@ -349,5 +483,45 @@ mod tests {
         );
         let other_hook = FlowKey { ifindex: 3, ..plain };
         assert_eq!(t.index_of(&other_hook), None);
+        let plain_sample = Sample {
+            key: plain,
+            ..Sample::default()
+        };
+        assert_eq!(t.index_of_sample(&plain_sample), Some(0));
+    }
+
+    #[test]
+    fn the_first_session_keeps_an_id_and_a_disagreeing_sample_is_told_apart() {
+        let a = MirrorInfo {
+            src: words_of_addr(std::net::Ipv4Addr::new(192, 0, 2, 9).to_ipv6_mapped().octets()),
+            session: 1,
+            kind: MIRROR_ERSPAN_III,
+            _pad: [0; 3],
+        };
+        let b = MirrorInfo { session: 2, ..a };
+        // Pretend both hashed to a's id (a collision).
+        let id = a.id();
+        let mut t = MirrorTable::default();
+        t.insert(id, a);
+        t.insert(id, b);
+        assert_eq!(t.get(id), Some(&a), "first wins, like BPF_NOEXIST");
+        let key = FlowKey {
+            mirror: id,
+            ..Default::default()
+        };
+        let s = Sample {
+            key,
+            present: HAS_MIRROR,
+            mirror: b,
+            ..Sample::default()
+        };
+        // The sample keeps its own session; the table keeps the first (and warns).
+        assert_eq!(t.learn_sample(&s), Some(MirrorSession::of_info(&b)));
+        assert_eq!(t.session(&key), Some(MirrorSession::of_info(&a)));
+        assert_eq!(t.len(), 1);
+        assert!(!t.missing(&key));
+        assert!(t.missing(&FlowKey { mirror: 5, ..key }));
+        assert!(!t.missing(&FlowKey::default()), "not mirrored");
+        assert_eq!(t.session(&FlowKey::default()), None);
     }
 }

@@ -16,7 +16,10 @@ use roce_trace_common::{
 };
 use thiserror::Error;
 
-use crate::datapath::{DatapathOptions, GlobalTotals};
+use crate::{
+    datapath::{DatapathOptions, GlobalTotals},
+    observation::MirrorTable,
+};
 
 #[derive(Debug, Error)]
 pub enum PcapError {
@@ -237,6 +240,9 @@ impl<W: std::io::Write> PcapNgOut<W> {
 pub struct Offline {
     pub flows: HashMap<FlowKey, (FlowState, FlowCounters)>,
     pub icrc_errors: HashMap<FlowKey, u64>,
+    /// The mirror sessions of the flow keys, by id: the datapath's `MIRRORS`, filled the
+    /// same way (the first session to claim an id keeps it).
+    pub mirrors: MirrorTable,
     pub globals: GlobalTotals,
     pub frames: u64,
     cfg: Option<DatapathConfig>,
@@ -267,8 +273,9 @@ impl Offline {
             return;
         }
         g[GlobalCounter::RoceV2.index(dir) as usize] += 1;
-        if p.mirror().is_some() {
+        if let Some(m) = p.mirror() {
             g[GlobalCounter::Mirrored.index(dir) as usize] += 1;
+            self.mirrors.insert(p.mirror_id, m);
         }
         load_icrc(&pkt, &mut p);
         let key = account::flow_key(&p, 0, dir);
@@ -329,6 +336,8 @@ impl Offline {
                 present: p.present,
                 _pad: [0; 3],
                 reasons,
+                mirror: p.mirror().unwrap_or_default(),
+                _pad2: 0,
                 head,
             });
         }

@@ -6,7 +6,10 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use roce_trace_common::{datapath::*, roce};
 use serde::{Deserialize, Serialize};
 
-use crate::sys::KernelClock;
+use crate::{
+    observation::{MirrorSession, MirrorTable},
+    sys::KernelClock,
+};
 
 pub fn ip_of(version: u8, a: &[u8; 16]) -> IpAddr {
     if version == 4 {
@@ -44,12 +47,12 @@ pub struct MirrorRecord {
 }
 
 impl MirrorRecord {
-    pub fn of_key(k: &FlowKey) -> Option<Self> {
-        crate::observation::MirrorSession::of_key(k).map(|m| Self {
+    pub fn of_session(m: &MirrorSession) -> Self {
+        Self {
             src_ip: m.src,
             session: m.session,
             kind: m.kind_name().into(),
-        })
+        }
     }
 }
 
@@ -175,7 +178,9 @@ impl SampleRecord {
             deth_src_qp: has(HAS_DETH).then_some(s.deth_src_qp),
             icrc: has(HAS_ICRC).then(|| s.icrc.iter().map(|b| format!("{b:02x}")).collect()),
             reasons,
-            mirror: MirrorRecord::of_key(k),
+            mirror: s
+                .mirror()
+                .map(|m| MirrorRecord::of_session(&MirrorSession::of_info(&m))),
             icrc_ok: sample_icrc_ok(s),
         }
     }
@@ -251,7 +256,15 @@ pub struct FlowRecord {
 }
 
 impl FlowRecord {
-    pub fn new(k: &FlowKey, c: &FlowCounters, clock: &KernelClock, iface: &str, now_ns: u64) -> Self {
+    /// `mirrors` names the key's mirror session, if it has one.
+    pub fn new(
+        k: &FlowKey,
+        c: &FlowCounters,
+        clock: &KernelClock,
+        iface: &str,
+        now_ns: u64,
+        mirrors: &MirrorTable,
+    ) -> Self {
         Self {
             kind: "flow".into(),
             is_final: false,
@@ -289,7 +302,7 @@ impl FlowRecord {
             pps: 0.0,
             gbps: 0.0,
             icrc_errors: None,
-            mirror: MirrorRecord::of_key(k),
+            mirror: mirrors.session(k).as_ref().map(MirrorRecord::of_session),
         }
     }
 

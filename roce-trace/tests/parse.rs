@@ -191,6 +191,7 @@ mod mirrored {
 
     use roce_trace::frame::{Mirror, RoceFrame, check_icrc, ext};
     use roce_trace_common::{
+        account::flow_key,
         datapath::{
             GlobalCounter as Skip, HAS_MIRROR, MIRROR_ERSPAN_I, MIRROR_ERSPAN_II, MIRROR_ERSPAN_III,
             MIRROR_GRE,
@@ -284,9 +285,17 @@ mod mirrored {
             assert_eq!((got.bth.psn(), got.bth.dest_qp()), (0x10203, 0x4455), "{m:?}");
             assert_eq!(got.aeth().map(|a| a.syndrome), Some(0x1f), "{m:?}");
             assert_eq!(got.present & HAS_MIRROR, HAS_MIRROR, "{m:?}");
-            let (src, sess, k) = got.mirror().unwrap();
-            assert_eq!(&src[12..], &[198, 51, 100, 7], "{m:?}: the switch");
-            assert_eq!((sess, k), (session, kind), "{m:?}: session and kind");
+            let info = got.mirror().unwrap();
+            assert_eq!(&info.addr()[12..], &[198, 51, 100, 7], "{m:?}: the switch");
+            assert_eq!(
+                (info.session, info.kind),
+                (session, kind),
+                "{m:?}: session and kind"
+            );
+            // The flow key carries the session as its id, and only the id.
+            assert_eq!(got.mirror_id, info.id(), "{m:?}: mirror id");
+            assert_ne!(got.mirror_id, 0, "{m:?}");
+            assert_eq!(flow_key(&got, 0, 0).mirror, got.mirror_id, "{m:?}: key");
             // The inner tag gives the PCP; GRE carrying IP has none.
             assert_eq!(got.pcp(), has_l2.then_some(3), "{m:?}: pcp");
             assert_eq!(got.vlan_depth, has_l2 as u8, "{m:?}");
@@ -319,13 +328,42 @@ mod mirrored {
         let got = p(&bytes).unwrap();
         assert_eq!(got.ip_version, 6);
         assert_eq!(
-            got.mirror().unwrap().0,
+            got.mirror().unwrap().addr(),
             "2001:db8::7".parse::<std::net::Ipv6Addr>().unwrap().octets()
         );
         // Type I: 0x88BE without a sequence number, the frame right after GRE.
         let mut t1 = Mirror::GreEthernet { key: None }.encapsulate(switch(), analyser(), &inner().build());
         t1[14 + 20 + 2..14 + 20 + 4].copy_from_slice(&GRE_PROTO_ERSPAN_II.to_be_bytes());
-        assert_eq!(p(&t1).unwrap().mirror().unwrap().2, MIRROR_ERSPAN_I);
+        let t1 = p(&t1).unwrap();
+        assert_eq!(t1.mirror().unwrap().kind, MIRROR_ERSPAN_I);
+        // Same switch, session 0, another kind: another id.
+        let gre = p(&Mirror::GreEthernet { key: None }.encapsulate(switch(), analyser(), &inner().build()))
+            .unwrap();
+        assert_eq!(gre.mirror().unwrap().session, t1.mirror().unwrap().session);
+        assert_ne!(gre.mirror_id, t1.mirror_id);
+    }
+
+    /// The kernel reuses one `Parsed` per CPU: a plain packet after a mirrored one must
+    /// not inherit its session (the parser clears only the id, so the key is what counts).
+    #[test]
+    fn a_plain_packet_after_a_mirrored_one_has_no_mirror_id() {
+        use roce_trace_common::parse::{INNER_HEAD_LEN, Parsed, SlicePacket, parse_into};
+        let mut out = Parsed::default();
+        let mut buf = [0u8; INNER_HEAD_LEN];
+        let mirrored =
+            Mirror::GreEthernet { key: Some(9) }.encapsulate(switch(), analyser(), &inner().build());
+        parse_into(&SlicePacket::new(&mirrored), ROCEV2_UDP_PORT, &mut out, &mut buf).unwrap();
+        assert_ne!(flow_key(&out, 1, 0).mirror, 0);
+        parse_into(
+            &SlicePacket::new(&inner().build()),
+            ROCEV2_UDP_PORT,
+            &mut out,
+            &mut buf,
+        )
+        .unwrap();
+        assert_eq!(out.present & HAS_MIRROR, 0);
+        assert_eq!(out.mirror(), None);
+        assert_eq!(flow_key(&out, 1, 0).mirror, 0);
     }
 
     /// Cut anywhere inside the GRE or ERSPAN header: a skip count, not a parse.

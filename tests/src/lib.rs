@@ -11,7 +11,7 @@ use std::{
 
 use aya::programs::{TestRun, TestRunOptions};
 use roce_trace::datapath::{Datapath, DatapathOptions, GlobalTotals};
-use roce_trace_common::datapath::{FlowCounters, FlowKey, Sample};
+use roce_trace_common::datapath::{FlowCounters, FlowKey, MirrorInfo, Sample};
 
 /// Privileged tests need root (CAP_BPF, CAP_NET_ADMIN). They fail rather than pass
 /// silently without it, unless ROCE_TRACE_SKIP_PRIVILEGED=1 says to skip them.
@@ -124,6 +124,11 @@ impl ProgTest {
 
     pub fn globals(&self) -> GlobalTotals {
         self.dp.globals().unwrap()
+    }
+
+    /// The `MIRRORS` map: mirror sessions by the id flow keys carry.
+    pub fn mirrors(&self) -> std::collections::HashMap<u32, MirrorInfo> {
+        self.dp.mirrors().unwrap()
     }
 }
 

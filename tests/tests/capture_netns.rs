@@ -555,4 +555,27 @@ fn live_capture_writes_pcapng_that_tshark_decodes_the_same() {
         write_flow.get("icrc_errors").is_none(),
         "big packets are not checked"
     );
+    // Flow keys carry only a mirror id: the flow record names its session through the
+    // kernel's MIRRORS map; plain flows have none.
+    let finals: Vec<&Value> = recs
+        .iter()
+        .filter(|r| r["type"] == "flow" && r["final"] == true)
+        .collect();
+    let ack_flow = finals
+        .iter()
+        .find(|r| r["dst_qp"] == 0x300)
+        .expect("mirrored ACK flow");
+    assert_eq!(
+        ack_flow["mirror"],
+        serde_json::json!({"src_ip": "198.51.100.7", "session": 5, "kind": "erspan2"}),
+        "{ack_flow}"
+    );
+    assert_eq!(ack_flow["packets"], 4, "{ack_flow}");
+    assert!(
+        finals
+            .iter()
+            .filter(|r| r["dst_qp"] != 0x300)
+            .all(|r| r.get("mirror").is_none()),
+        "{finals:?}"
+    );
 }

@@ -733,6 +733,7 @@ fn check_row(t: &mut ProgTest, r: &Row, dir: u8) {
             assert_eq!(g.get(*reason, dir), n, "{ctx}: {} counter", reason.name());
             assert_eq!(g.get(GlobalCounter::RoceV2, dir), 0, "{ctx}: not RoCEv2");
             assert!(flows.is_empty(), "{ctx}: no flow expected, got {flows:?}");
+            assert!(t.mirrors().is_empty(), "{ctx}: no mirror session recorded");
             assert!(samples.is_empty(), "{ctx}: no sample expected");
         }
         Want::Roce { counters, ext } => {
@@ -789,17 +790,19 @@ fn check_row(t: &mut ProgTest, r: &Row, dir: u8) {
             let head = fr.len().min(SAMPLE_HEAD_LEN);
             assert_eq!(s.head_len as usize, head, "{ctx}: head length");
             assert_eq!(&s.head[..head], &fr[..head], "{ctx}: head bytes");
-            assert_eq!(
-                k.mirror_kind != MIRROR_NONE,
-                s.present & HAS_MIRROR != 0,
-                "{ctx}: mirror bit"
-            );
+            assert_eq!(k.mirror != 0, s.present & HAS_MIRROR != 0, "{ctx}: mirror bit");
+            let table = t.mirrors();
             if let Some((sw, session, kind)) = r.mirror {
-                assert_eq!(k.mirror_addr(), mapped(sw), "{ctx}: the switch");
+                // The sample names its session; the key carries its id; MIRRORS maps the
+                // id back to the session.
+                let m = s.mirror().expect("a mirrored sample carries its session");
+                assert_eq!(m.addr(), mapped(sw), "{ctx}: the switch");
+                assert_eq!((m.session, m.kind), (session, kind), "{ctx}: session");
+                assert_eq!(k.mirror, m.id(), "{ctx}: the key's mirror id");
                 assert_eq!(
-                    (k.mirror_session, k.mirror_kind),
-                    (session, kind),
-                    "{ctx}: session"
+                    table.into_iter().collect::<Vec<_>>(),
+                    vec![(k.mirror, m)],
+                    "{ctx}: MIRRORS names the id"
                 );
                 assert_eq!(g.get(GlobalCounter::Mirrored, dir), n, "{ctx}: mirrored count");
                 // The ICRC is the inner packet's, found from the inner UDP length.
@@ -810,11 +813,9 @@ fn check_row(t: &mut ProgTest, r: &Row, dir: u8) {
                     "{ctx}: inner IP header offset"
                 );
             } else {
-                assert_eq!(
-                    (k.mirror_src, k.mirror_session, k.mirror_kind),
-                    ([0; 4], 0, MIRROR_NONE),
-                    "{ctx}: not mirrored"
-                );
+                assert_eq!(k.mirror, 0, "{ctx}: not mirrored");
+                assert_eq!(s.mirror, MirrorInfo::default(), "{ctx}: no session in the sample");
+                assert!(table.is_empty(), "{ctx}: MIRRORS untouched: {table:?}");
                 assert_eq!(g.get(GlobalCounter::Mirrored, dir), 0, "{ctx}: mirrored count");
                 // The ICRC is found from the UDP length: it must equal the one the builder
                 // computed over the IP packet.
@@ -865,6 +866,74 @@ fn every_frame_kind_through_xdp_and_tc() {
         for dir in [DIR_INGRESS, DIR_EGRESS] {
             let mut t = ProgTest::new(&opts);
             check_row(&mut t, r, dir);
+        }
+    }
+}
+
+/// Mirror sessions reach the flow key only as ids: each session (switch, id, kind) gets its
+/// own flow and one `MIRRORS` entry, however many copies it sends, and stale sessions of a
+/// CPU's previous packet never leak into a plain packet's key or sample.
+#[test]
+fn mirror_sessions_are_named_through_the_mirrors_map() {
+    if !require_root() {
+        return;
+    }
+    let mut t = ProgTest::new(&DatapathOptions {
+        sample_rate: 1,
+        ..Default::default()
+    });
+    let (a, b): (IpAddr, IpAddr) = ("198.51.100.7".parse().unwrap(), "198.51.100.8".parse().unwrap());
+    let coll: IpAddr = "198.51.100.1".parse().unwrap();
+    let e2 = |session| Mirror::ErspanII {
+        session,
+        seq: 1,
+        index: 1,
+    };
+    let copies = [
+        (a, e2(1), 1, MIRROR_ERSPAN_II),
+        (a, e2(1), 1, MIRROR_ERSPAN_II),
+        (a, e2(2), 2, MIRROR_ERSPAN_II),
+        (b, e2(1), 1, MIRROR_ERSPAN_II),
+        (a, Mirror::GreEthernet { key: Some(1) }, 1, MIRROR_GRE),
+    ];
+    for (sw, m, _, _) in &copies {
+        t.run_xdp(&m.encapsulate(*sw, coll, &send_frame()));
+        // A plain packet between mirrored ones: key and sample without a session.
+        t.run_xdp(&send_frame());
+    }
+    let table = t.mirrors();
+    assert_eq!(table.len(), 4, "one entry per session: {table:?}");
+    let flows = t.flows();
+    assert_eq!(flows.len(), 5, "four sessions and the plain flow: {flows:?}");
+    let mut seen = std::collections::BTreeSet::new();
+    for (k, c) in &flows {
+        if k.mirror == 0 {
+            assert_eq!(c.packets, 5, "the plain flow");
+            continue;
+        }
+        let m = table[&k.mirror];
+        assert_eq!(m.id(), k.mirror);
+        seen.insert((m.addr(), m.session, m.kind));
+        let want = copies
+            .iter()
+            .filter(|(sw, _, s, kind)| (mapped(*sw), *s, *kind) == (m.addr(), m.session, m.kind))
+            .count() as u64;
+        assert_eq!(c.packets, want, "{m:?}");
+    }
+    assert_eq!(seen.len(), 4);
+    let samples = t.samples();
+    assert_eq!(samples.len(), 10);
+    for (i, s) in samples.iter().enumerate() {
+        if i % 2 == 1 {
+            assert_eq!(
+                (s.key.mirror, s.mirror(), s.mirror),
+                (0, None, MirrorInfo::default())
+            );
+        } else {
+            let (sw, _, session, kind) = &copies[i / 2];
+            let m = s.mirror().unwrap();
+            assert_eq!((m.addr(), m.session, m.kind), (mapped(*sw), *session, *kind));
+            assert_eq!(table[&s.key.mirror], m);
         }
     }
 }
@@ -1008,7 +1077,7 @@ fn a_full_ring_is_counted_and_the_packet_passes() {
         ..f(op::WRITE_MIDDLE)
     }
     .build();
-    // 4 MiB of 256-byte samples (plus ring headers) is about 16,000; send more, unread.
+    // 4 MiB of 264-byte samples (plus ring headers) is about 15,000; send more, unread.
     let n = 60_000u64;
     t.time_xdp(&frame, n as u32);
     assert_eq!(t.run_xdp(&frame), XDP_PASS, "still passing with the ring full");

@@ -127,7 +127,7 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
             ..Default::default()
         });
         // A full ring is cheaper than a real sample and would flatter the numbers: when
-        // every packet is emitted, run few enough that the 4 MiB ring of 256-byte samples
+        // every packet is emitted, run few enough that the 4 MiB ring of 264-byte samples
         // never fills.
         let every_packet_emitted = rate == 1 || name.contains("always reported");
         let n = if every_packet_emitted {
