@@ -43,7 +43,7 @@ fn a_bad_policy_is_refused_with_file_line_and_reason() {
 
     std::fs::write(
         &p,
-        "[class]\ndata_dscp = 26\n\n[ecmp]\nvia = [\"s1\"]\nmax_shar = 0.5\n",
+        "[class]\ndata_dscp = 26\n\n[ecmp]\nvia = [\"s1\", \"s2\"]\nmax_shar = 0.5\n",
     )
     .unwrap();
     let (code, _, err) = verify(&[
