@@ -163,8 +163,15 @@ pub fn read_pcap(path: &Path) -> Vec<Vec<u8>> {
 }
 
 /// tshark's decoding of `pcap` as RoCEv2 on UDP 4791: one row per frame, one column per
-/// field (multiple occurrences joined by ',').
+/// field (the first occurrence of a field a frame has twice).
 pub fn tshark_fields(pcap: &Path, fields: &[&str]) -> Vec<Vec<String>> {
+    tshark_fields_occurrence(pcap, fields, 'f')
+}
+
+/// [`tshark_fields`] with tshark's `occurrence` (`f` first, `l` last — the inner header of
+/// a mirrored copy).
+pub fn tshark_fields_occurrence(pcap: &Path, fields: &[&str], occurrence: char) -> Vec<Vec<String>> {
+    let occurrence = format!("occurrence={occurrence}");
     let mut cmd = Command::new("tshark");
     cmd.args(["-r"]).arg(pcap).args([
         "-d",
@@ -176,7 +183,7 @@ pub fn tshark_fields(pcap: &Path, fields: &[&str]) -> Vec<Vec<String>> {
         "-E",
         "separator=/t",
         "-E",
-        "occurrence=f",
+        &occurrence,
     ]);
     for f in fields {
         cmd.args(["-e", f]);

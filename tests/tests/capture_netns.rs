@@ -464,34 +464,8 @@ fn live_capture_writes_pcapng_that_tshark_decodes_the_same() {
         "frame.len",
         "frame.cap_len",
     ];
-    let mut cmd = std::process::Command::new("tshark");
-    cmd.arg("-r").arg(&out).args([
-        "-d",
-        "udp.port==4791,infiniband",
-        "--disable-protocol",
-        "tftp",
-        "-T",
-        "fields",
-        "-E",
-        "separator=/t",
-        // The inner (mirrored) packet's fields where a frame has two IP headers.
-        "-E",
-        "occurrence=l",
-    ]);
-    for f in fields {
-        cmd.args(["-e", f]);
-    }
-    let o = cmd.output().expect("tshark");
-    assert!(
-        o.status.success(),
-        "tshark: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let rows: Vec<Vec<String>> = String::from_utf8(o.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| l.split('\t').map(str::to_owned).collect())
-        .collect();
+    // The inner (mirrored) packet's fields where a frame has two IP headers.
+    let rows = tshark_fields_occurrence(&out, &fields, 'l');
     assert_eq!(rows.len(), n, "every sample is a packet in the pcapng");
     let num = |s: &str| match s.strip_prefix("0x") {
         Some(h) => u64::from_str_radix(h, 16).unwrap(),
