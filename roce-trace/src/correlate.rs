@@ -173,10 +173,20 @@ pub struct FlowState {
     cnp_class_at: BTreeMap<PointId, (u8, u8, u8)>,
     /// Largest frame seen at each point.
     max_frame: BTreeMap<PointId, u16>,
+    /// Bytes delivered at the flow's last point per counter delta, by arrival time.
+    delivery: VecDeque<DeliveryAt>,
+    delivery_point: Option<PointId>,
 }
 
+/// Counter deltas kept per flow for its delivery over time (a minute at 1 s intervals).
+const DELIVERY_SAMPLES: usize = 64;
+
 fn push_recent<T>(q: &mut VecDeque<T>, v: T) {
-    if q.len() == RECENT {
+    push_bounded(q, v, RECENT);
+}
+
+fn push_bounded<T>(q: &mut VecDeque<T>, v: T, cap: usize) {
+    if q.len() == cap {
         q.pop_front();
     }
     q.push_back(v);
@@ -361,6 +371,21 @@ impl Joiner {
             f.counters.entry(point).or_default().add(d);
             if d.cnp > 0 {
                 f.carries_cnp = true;
+            }
+            // Delivery over time: what reached the end of its path, interval by interval.
+            if f.path.last() == Some(&point) {
+                if f.delivery_point != Some(point) {
+                    f.delivery.clear();
+                    f.delivery_point = Some(point);
+                }
+                push_bounded(
+                    &mut f.delivery,
+                    DeliveryAt {
+                        at_ns: now_ns,
+                        bytes: d.bytes,
+                    },
+                    DELIVERY_SAMPLES,
+                );
             }
         }
     }
@@ -575,6 +600,7 @@ impl Joiner {
                 .map(|(p, c)| ClassAt::new(l(p), *c))
                 .collect(),
             max_frame: f.max_frame.iter().map(|(p, m)| (l(p), *m)).collect(),
+            delivery: f.delivery.iter().copied().collect(),
             class_changes: f
                 .changes
                 .iter()
@@ -749,6 +775,14 @@ pub struct DelayReport {
     pub delay: Delay,
 }
 
+/// Bytes one counter delta reported at a flow's last point, and when it reached the
+/// collector (ns since the collector started).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct DeliveryAt {
+    pub at_ns: u64,
+    pub bytes: u64,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct PathAt {
     pub since_ns: u64,
@@ -782,6 +816,9 @@ pub struct FlowReport {
     /// Largest frame (bytes) seen at each point.
     #[serde(default)]
     pub max_frame: BTreeMap<String, u16>,
+    /// Bytes delivered at its last point, per counter interval (the last minute or so).
+    #[serde(default)]
+    pub delivery: Vec<DeliveryAt>,
     pub class_changes: Vec<ClassChange>,
     pub ce_onset: Vec<CeOnset>,
     pub lost: Vec<Lost>,
@@ -926,6 +963,33 @@ mod tests {
         );
         assert_eq!(r.hops, [0, 1, 1, 1]);
         assert_eq!(j.stats.trajectories, 1);
+    }
+
+    #[test]
+    fn delivery_over_time_is_kept_at_the_last_point_only() {
+        let (mut j, pts) = lab();
+        let delta = |bytes| CounterDelta {
+            flow: flow(),
+            packets: bytes / 1000,
+            bytes,
+            ..Default::default()
+        };
+        // Before the path is known, a delta has no "last point" to be delivered at.
+        j.add_counters(pts[4], &delta(5000), 0);
+        for (i, p) in pts.iter().enumerate() {
+            j.add(*p, &obs(1, TTLS[i], 1000 * i as u64, 26, 2), 0);
+        }
+        j.tick(200 * MS);
+        for (t, p) in [(1, 4), (1, 0), (2, 4), (3, 4)] {
+            j.add_counters(pts[p], &delta(1000 * t), t * 1_000 * MS);
+        }
+        let r = j.flow_report(&flow()).unwrap();
+        let d: Vec<(u64, u64)> = r
+            .delivery
+            .iter()
+            .map(|d| (d.at_ns / (1000 * MS), d.bytes))
+            .collect();
+        assert_eq!(d, [(1, 1000), (2, 2000), (3, 3000)]);
     }
 
     #[test]

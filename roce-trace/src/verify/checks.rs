@@ -226,7 +226,12 @@ pub fn judge(policy: &Policy, report: &CollectorReport, load: Load) -> Vec<Check
         out.push(mtu(&data, m.roce_mtu.0));
     }
     if let Some(s) = &policy.stability {
-        out.push(stability(&data, s.max_throughput_spread.0, s.min_packets).0);
+        if let Some(max) = s.max_throughput_spread {
+            out.push(stability(&data, max.0, s.min_packets).0);
+        }
+        if let Some(max) = s.max_rate_cv {
+            out.push(rate_over_time(&data, max.0, s.min_intervals));
+        }
     }
     out
 }
@@ -789,5 +794,71 @@ pub fn stability(data: &[&FlowReport], max: f64, min_packets: u64) -> (CheckResu
     (
         r.done(Status::NoData, "no host pair with two or more data flows"),
         worst,
+    )
+}
+
+/// A flow's delivered rate (bytes/s) over its complete counter intervals: between two
+/// consecutive deltas at its last point. The first delta's interval is partial (the flow
+/// began inside it) and so is the last one (it ended inside it): neither is a rate.
+pub fn delivered_rates(f: &FlowReport) -> Vec<f64> {
+    let d = &f.delivery;
+    if d.len() < 3 {
+        return Vec::new();
+    }
+    d.windows(2)
+        .take(d.len() - 2)
+        .filter(|w| w[1].at_ns > w[0].at_ns)
+        .map(|w| w[1].bytes as f64 * 1e9 / (w[1].at_ns - w[0].at_ns) as f64)
+        .collect()
+}
+
+fn mbit(bytes_per_s: f64) -> String {
+    format!("{:.2} Mbit/s", bytes_per_s * 8.0 / 1e6)
+}
+
+fn rate_over_time(data: &[&FlowReport], max_cv: f64, min_intervals: usize) -> CheckResult {
+    let mut r = CheckResult::new(
+        "rate_stability",
+        format!(
+            "each data flow's delivered rate varies by at most {} over time (CV)",
+            pct(max_cv)
+        ),
+    );
+    let mut worst: Option<f64> = None;
+    for f in data {
+        let rates = delivered_rates(f);
+        if rates.len() < min_intervals.max(2) {
+            continue;
+        }
+        r.checked += 1;
+        let n = rates.len() as f64;
+        let mean = rates.iter().sum::<f64>() / n;
+        let var = rates.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+        let cv = if mean > 0.0 { var.sqrt() / mean } else { 0.0 };
+        worst = Some(worst.map_or(cv, |w: f64| w.max(cv)));
+        if cv > max_cv {
+            let lo = rates.iter().cloned().fold(f64::INFINITY, f64::min);
+            let hi = rates.iter().cloned().fold(0.0, f64::max);
+            let at = f.path.last().cloned().into_iter().collect();
+            r.evidence(
+                f,
+                at,
+                format!(
+                    "CV {} over {} intervals: {} to {}, mean {}",
+                    pct(cv),
+                    rates.len(),
+                    mbit(lo),
+                    mbit(hi),
+                    mbit(mean)
+                ),
+            );
+        }
+    }
+    if let (Some(w), true) = (worst, r.evidence.is_empty()) {
+        r.summary = format!("{} flow(s) checked, worst CV {}", r.checked, pct(w));
+    }
+    r.done(
+        Status::NoData,
+        &format!("no data flow with {min_intervals} complete counter intervals at its last point"),
     )
 }

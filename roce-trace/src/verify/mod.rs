@@ -197,6 +197,8 @@ pub fn since(start: &CollectorReport, mut end: CollectorReport) -> CollectorRepo
             less(&mut o.span, was.map(|x| &x.span));
         }
         f.ce_onset.retain(|o| o.span.packets > 0);
+        let seen = b.delivery.iter().map(|x| x.at_ns).max().unwrap_or(0);
+        f.delivery.retain(|x| x.at_ns > seen);
         let a = &mut f.answered_by;
         a.cnps = a.cnps.saturating_sub(b.answered_by.cnps);
         a.ce_marks = a.ce_marks.saturating_sub(b.answered_by.ce_marks);

@@ -122,10 +122,20 @@ pub struct MtuPolicy {
 #[serde(deny_unknown_fields)]
 pub struct StabilityPolicy {
     /// (max − min) / mean of per-flow bytes among the data flows of one host pair.
-    pub max_throughput_spread: Fraction,
+    pub max_throughput_spread: Option<Fraction>,
     /// Flows with fewer packets are not judged.
     #[serde(default = "default_min_packets")]
     pub min_packets: u64,
+    /// Over time: the coefficient of variation (standard deviation / mean) of each data
+    /// flow's delivered rate across counter intervals.
+    pub max_rate_cv: Option<Fraction>,
+    /// Complete intervals a flow needs before its rate over time is judged.
+    #[serde(default = "default_min_intervals")]
+    pub min_intervals: usize,
+}
+
+fn default_min_intervals() -> usize {
+    3
 }
 
 fn default_min_packets() -> u64 {

@@ -12,7 +12,7 @@ use super::{
 };
 use crate::{
     collector::CollectorReport,
-    correlate::{Answers, ClassAt, ClassChange, FlowReport, JoinStats, Lost, PathAt, Span},
+    correlate::{Answers, ClassAt, ClassChange, DeliveryAt, FlowReport, JoinStats, Lost, PathAt, Span},
     observation::CounterDelta,
 };
 
@@ -32,6 +32,19 @@ fn points(a: u8, b: u8, spine: Option<u8>) -> Vec<String> {
         v.push(format!("l{lb}:s{s}:ingress"));
     }
     v.push(format!("h{b}:eth0:ingress"));
+    v
+}
+
+/// One counter delta a second at the flow's last point, a partial one first and last.
+fn steady() -> Vec<DeliveryAt> {
+    let mut v: Vec<DeliveryAt> = (0..7)
+        .map(|i| DeliveryAt {
+            at_ns: (i + 1) * 1_000_000_000,
+            bytes: 157_000,
+        })
+        .collect();
+    v[0].bytes = 60_000;
+    v[6].bytes = 20_000;
     v
 }
 
@@ -68,6 +81,7 @@ fn flow(a: u8, b: u8, sport: u16, spine: Option<u8>) -> FlowReport {
             .collect(),
         cnp_class: Vec::new(),
         max_frame: path.iter().map(|p| (p.clone(), 1100)).collect(),
+        delivery: steady(),
         class_changes: Vec::new(),
         ce_onset: Vec::new(),
         lost: Vec::new(),
@@ -154,7 +168,7 @@ fn a_healthy_fabric_passes_every_rule() {
     assert_eq!(v.exit_code(), 0, "{}", table(&v));
     // Every rule of the example policy ran; CNP rules had nothing to judge.
     let names: Vec<&str> = v.checks.iter().map(|c| c.check.as_str()).collect();
-    assert_eq!(names.len(), 14, "{names:?}");
+    assert_eq!(names.len(), 15, "{names:?}");
     for c in &v.checks {
         let want = if c.check.starts_with("cnp_") {
             Status::Skip
@@ -353,6 +367,31 @@ fn naks_hops_ect_and_spread_fail_on_their_own() {
 }
 
 #[test]
+fn a_flow_whose_rate_dips_over_time_fails_rate_stability_only() {
+    let mut v = healthy();
+    // Two seconds at a third of its rate (a flapping link, a PFC storm), same total bytes.
+    let d = &mut v[0].delivery;
+    d[2].bytes = 52_000;
+    d[3].bytes = 52_000;
+    d[4].bytes = 367_000;
+    assert_eq!(failing(v.clone(), Load::Idle), set(&["rate_stability"]));
+    let p = Policy::parse(POLICY).unwrap();
+    let c = judge(&p, &report(v), Load::Idle);
+    let r = c.iter().find(|c| c.check == "rate_stability").unwrap();
+    assert_eq!(r.evidence.len(), 1);
+    assert!(
+        r.evidence[0].detail.contains("over 5 intervals: 0.42 Mbit/s"),
+        "{}",
+        r.evidence[0].detail
+    );
+    // A partial first or last interval is no dip.
+    let mut v = healthy();
+    v[0].delivery[0].bytes = 1;
+    v[0].delivery[6].bytes = 1;
+    assert_eq!(failing(v, Load::Idle), set(&[]));
+}
+
+#[test]
 fn no_traffic_cannot_be_checked_and_says_so() {
     let p = Policy::parse(POLICY).unwrap();
     let v = Verdict::new(
@@ -442,6 +481,11 @@ fn later(mut v: Vec<FlowReport>) -> Vec<FlowReport> {
             c.add(&once);
         }
         f.trajectories *= 2;
+        let after = f.delivery.last().map_or(0, |d| d.at_ns);
+        f.delivery.extend(steady().into_iter().map(|d| DeliveryAt {
+            at_ns: after + d.at_ns,
+            ..d
+        }));
     }
     v
 }
@@ -485,6 +529,8 @@ fn a_window_counts_only_what_happened_in_it() {
     );
     let f4 = w.flows.iter().find(|f| f.id == start[4].id).unwrap();
     assert_eq!(f4.class_changes[0].span.packets, 7);
+    assert_eq!(f0.delivery.len(), 7, "only the deltas that arrived in the window");
+    assert!(f0.delivery.iter().all(|d| d.at_ns > 7_000_000_000));
 }
 
 #[test]
