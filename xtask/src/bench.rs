@@ -455,7 +455,7 @@ fn rss_bytes() -> u64 {
 fn collector() -> anyhow::Result<()> {
     use roce_trace::{
         correlate::{JoinConfig, Joiner, PointInfo},
-        observation::{FlowId, Observation, PacketId},
+        observation::{CounterDelta, FlowId, Observation, PacketId},
     };
     use roce_trace_common::datapath::REASON_HASH;
     ensure!(
@@ -483,6 +483,8 @@ fn collector() -> anyhow::Result<()> {
         .collect();
     // Observations in the order a collector receives them: agent batches interleaved.
     let mut obs: Vec<(u32, Observation)> = Vec::with_capacity((FLOWS * PACKETS_PER_FLOW * 8) as usize);
+    // Each flow and the 8 points it crosses, for its counter deltas.
+    let mut flow_points: Vec<(FlowId, Vec<u32>)> = Vec::with_capacity(FLOWS as usize);
     for f in 0..FLOWS {
         let flow = FlowId {
             src: [(f % 250) as u8; 16],
@@ -494,6 +496,13 @@ fn collector() -> anyhow::Result<()> {
         // A path across 4 nodes (8 points), chosen by the flow.
         let a = (f * 7) % AGENTS;
         let nodes = [a, (a + 1) % AGENTS, (a + 2) % AGENTS, (a + 3) % AGENTS];
+        flow_points.push((
+            flow,
+            nodes
+                .iter()
+                .flat_map(|n| [points[(n * 4) as usize], points[(n * 4 + 1) as usize]])
+                .collect(),
+        ));
         for p in 0..PACKETS_PER_FLOW {
             let id = PacketId {
                 flow,
@@ -562,6 +571,41 @@ fn collector() -> anyhow::Result<()> {
         j.stats.trajectories == (FLOWS * PACKETS_PER_FLOW) as u64,
         "every packet joined"
     );
+
+    // Then a minute of counter deltas, one a second from every point of every flow: the
+    // per-point totals and the delivery over time at each flow's last point fill up.
+    const SECONDS: u64 = 64;
+    let t0 = obs.last().map_or(0, |(_, o)| o.time_ns) + 1;
+    let started = std::time::Instant::now();
+    let mut deltas = 0u64;
+    for s in 0..SECONDS {
+        for (flow, pts) in &flow_points {
+            for p in pts {
+                let d = CounterDelta {
+                    flow: *flow,
+                    packets: 120,
+                    bytes: 120 * 1100,
+                    ecn: [0, 0, 120, 0],
+                    ..Default::default()
+                };
+                j.add_counters(*p, &d, t0 + s * 1_000_000_000);
+                deltas += 1;
+            }
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let rss2 = rss_bytes();
+    let delivered = j
+        .flow_ids()
+        .first()
+        .and_then(|id| j.flow_report(id))
+        .map_or(0, |r| r.delivery.len());
+    println!(
+        "{deltas} counter deltas in {secs:.3}s = {:.0} deltas/s; memory with a minute of counters: {:.0} bytes per tracked flow ({delivered} delivery intervals kept)",
+        deltas as f64 / secs,
+        rss2.saturating_sub(rss0) as f64 / FLOWS as f64
+    );
+    ensure!(delivered == 64, "the last minute of delivery is kept");
     Ok(())
 }
 
