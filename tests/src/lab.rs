@@ -835,8 +835,10 @@ impl Observers {
             "--quiet",
             "--report",
             report.to_str().expect("utf-8 path"),
+            // The default: an agent starved of CPU for a moment (2 cores, 8 agents, the
+            // generators) must not turn its late observations into "lost".
             "--trajectory-timeout",
-            "1s",
+            "2s",
         ];
         args.extend_from_slice(extra);
         let collector = crate::Daemon::start(&lab.ns("mgmt"), &args, "collecting on");
