@@ -173,9 +173,11 @@ pub struct FlowState {
     cnp_class_at: BTreeMap<PointId, (u8, u8, u8)>,
     /// Largest frame seen at each point.
     max_frame: BTreeMap<PointId, u16>,
-    /// Bytes delivered at the flow's last point per counter delta, by arrival time.
+    /// Bytes delivered at the flow's most downstream point per counter delta, by arrival
+    /// time; that point (lowest TTL, ingress before egress at equal TTL), known from the
+    /// counters themselves so delivery starts with the first deltas, not the first path.
     delivery: VecDeque<DeliveryAt>,
-    delivery_point: Option<PointId>,
+    delivery_point: Option<(PointId, u8, bool)>,
 }
 
 /// Counter deltas kept per flow for its delivery over time (a minute at 1 s intervals).
@@ -367,17 +369,27 @@ impl Joiner {
         if d.flow.dest_qp == crate::trace::PROBE_QP {
             return;
         }
+        let not_egress = self
+            .points
+            .get(point as usize)
+            .is_some_and(|p| p.direction != "egress");
         if let Some(f) = self.flow(d.flow, now_ns) {
             f.counters.entry(point).or_default().add(d);
             if d.cnp > 0 {
                 f.carries_cnp = true;
             }
             // Delivery over time: what reached the end of its path, interval by interval.
-            if f.path.last() == Some(&point) {
-                if f.delivery_point != Some(point) {
-                    f.delivery.clear();
-                    f.delivery_point = Some(point);
-                }
+            let here = (point, d.last_ttl, not_egress);
+            let further = match f.delivery_point {
+                None => true,
+                Some((p, ..)) if p == point => false,
+                Some((_, ttl, ingress)) => here.1 < ttl || (here.1 == ttl && here.2 && !ingress),
+            };
+            if further {
+                f.delivery.clear();
+                f.delivery_point = Some(here);
+            }
+            if f.delivery_point.is_some_and(|(p, ..)| p == point) {
                 push_bounded(
                     &mut f.delivery,
                     DeliveryAt {
@@ -816,7 +828,7 @@ pub struct FlowReport {
     /// Largest frame (bytes) seen at each point.
     #[serde(default)]
     pub max_frame: BTreeMap<String, u16>,
-    /// Bytes delivered at its last point, per counter interval (the last minute or so).
+    /// Bytes delivered at its most downstream point, per counter interval (the last 64).
     #[serde(default)]
     pub delivery: Vec<DeliveryAt>,
     pub class_changes: Vec<ClassChange>,
@@ -966,22 +978,19 @@ mod tests {
     }
 
     #[test]
-    fn delivery_over_time_is_kept_at_the_last_point_only() {
+    fn delivery_over_time_is_kept_at_the_most_downstream_point() {
         let (mut j, pts) = lab();
-        let delta = |bytes| CounterDelta {
+        let delta = |p: usize, bytes| CounterDelta {
             flow: flow(),
             packets: bytes / 1000,
             bytes,
+            last_ttl: TTLS[p],
             ..Default::default()
         };
-        // Before the path is known, a delta has no "last point" to be delivered at.
-        j.add_counters(pts[4], &delta(5000), 0);
-        for (i, p) in pts.iter().enumerate() {
-            j.add(*p, &obs(1, TTLS[i], 1000 * i as u64, 26, 2), 0);
-        }
-        j.tick(200 * MS);
-        for (t, p) in [(1, 4), (1, 0), (2, 4), (3, 4)] {
-            j.add_counters(pts[p], &delta(1000 * t), t * 1_000 * MS);
+        // No trajectory yet: the counters' TTLs say which point is furthest. The sender's
+        // delta comes first, then the receiver's takes over (lower TTL) for good.
+        for (t, p) in [(1, 0), (1, 4), (1, 3), (2, 0), (2, 4), (3, 4)] {
+            j.add_counters(pts[p], &delta(p, 1000 * t), t * 1_000 * MS);
         }
         let r = j.flow_report(&flow()).unwrap();
         let d: Vec<(u64, u64)> = r

@@ -798,7 +798,7 @@ pub fn stability(data: &[&FlowReport], max: f64, min_packets: u64) -> (CheckResu
 }
 
 /// A flow's delivered rate (bytes/s) over its complete counter intervals: between two
-/// consecutive deltas at its last point. The first delta's interval is partial (the flow
+/// consecutive deltas at its most downstream point. The first delta's interval is partial (the flow
 /// began inside it) and so is the last one (it ended inside it): neither is a rate.
 pub fn delivered_rates(f: &FlowReport) -> Vec<f64> {
     let d = &f.delivery;
@@ -859,6 +859,6 @@ fn rate_over_time(data: &[&FlowReport], max_cv: f64, min_intervals: usize) -> Ch
     }
     r.done(
         Status::NoData,
-        &format!("no data flow with {min_intervals} complete counter intervals at its last point"),
+        &format!("no data flow with {min_intervals} complete counter intervals at its most downstream point"),
     )
 }
