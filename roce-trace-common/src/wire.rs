@@ -398,32 +398,55 @@ pub struct ErspanIIHdr {
 }
 // SAFETY: only byte fields.
 unsafe impl Header for ErspanIIHdr {}
-impl ErspanIIHdr {
+/// The first four bytes ERSPAN II and III share: Ver(4) VLAN(12) | COS(3) x(2) T(1)
+/// Session ID(10), where x is En (II) or BSO (III).
+pub trait ErspanCommon {
+    fn ver_vlan(&self) -> [u8; 2];
+    fn cos_x_t_session(&self) -> [u8; 2];
     #[inline(always)]
-    pub fn version(&self) -> u8 {
-        self.ver_vlan[0] >> 4
+    fn version(&self) -> u8 {
+        self.ver_vlan()[0] >> 4
     }
     #[inline(always)]
-    pub fn vlan(&self) -> u16 {
-        u16::from_be_bytes(self.ver_vlan) & 0x0fff
+    fn vlan(&self) -> u16 {
+        u16::from_be_bytes(self.ver_vlan()) & 0x0fff
     }
     #[inline(always)]
-    pub fn cos(&self) -> u8 {
-        self.cos_en_t_session[0] >> 5
+    fn cos(&self) -> u8 {
+        self.cos_x_t_session()[0] >> 5
     }
-    /// How the original frame carried its VLAN: 0 untagged, 1 ISL, 2 802.1Q, 3 tag kept.
+    /// The two bits after COS: En (type II) or BSO (type III).
     #[inline(always)]
-    pub fn encap_type(&self) -> u8 {
-        (self.cos_en_t_session[0] >> 3) & 0x3
+    fn x_bits(&self) -> u8 {
+        (self.cos_x_t_session()[0] >> 3) & 0x3
     }
     /// The mirrored frame was truncated by the switch.
     #[inline(always)]
-    pub fn truncated(&self) -> bool {
-        self.cos_en_t_session[0] & 0x04 != 0
+    fn truncated(&self) -> bool {
+        self.cos_x_t_session()[0] & 0x04 != 0
     }
     #[inline(always)]
-    pub fn session_id(&self) -> u16 {
-        u16::from_be_bytes(self.cos_en_t_session) & ERSPAN_SESSION_MASK
+    fn session_id(&self) -> u16 {
+        u16::from_be_bytes(self.cos_x_t_session()) & ERSPAN_SESSION_MASK
+    }
+}
+
+impl ErspanCommon for ErspanIIHdr {
+    #[inline(always)]
+    fn ver_vlan(&self) -> [u8; 2] {
+        self.ver_vlan
+    }
+    #[inline(always)]
+    fn cos_x_t_session(&self) -> [u8; 2] {
+        self.cos_en_t_session
+    }
+}
+
+impl ErspanIIHdr {
+    /// How the original frame carried its VLAN: 0 untagged, 1 ISL, 2 802.1Q, 3 tag kept.
+    #[inline(always)]
+    pub fn encap_type(&self) -> u8 {
+        self.x_bits()
     }
     #[inline(always)]
     pub fn index(&self) -> u32 {
@@ -463,31 +486,22 @@ impl ErspanIIIPlatformHdr {
 }
 /// Type III frame type of a mirrored Ethernet frame (the only one decapsulated).
 pub const ERSPAN_III_FT_ETHERNET: u8 = 0;
+impl ErspanCommon for ErspanIIIHdr {
+    #[inline(always)]
+    fn ver_vlan(&self) -> [u8; 2] {
+        self.ver_vlan
+    }
+    #[inline(always)]
+    fn cos_x_t_session(&self) -> [u8; 2] {
+        self.cos_bso_t_session
+    }
+}
+
 impl ErspanIIIHdr {
-    #[inline(always)]
-    pub fn version(&self) -> u8 {
-        self.ver_vlan[0] >> 4
-    }
-    #[inline(always)]
-    pub fn vlan(&self) -> u16 {
-        u16::from_be_bytes(self.ver_vlan) & 0x0fff
-    }
-    #[inline(always)]
-    pub fn cos(&self) -> u8 {
-        self.cos_bso_t_session[0] >> 5
-    }
     /// Bad/short/oversized frame status.
     #[inline(always)]
     pub fn bso(&self) -> u8 {
-        (self.cos_bso_t_session[0] >> 3) & 0x3
-    }
-    #[inline(always)]
-    pub fn truncated(&self) -> bool {
-        self.cos_bso_t_session[0] & 0x04 != 0
-    }
-    #[inline(always)]
-    pub fn session_id(&self) -> u16 {
-        u16::from_be_bytes(self.cos_bso_t_session) & ERSPAN_SESSION_MASK
+        self.x_bits()
     }
     #[inline(always)]
     pub fn timestamp(&self) -> u32 {
