@@ -196,6 +196,9 @@ pub fn measure(
 }
 
 fn shares(m: &BTreeMap<String, usize>) -> String {
+    if m.is_empty() {
+        return "(no [ecmp] via in the policy)".into();
+    }
     m.iter()
         .map(|(k, v)| format!("{k} {v}"))
         .collect::<Vec<_>>()
