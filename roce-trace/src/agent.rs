@@ -49,6 +49,19 @@ pub struct AgentOptions {
     pub metrics: Option<SocketAddr>,
 }
 
+impl AgentOptions {
+    /// What every agent needs, whatever it reads from.
+    fn check(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            !self.token.is_empty(),
+            "a token is required (--token or --token-file)"
+        );
+        anyhow::ensure!(self.queue > 0, "--queue must be at least 1");
+        anyhow::ensure!(!self.interval.is_zero(), "--interval must be longer than zero");
+        Ok(())
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
 pub struct AgentStats {
     pub observations: u64,
@@ -130,18 +143,9 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
     ready: impl FnOnce(&[Attachment], Option<SocketAddr>),
 ) -> anyhow::Result<AgentStats> {
-    anyhow::ensure!(
-        !opts.token.is_empty(),
-        "a token is required (--token or --token-file)"
-    );
+    opts.check()?;
     anyhow::ensure!(!opts.ifaces.is_empty(), "no interface given (use -i IFACE)");
-    anyhow::ensure!(opts.queue > 0, "--queue must be at least 1");
-    anyhow::ensure!(!opts.interval.is_zero(), "--interval must be longer than zero");
-    for iface in &opts.ifaces {
-        if let Some(w) = crate::sys::kernel_bypass_warning(iface) {
-            tracing::warn!("{w}");
-        }
-    }
+    crate::sys::warn_kernel_bypass(&opts.ifaces);
     let mut dp = Datapath::load(&opts.datapath)?;
     let hooks = dp.attach_all(&opts.ifaces, opts.ingress, opts.egress, opts.xdp_mode)?;
     let points: Vec<PointDecl> = hooks
@@ -657,12 +661,7 @@ pub async fn run_pcap(
     shutdown: impl Future<Output = ()>,
     ready: impl FnOnce(&[Attachment], Option<SocketAddr>),
 ) -> anyhow::Result<AgentStats> {
-    anyhow::ensure!(
-        !opts.token.is_empty(),
-        "a token is required (--token or --token-file)"
-    );
-    anyhow::ensure!(opts.queue > 0, "--queue must be at least 1");
-    anyhow::ensure!(!opts.interval.is_zero(), "--interval must be longer than zero");
+    opts.check()?;
     let reader = crate::pcap::open(&input)?;
     let mut offline = crate::pcap::Offline::new(&opts.datapath)?;
     let points = vec![PointDecl {

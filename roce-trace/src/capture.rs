@@ -161,11 +161,7 @@ pub async fn run(
     anyhow::ensure!(!opts.ifaces.is_empty(), "no interface given (use -i IFACE)");
     anyhow::ensure!(opts.ingress || opts.egress, "neither ingress nor egress selected");
     anyhow::ensure!(!opts.interval.is_zero(), "--interval must be longer than zero");
-    for iface in &opts.ifaces {
-        if let Some(w) = crate::sys::kernel_bypass_warning(iface) {
-            tracing::warn!("{w}");
-        }
-    }
+    crate::sys::warn_kernel_bypass(&opts.ifaces);
     let mut dp = Datapath::load(&opts.datapath)?;
     let hooks = dp.attach_all(&opts.ifaces, opts.ingress, opts.egress, opts.xdp_mode)?;
     let names: HashMap<u32, String> = hooks.iter().map(|h| (h.ifindex, h.iface.clone())).collect();

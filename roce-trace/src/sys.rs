@@ -112,6 +112,15 @@ pub fn rdma_device_of(sysfs: &std::path::Path, iface: &str) -> Option<String> {
         .map(|d| d.file_name().to_string_lossy().into_owned())
 }
 
+/// Logs [`kernel_bypass_warning`] for each interface that has one.
+pub fn warn_kernel_bypass(ifaces: &[String]) {
+    for iface in ifaces {
+        if let Some(w) = kernel_bypass_warning(iface) {
+            tracing::warn!("{w}");
+        }
+    }
+}
+
 /// What to tell a user observing an interface whose RoCE traffic the NIC handles itself:
 /// on hardware RoCE, data and CNPs never reach XDP or TC.
 pub fn kernel_bypass_warning(iface: &str) -> Option<String> {
