@@ -89,18 +89,7 @@ impl Packet for XdpPacket<'_> {
 
     #[inline(always)]
     fn load4(&self, off: usize) -> Option<[u8; 4]> {
-        let mut buf = [0u8; 4];
-        // SAFETY: the helper bounds-checks `off` against the frame and writes 4 bytes
-        // into `buf`, which is 4 bytes long.
-        let r = unsafe {
-            bpf_xdp_load_bytes(
-                self.ctx.ctx as *mut _,
-                off as u32,
-                buf.as_mut_ptr() as *mut c_void,
-                4,
-            )
-        };
-        if r == 0 { Some(buf) } else { None }
+        load4(self, off)
     }
 
     #[inline(always)]
@@ -112,34 +101,12 @@ impl Packet for XdpPacket<'_> {
 
     #[inline(always)]
     fn load_head(&self, dst: &mut [u8; SAMPLE_HEAD_LEN]) -> u16 {
-        let len = self.frame_len();
-        if len == 0 {
-            return 0;
-        }
-        let n = head_len(len);
-        // SAFETY: the helper bounds-checks [0, n) against the frame and writes n bytes into
-        // `dst`, which holds SAMPLE_HEAD_LEN >= n.
-        let r = unsafe { bpf_xdp_load_bytes(self.ctx.ctx as *mut _, 0, dst.as_mut_ptr() as *mut c_void, n) };
-        if r == 0 { n as u16 } else { 0 }
+        load_head(self, dst)
     }
 
     #[inline(always)]
     fn copy_out(&self, off: usize, dst: &mut [u8; INNER_HEAD_LEN]) -> usize {
-        if self.frame_len() as usize <= off {
-            return 0;
-        }
-        let n = inner_len(self.frame_len(), off);
-        // SAFETY: the helper bounds-checks [off, off + n) against the frame and writes n
-        // bytes into `dst`, which holds INNER_HEAD_LEN >= n.
-        let r = unsafe {
-            bpf_xdp_load_bytes(
-                self.ctx.ctx as *mut _,
-                off as u32,
-                dst.as_mut_ptr() as *mut c_void,
-                n,
-            )
-        };
-        if r == 0 { n as usize } else { 0 }
+        copy_out(self, off, dst)
     }
 }
 
@@ -187,18 +154,7 @@ impl Packet for TcPacket<'_> {
 
     #[inline(always)]
     fn load4(&self, off: usize) -> Option<[u8; 4]> {
-        let mut buf = [0u8; 4];
-        // SAFETY: the helper bounds-checks `off` against the skb (fragments included) and
-        // writes 4 bytes into `buf`.
-        let r = unsafe {
-            bpf_skb_load_bytes(
-                self.ctx.skb.skb as *const c_void,
-                off as u32,
-                buf.as_mut_ptr() as *mut c_void,
-                4,
-            )
-        };
-        if r == 0 { Some(buf) } else { None }
+        load4(self, off)
     }
 
     #[inline(always)]
@@ -214,40 +170,83 @@ impl Packet for TcPacket<'_> {
 
     #[inline(always)]
     fn load_head(&self, dst: &mut [u8; SAMPLE_HEAD_LEN]) -> u16 {
-        let len = self.frame_len();
-        if len == 0 {
-            return 0;
-        }
-        let n = head_len(len);
-        // SAFETY: the helper bounds-checks [0, n) against the skb (fragments included) and
-        // writes n bytes into `dst`, which holds SAMPLE_HEAD_LEN >= n.
-        let r = unsafe {
-            bpf_skb_load_bytes(
-                self.ctx.skb.skb as *const c_void,
-                0,
-                dst.as_mut_ptr() as *mut c_void,
-                n,
-            )
-        };
-        if r == 0 { n as u16 } else { 0 }
+        load_head(self, dst)
     }
 
     #[inline(always)]
     fn copy_out(&self, off: usize, dst: &mut [u8; INNER_HEAD_LEN]) -> usize {
-        if self.frame_len() as usize <= off {
-            return 0;
-        }
-        let n = inner_len(self.frame_len(), off);
-        // SAFETY: the helper bounds-checks [off, off + n) against the skb (fragments
-        // included) and writes n bytes into `dst`, which holds INNER_HEAD_LEN >= n.
-        let r = unsafe {
-            bpf_skb_load_bytes(
-                self.ctx.skb.skb as *const c_void,
-                off as u32,
-                dst.as_mut_ptr() as *mut c_void,
-                n,
-            )
-        };
-        if r == 0 { n as usize } else { 0 }
+        copy_out(self, off, dst)
     }
+}
+
+/// A hook's bounds-checked copy out of the frame: `bpf_xdp_load_bytes` or
+/// `bpf_skb_load_bytes` (which also reaches an skb's fragments).
+trait LoadBytes {
+    /// The frame's length as the helper bounds it.
+    fn len(&self) -> u32;
+    /// Copies `n` bytes at `off` into `dst`; whether the helper succeeded.
+    ///
+    /// # Safety
+    /// `dst` must be valid for `n` bytes of writes.
+    unsafe fn load(&self, off: u32, dst: *mut c_void, n: u32) -> bool;
+}
+
+impl LoadBytes for XdpPacket<'_> {
+    #[inline(always)]
+    fn len(&self) -> u32 {
+        self.frame_len()
+    }
+    #[inline(always)]
+    unsafe fn load(&self, off: u32, dst: *mut c_void, n: u32) -> bool {
+        // SAFETY: the helper bounds-checks [off, off + n) against the frame; the caller
+        // gives a `dst` valid for n bytes.
+        unsafe { bpf_xdp_load_bytes(self.ctx.ctx as *mut _, off, dst, n) == 0 }
+    }
+}
+
+impl LoadBytes for TcPacket<'_> {
+    #[inline(always)]
+    fn len(&self) -> u32 {
+        self.frame_len()
+    }
+    #[inline(always)]
+    unsafe fn load(&self, off: u32, dst: *mut c_void, n: u32) -> bool {
+        // SAFETY: the helper bounds-checks [off, off + n) against the skb (fragments
+        // included); the caller gives a `dst` valid for n bytes.
+        unsafe { bpf_skb_load_bytes(self.ctx.skb.skb as *const c_void, off, dst, n) == 0 }
+    }
+}
+
+/// The 4 bytes at `off`, which may lie past the linear part.
+#[inline(always)]
+fn load4<P: LoadBytes>(p: &P, off: usize) -> Option<[u8; 4]> {
+    let mut buf = [0u8; 4];
+    // SAFETY: `buf` holds the 4 bytes asked for.
+    let ok = unsafe { p.load(off as u32, buf.as_mut_ptr() as *mut c_void, 4) };
+    ok.then_some(buf)
+}
+
+/// The frame's first `min(len, SAMPLE_HEAD_LEN)` bytes into `dst`; how many.
+#[inline(always)]
+fn load_head<P: LoadBytes>(p: &P, dst: &mut [u8; SAMPLE_HEAD_LEN]) -> u16 {
+    let len = p.len();
+    if len == 0 {
+        return 0;
+    }
+    let n = head_len(len);
+    // SAFETY: `dst` holds SAMPLE_HEAD_LEN >= n bytes.
+    let ok = unsafe { p.load(0, dst.as_mut_ptr() as *mut c_void, n) };
+    if ok { n as u16 } else { 0 }
+}
+
+/// `min(len - off, INNER_HEAD_LEN)` bytes from `off` into `dst`; how many.
+#[inline(always)]
+fn copy_out<P: LoadBytes>(p: &P, off: usize, dst: &mut [u8; INNER_HEAD_LEN]) -> usize {
+    if p.len() as usize <= off {
+        return 0;
+    }
+    let n = inner_len(p.len(), off);
+    // SAFETY: `dst` holds INNER_HEAD_LEN >= n bytes.
+    let ok = unsafe { p.load(off as u32, dst.as_mut_ptr() as *mut c_void, n) };
+    if ok { n as usize } else { 0 }
 }
