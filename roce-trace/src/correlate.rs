@@ -902,6 +902,24 @@ mod tests {
         (j, pts.to_vec())
     }
 
+    /// The lab path through s2 instead of s1.
+    fn via_s2(j: &mut Joiner, pts: &[PointId]) -> Vec<PointId> {
+        let mut s2 = pts.to_vec();
+        s2[2] = j.point(PointInfo {
+            node: "s2".into(),
+            iface: "l1".into(),
+            direction: "ingress".into(),
+            clock_synced: true,
+        });
+        s2[3] = j.point(PointInfo {
+            node: "l2".into(),
+            iface: "s2".into(),
+            direction: "ingress".into(),
+            clock_synced: true,
+        });
+        s2
+    }
+
     fn flow() -> FlowId {
         FlowId {
             src: [1; 16],
@@ -1086,19 +1104,7 @@ mod tests {
     #[test]
     fn ce_onset_and_path_change() {
         let (mut j, pts) = lab();
-        let mut s2 = pts.clone();
-        s2[2] = j.point(PointInfo {
-            node: "s2".into(),
-            iface: "l1".into(),
-            direction: "ingress".into(),
-            clock_synced: true,
-        });
-        s2[3] = j.point(PointInfo {
-            node: "l2".into(),
-            iface: "s2".into(),
-            direction: "ingress".into(),
-            clock_synced: true,
-        });
+        let s2 = via_s2(&mut j, &pts);
         // Through s1, CE-marked from l2 on; later the flow moves to s2.
         for psn in 0..4 {
             for (i, p) in pts.iter().enumerate() {
@@ -1131,19 +1137,7 @@ mod tests {
     #[test]
     fn losses_before_a_move_count_even_when_they_complete_after_it() {
         let (mut j, pts) = lab();
-        let mut s2 = pts.clone();
-        s2[2] = j.point(PointInfo {
-            node: "s2".into(),
-            iface: "l1".into(),
-            direction: "ingress".into(),
-            clock_synced: true,
-        });
-        s2[3] = j.point(PointInfo {
-            node: "l2".into(),
-            iface: "s2".into(),
-            direction: "ingress".into(),
-            clock_synced: true,
-        });
+        let s2 = via_s2(&mut j, &pts);
         // Through s1 first; PSN 3 and 4 stop at s1 (a dead link); then through s2.
         for psn in 0..3 {
             send(&mut j, &pts, psn, psn as u64 * MS, &[], |_| 26, 0);
