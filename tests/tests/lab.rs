@@ -63,6 +63,25 @@ fn classes_by_sport(pcap: &std::path::Path) -> BTreeMap<u16, std::collections::B
     m
 }
 
+/// h1 → h3 on 8 QPs for a second; the classes each source port arrived at h3 with
+/// (tcpdump on h3's port).
+fn classes_arriving_at_h3(
+    l: &Lab,
+    dir: &TempDir,
+    name: &str,
+) -> BTreeMap<u16, std::collections::BTreeSet<(u8, u8)>> {
+    let pcap = dir.path(&format!("{name}.pcap"));
+    let dump = start_tcpdump(
+        &l.ns("h3"),
+        "eth0",
+        &pcap,
+        "udp dst port 4791 and dst host 10.10.3.2",
+    );
+    traffic(l, 1, 3, 8, "2mbit", "1s");
+    interrupt(dump);
+    classes_by_sport(&pcap)
+}
+
 fn spines_by_sport(l: &Lab, src: u8, dst: u8, qps: u16) -> BTreeMap<u16, u8> {
     (0..qps)
         .map(|i| (49152 + i, l.spine_for(src, dst, 49152 + i, false).unwrap()))
@@ -199,16 +218,7 @@ fn each_fault_shows_with_plain_tools() {
         to: 0,
     };
     l.apply(&f).unwrap();
-    let pcap = dir.path("dscp.pcap");
-    let dump = start_tcpdump(
-        &l.ns("h3"),
-        "eth0",
-        &pcap,
-        "udp dst port 4791 and dst host 10.10.3.2",
-    );
-    traffic(l, 1, 3, 8, "2mbit", "1s");
-    interrupt(dump);
-    for (sport, classes) in classes_by_sport(&pcap) {
+    for (sport, classes) in classes_arriving_at_h3(l, &dir, "dscp") {
         let want = if map[&sport] == 1 { 0 } else { 26 };
         assert_eq!(
             classes.iter().map(|c| c.0).collect::<Vec<_>>(),
@@ -226,16 +236,7 @@ fn each_fault_shows_with_plain_tools() {
         percent: 100,
     };
     l.apply(&f).unwrap();
-    let pcap = dir.path("ce.pcap");
-    let dump = start_tcpdump(
-        &l.ns("h3"),
-        "eth0",
-        &pcap,
-        "udp dst port 4791 and dst host 10.10.3.2",
-    );
-    traffic(l, 1, 3, 8, "2mbit", "1s");
-    interrupt(dump);
-    for (sport, classes) in classes_by_sport(&pcap) {
+    for (sport, classes) in classes_arriving_at_h3(l, &dir, "ce") {
         let ecn = if map[&sport] == 1 { 3 } else { 2 };
         assert_eq!(
             classes.iter().map(|c| c.1).collect::<Vec<_>>(),
