@@ -162,6 +162,25 @@ pub fn read_pcap(path: &Path) -> Vec<Vec<u8>> {
     v
 }
 
+/// What `python3 ARGS…` printed, line by line (scapy cross-checks); panics with its
+/// stderr when it fails.
+pub fn python_lines(args: &[&std::ffi::OsStr]) -> Vec<String> {
+    let out = Command::new("python3")
+        .args(args)
+        .output()
+        .expect("python3 is installed (scripts/setup)");
+    assert!(
+        out.status.success(),
+        "python3 {args:?} failed (scripts/setup installs scapy): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
 /// tshark's decoding of `pcap` as RoCEv2 on UDP 4791: one row per frame, one column per
 /// field (the first occurrence of a field a frame has twice).
 pub fn tshark_fields(pcap: &Path, fields: &[&str]) -> Vec<Vec<String>> {

@@ -343,21 +343,7 @@ for p in rdpcap(sys.argv[1]):
     if inner is None: continue
     print(p[IP].src, sess, inner.src, inner.ttl)
 "#;
-    let out = Command::new("python3")
-        .args(["-c", script])
-        .arg(&pcap)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "scapy: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let theirs: Vec<String> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(str::to_owned)
-        .collect();
+    let theirs = python_lines(&["-c".as_ref(), script.as_ref(), pcap.as_os_str()]);
     let ours: Vec<String> = samples
         .iter()
         .map(|s| {

@@ -2,7 +2,7 @@
 //! and scapy), how its responder answers (ACK, NAK, CNP), and how its sender reacts
 //! (retransmission, DCQCN).
 
-use std::{process::Command, sync::Mutex, time::Duration};
+use std::{sync::Mutex, time::Duration};
 
 use roce_trace_tests::*;
 use serde_json::Value;
@@ -117,17 +117,8 @@ fn generated_packets_decode_in_tshark_and_carry_scapys_icrc() {
             );
         }
         // Every ICRC on the wire is the one scapy computes.
-        let out = Command::new("python3")
-            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/scapy_icrc.py"))
-            .arg(&pcap)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let theirs: Vec<String> = String::from_utf8(out.stdout)
-            .unwrap()
-            .lines()
-            .map(str::to_owned)
-            .collect();
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/scapy_icrc.py");
+        let theirs = python_lines(&[script.as_ref(), pcap.as_os_str()]);
         let wire = tshark_fields(&pcap, &["infiniband.invariant.crc"]);
         assert_eq!(theirs.len(), wire.len());
         let mut checked = 0;

@@ -1,8 +1,6 @@
 //! Our frames and our parser against independent decoders: tshark's dissector and
 //! scapy's ICRC; and the real Huawei hardware capture in ../shared.
 
-use std::process::Command;
-
 use roce_trace::{
     datapath::DatapathOptions,
     frame::{RoceFrame, ext, icrc},
@@ -237,21 +235,7 @@ fn our_icrc_matches_scapy() {
     let frames: Vec<Vec<u8>> = specs().iter().map(RoceFrame::build).collect();
     write_pcap(&pcap, &frames);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/scapy_icrc.py");
-    let out = Command::new("python3")
-        .arg(script)
-        .arg(&pcap)
-        .output()
-        .expect("python3");
-    assert!(
-        out.status.success(),
-        "scapy failed (scripts/setup installs it): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let theirs: Vec<String> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(str::to_owned)
-        .collect();
+    let theirs = python_lines(&[script.as_ref(), pcap.as_os_str()]);
     assert_eq!(theirs.len(), frames.len());
     for (i, (frame, theirs)) in frames.iter().zip(&theirs).enumerate() {
         let ours = parse(&SlicePacket::new(frame), ROCEV2_UDP_PORT)
