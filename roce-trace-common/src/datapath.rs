@@ -28,6 +28,7 @@ pub const MAP_MIRRORS: &str = "MIRRORS";
 pub const GLOBAL_CONFIG: &str = "CONFIG";
 pub const PROG_XDP: &str = "roce_xdp";
 pub const PROG_TC: &str = "roce_tc";
+pub const PROG_TC_INGRESS: &str = "roce_tc_in";
 
 pub const DEFAULT_MAX_FLOWS: u32 = 65_536;
 pub const SAMPLE_RING_BYTES: u32 = 4 << 20;

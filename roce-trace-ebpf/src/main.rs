@@ -1,4 +1,4 @@
-//! roce-trace datapath: XDP on ingress, TC on egress, one parser (`roce_trace_common::parse`)
+//! roce-trace datapath: XDP (or TC) on ingress, TC on egress, one parser (`roce_trace_common::parse`)
 //! for both. Counts every RoCEv2 packet per flow, samples consistently, reports anomalies.
 //! Every path returns pass; no packet is written.
 #![no_std]
@@ -38,6 +38,15 @@ pub fn roce_tc(ctx: TcContext) -> i32 {
     let pkt = TcPacket::new(&ctx);
     observe(&pkt, DIR_EGRESS, pkt.ifindex(), pkt.frame_len());
     // UNSPEC: continue with the next program / the default action (tcx and clsact alike).
+    TC_ACT_UNSPEC
+}
+
+/// Ingress where XDP would cost the traffic a copy (veth copies every packet it hands to
+/// XDP) or where the driver has no native XDP.
+#[classifier]
+pub fn roce_tc_in(ctx: TcContext) -> i32 {
+    let pkt = TcPacket::new(&ctx);
+    observe(&pkt, DIR_INGRESS, pkt.ifindex(), pkt.frame_len());
     TC_ACT_UNSPEC
 }
 

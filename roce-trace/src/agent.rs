@@ -21,7 +21,7 @@ use tokio::{
 };
 
 use crate::{
-    datapath::{Attachment, Datapath, DatapathOptions, XdpModeChoice},
+    datapath::{Attachment, Datapath, DatapathOptions, IngressHook},
     http::{self, Response},
     observation::{CounterDelta, Observation, PointDecl, PointTable},
     protocol::{Decoder, Encoder, Frame, MAX_BATCH, VERSION},
@@ -34,9 +34,9 @@ pub struct AgentOptions {
     /// host:port of the collector.
     pub collector: String,
     pub ifaces: Vec<String>,
-    pub ingress: bool,
+    /// The hook that observes arriving packets; None: ingress is not observed.
+    pub ingress: Option<IngressHook>,
     pub egress: bool,
-    pub xdp_mode: XdpModeChoice,
     pub node: String,
     pub token: String,
     pub datapath: DatapathOptions,
@@ -147,7 +147,7 @@ pub async fn run(
     anyhow::ensure!(!opts.ifaces.is_empty(), "no interface given (use -i IFACE)");
     crate::sys::warn_kernel_bypass(&opts.ifaces);
     let mut dp = Datapath::load(&opts.datapath)?;
-    let hooks = dp.attach_all(&opts.ifaces, opts.ingress, opts.egress, opts.xdp_mode)?;
+    let hooks = dp.attach_all(&opts.ifaces, opts.ingress, opts.egress)?;
     let points: Vec<PointDecl> = hooks
         .iter()
         .enumerate()
@@ -156,7 +156,7 @@ pub async fn run(
             node: String::new(),
             iface: h.iface.clone(),
             ifindex: h.ifindex,
-            direction: if h.hook == "xdp" { DIR_INGRESS } else { DIR_EGRESS },
+            direction: h.direction,
         })
         .collect();
     let shared = Arc::new(Shared::new(opts.queue, points));
@@ -678,6 +678,7 @@ pub async fn run_pcap(
             iface: format!("pcap:{}", input.display()),
             ifindex: 0,
             hook: "pcap",
+            direction: DIR_INGRESS,
             mode: "offline",
             warning: None,
         }],

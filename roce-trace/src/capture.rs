@@ -16,7 +16,7 @@ use roce_trace_common::datapath::*;
 use tokio::io::unix::AsyncFd;
 
 use crate::{
-    datapath::{Attachment, Datapath, DatapathOptions, GlobalTotals, XdpModeChoice},
+    datapath::{Attachment, Datapath, DatapathOptions, GlobalTotals, IngressHook},
     observation::{MirrorSession, MirrorTable},
     record::{FlowRecord, HookRecord, SampleRecord, SummaryRecord},
     sys::KernelClock,
@@ -25,9 +25,9 @@ use crate::{
 #[derive(Clone, Debug)]
 pub struct CaptureOptions {
     pub ifaces: Vec<String>,
-    pub ingress: bool,
+    /// The hook that observes arriving packets; None: ingress is not observed.
+    pub ingress: Option<IngressHook>,
     pub egress: bool,
-    pub xdp_mode: XdpModeChoice,
     pub duration: Option<Duration>,
     /// Stop once this many RoCEv2 packets were counted (both directions, all interfaces).
     pub count: Option<u64>,
@@ -159,11 +159,14 @@ pub async fn run(
     ready: impl FnOnce(&[Attachment]),
 ) -> anyhow::Result<SummaryRecord> {
     anyhow::ensure!(!opts.ifaces.is_empty(), "no interface given (use -i IFACE)");
-    anyhow::ensure!(opts.ingress || opts.egress, "neither ingress nor egress selected");
+    anyhow::ensure!(
+        opts.ingress.is_some() || opts.egress,
+        "neither ingress nor egress selected"
+    );
     anyhow::ensure!(!opts.interval.is_zero(), "--interval must be longer than zero");
     crate::sys::warn_kernel_bypass(&opts.ifaces);
     let mut dp = Datapath::load(&opts.datapath)?;
-    let hooks = dp.attach_all(&opts.ifaces, opts.ingress, opts.egress, opts.xdp_mode)?;
+    let hooks = dp.attach_all(&opts.ifaces, opts.ingress, opts.egress)?;
     let names: HashMap<u32, String> = hooks.iter().map(|h| (h.ifindex, h.iface.clone())).collect();
     let name_of = |idx: u32| names.get(&idx).cloned().unwrap_or_else(|| idx.to_string());
 
@@ -516,6 +519,7 @@ pub fn run_offline(opts: &CaptureOptions, path: &std::path::Path) -> anyhow::Res
         iface: iface.clone(),
         ifindex: 0,
         hook: "pcap",
+        direction: DIR_INGRESS,
         mode: "offline",
         warning: None,
     }];

@@ -1,4 +1,4 @@
-//! Loads the embedded eBPF object, attaches it (XDP ingress, TC egress) and reads its maps.
+//! Loads the embedded eBPF object, attaches it (XDP or TC ingress, TC egress) and reads its maps.
 //! This is the kernel boundary: everything above works on the types it returns.
 
 use std::collections::HashMap;
@@ -109,12 +109,27 @@ pub enum XdpModeChoice {
     Generic,
 }
 
+/// Which hook observes arriving packets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IngressHook {
+    /// XDP where the driver runs it on its own receive buffers; TC ingress on veth
+    /// (which copies every packet it hands to XDP) and where native XDP is unavailable.
+    Auto,
+    /// XDP, in the mode asked for.
+    Xdp(XdpModeChoice),
+    /// TC ingress (tcx, else clsact): sees the same packets as an skb.
+    Tc,
+}
+
 /// How a hook ended up attached, for the user and the summary.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Attachment {
     pub iface: String,
     pub ifindex: u32,
+    /// `xdp`, `tc-ingress` or `tc-egress`.
     pub hook: &'static str,
+    /// `DIR_INGRESS` or `DIR_EGRESS`.
+    pub direction: u8,
     pub mode: &'static str,
     /// Set when the requested mode was not available and another was used.
     pub warning: Option<String>,
@@ -123,7 +138,8 @@ pub struct Attachment {
 pub struct Datapath {
     ebpf: Ebpf,
     xdp_loaded: bool,
-    tc_loaded: bool,
+    /// Classifiers loaded so far (egress, ingress), by name.
+    tc_loaded: Vec<&'static str>,
 }
 
 impl Datapath {
@@ -141,7 +157,7 @@ impl Datapath {
         Ok(Self {
             ebpf,
             xdp_loaded: false,
-            tc_loaded: false,
+            tc_loaded: Vec::new(),
         })
     }
 
@@ -165,22 +181,18 @@ impl Datapath {
         Ok(prog)
     }
 
-    pub fn tc(&mut self) -> Result<&mut SchedClassifier, DatapathError> {
+    /// The TC program of one direction (`PROG_TC` egress, `PROG_TC_INGRESS`), loaded.
+    pub fn tc(&mut self, name: &'static str) -> Result<&mut SchedClassifier, DatapathError> {
         let prog: &mut SchedClassifier = self
             .ebpf
-            .program_mut(PROG_TC)
-            .ok_or(DatapathError::MissingMap(PROG_TC))?
+            .program_mut(name)
+            .ok_or(DatapathError::MissingMap(name))?
             .try_into()
-            .map_err(|source| DatapathError::Program {
-                name: PROG_TC,
-                source,
-            })?;
-        if !self.tc_loaded {
-            prog.load().map_err(|source| DatapathError::Program {
-                name: PROG_TC,
-                source,
-            })?;
-            self.tc_loaded = true;
+            .map_err(|source| DatapathError::Program { name, source })?;
+        if !self.tc_loaded.contains(&name) {
+            prog.load()
+                .map_err(|source| DatapathError::Program { name, source })?;
+            self.tc_loaded.push(name);
         }
         Ok(prog)
     }
@@ -219,54 +231,85 @@ impl Datapath {
             iface: iface.to_owned(),
             ifindex,
             hook: "xdp",
+            direction: DIR_INGRESS,
             mode: mode_name,
             warning,
         })
     }
 
-    /// Attaches the TC program on egress: a tcx link (Linux 6.6+, detaches on exit), else
-    /// a clsact filter.
-    pub fn attach_tc_egress(&mut self, iface: &str) -> Result<Attachment, DatapathError> {
+    /// Attaches a TC program (`direction`: `DIR_INGRESS` or `DIR_EGRESS`): a tcx link
+    /// (Linux 6.6+, detaches on exit), else a clsact filter.
+    pub fn attach_tc(&mut self, iface: &str, direction: u8) -> Result<Attachment, DatapathError> {
         let ifindex = sys::ifindex(iface)?;
         let tcx = sys::kernel_version() >= (6, 6);
         if !tcx {
             // Already present is fine; any real failure shows up in attach below.
             let _ = tc::qdisc_add_clsact(iface);
         }
-        let prog = self.tc()?;
-        prog.attach(iface, TcAttachType::Egress)
-            .map_err(|source| attach_err("TC egress", iface, source))?;
+        let (name, attach_type, hook, what) = if direction == DIR_INGRESS {
+            (PROG_TC_INGRESS, TcAttachType::Ingress, "tc-ingress", "TC ingress")
+        } else {
+            (PROG_TC, TcAttachType::Egress, "tc-egress", "TC egress")
+        };
+        let prog = self.tc(name)?;
+        prog.attach(iface, attach_type)
+            .map_err(|source| attach_err(what, iface, source))?;
         let warning = (!tcx).then(|| {
             format!(
-                "kernel has no tcx: the egress program on {iface} is a clsact filter, which stays \
+                "kernel has no tcx: the {what} program on {iface} is a clsact filter, which stays \
                  if roce-trace is killed (remove with `tc qdisc del dev {iface} clsact`)"
             )
         });
         Ok(Attachment {
             iface: iface.to_owned(),
             ifindex,
-            hook: "tc-egress",
+            hook,
+            direction,
             mode: if tcx { "tcx" } else { "clsact" },
             warning,
         })
     }
 
-    /// XDP on ingress and/or TC on egress of every interface, in that order; warnings
+    /// The ingress hook `choice` resolves to on `iface`: for [`IngressHook::Auto`], TC on
+    /// veth (XDP there makes the kernel copy every arriving packet into a buffer XDP can
+    /// use, and switches the device to NAPI mode: it would disturb the traffic it
+    /// observes), native XDP elsewhere, TC where native XDP cannot attach.
+    fn attach_ingress(&mut self, iface: &str, choice: IngressHook) -> Result<Attachment, DatapathError> {
+        match choice {
+            IngressHook::Xdp(mode) => self.attach_xdp(iface, mode),
+            IngressHook::Tc => self.attach_tc(iface, DIR_INGRESS),
+            IngressHook::Auto if sys::driver(iface).as_deref() == Some("veth") => {
+                self.attach_tc(iface, DIR_INGRESS)
+            }
+            IngressHook::Auto => match self.attach_xdp(iface, XdpModeChoice::Native) {
+                Ok(a) => Ok(a),
+                Err(native_err) => {
+                    let mut a = self.attach_tc(iface, DIR_INGRESS)?;
+                    a.warning = Some(format!(
+                        "native XDP is not available on {iface} ({native_err}); observing ingress \
+                         with TC, which sees the same packets"
+                    ));
+                    Ok(a)
+                }
+            },
+        }
+    }
+
+    /// The ingress hook and/or TC on egress of every interface, in that order; warnings
     /// (a mode fallen back to) are logged.
     pub fn attach_all(
         &mut self,
         ifaces: &[String],
-        ingress: bool,
+        ingress: Option<IngressHook>,
         egress: bool,
-        xdp_mode: XdpModeChoice,
     ) -> Result<Vec<Attachment>, DatapathError> {
         let mut hooks = Vec::new();
         for iface in ifaces {
-            if ingress {
-                hooks.push(self.attach_xdp(iface, xdp_mode)?);
+            if let Some(choice) = ingress {
+                hooks.push(self.attach_ingress(iface, choice)?);
             }
             if egress {
-                hooks.push(self.attach_tc_egress(iface)?);
+                hooks.push(self.attach_tc(iface, DIR_EGRESS)?);
             }
         }
         for h in &hooks {

@@ -4,7 +4,7 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use roce_trace::{
     capture::{self, CaptureOptions},
-    datapath::{DatapathOptions, XdpModeChoice},
+    datapath::{DatapathOptions, IngressHook, XdpModeChoice},
 };
 use roce_trace_common::datapath::DEFAULT_MAX_FLOWS;
 use tracing_subscriber::EnvFilter;
@@ -183,8 +183,12 @@ struct AgentArgs {
     /// Serve Prometheus metrics on ADDR (e.g. 127.0.0.1:9464).
     #[arg(long)]
     metrics: Option<std::net::SocketAddr>,
-    #[arg(long, value_enum, default_value_t = XdpModeArg::Auto)]
-    xdp_mode: XdpModeArg,
+    /// Hook observing arriving packets.
+    #[arg(long, value_enum, default_value_t)]
+    ingress_hook: IngressArg,
+    /// XDP attachment mode (implies `--ingress-hook xdp`).
+    #[arg(long, value_enum)]
+    xdp_mode: Option<XdpModeArg>,
 }
 
 #[derive(clap::Args)]
@@ -378,6 +382,32 @@ enum XdpModeArg {
     Generic,
 }
 
+#[derive(Clone, Copy, Default, ValueEnum)]
+enum IngressArg {
+    /// Native XDP; TC on veth (XDP there makes the kernel copy every packet) and where
+    /// native XDP is unavailable.
+    #[default]
+    Auto,
+    Xdp,
+    Tc,
+}
+
+/// The ingress hook the flags ask for: `--xdp-mode` alone means XDP in that mode.
+fn ingress_hook(hook: IngressArg, xdp: Option<XdpModeArg>) -> anyhow::Result<IngressHook> {
+    let mode = |m: XdpModeArg| match m {
+        XdpModeArg::Auto => XdpModeChoice::Auto,
+        XdpModeArg::Native => XdpModeChoice::Native,
+        XdpModeArg::Generic => XdpModeChoice::Generic,
+    };
+    Ok(match (hook, xdp) {
+        (IngressArg::Auto, None) => IngressHook::Auto,
+        (IngressArg::Auto | IngressArg::Xdp, Some(m)) => IngressHook::Xdp(mode(m)),
+        (IngressArg::Xdp, None) => IngressHook::Xdp(XdpModeChoice::Auto),
+        (IngressArg::Tc, None) => IngressHook::Tc,
+        (IngressArg::Tc, Some(_)) => anyhow::bail!("--xdp-mode applies to XDP, not to --ingress-hook tc"),
+    })
+}
+
 #[derive(clap::Args)]
 struct CaptureArgs {
     /// Interface to observe (repeat for several).
@@ -405,11 +435,15 @@ struct CaptureArgs {
     /// RoCEv2 UDP destination port.
     #[arg(long, default_value_t = 4791)]
     port: u16,
-    /// Which side to observe: XDP on ingress, TC on egress.
+    /// Which side to observe: XDP (or TC) on ingress, TC on egress.
     #[arg(long, value_enum, default_value_t = Direction::Both)]
     direction: Direction,
-    #[arg(long, value_enum, default_value_t = XdpModeArg::Auto)]
-    xdp_mode: XdpModeArg,
+    /// Hook observing arriving packets.
+    #[arg(long, value_enum, default_value_t)]
+    ingress_hook: IngressArg,
+    /// XDP attachment mode (implies `--ingress-hook xdp`).
+    #[arg(long, value_enum)]
+    xdp_mode: Option<XdpModeArg>,
     /// Flows tracked in the kernel (LRU beyond that).
     #[arg(long, default_value_t = DEFAULT_MAX_FLOWS)]
     max_flows: u32,
@@ -466,13 +500,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Capture(a) => {
             let opts = CaptureOptions {
                 ifaces: a.interfaces,
-                ingress: matches!(a.direction, Direction::Ingress | Direction::Both),
+                ingress: matches!(a.direction, Direction::Ingress | Direction::Both)
+                    .then(|| ingress_hook(a.ingress_hook, a.xdp_mode))
+                    .transpose()?,
                 egress: matches!(a.direction, Direction::Egress | Direction::Both),
-                xdp_mode: match a.xdp_mode {
-                    XdpModeArg::Auto => XdpModeChoice::Auto,
-                    XdpModeArg::Native => XdpModeChoice::Native,
-                    XdpModeArg::Generic => XdpModeChoice::Generic,
-                },
                 duration: a.duration,
                 count: a.count,
                 datapath: DatapathOptions {
@@ -614,13 +645,8 @@ async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
         } else {
             a.interfaces
         },
-        ingress: true,
+        ingress: Some(ingress_hook(a.ingress_hook, a.xdp_mode)?),
         egress: true,
-        xdp_mode: match a.xdp_mode {
-            XdpModeArg::Auto => XdpModeChoice::Auto,
-            XdpModeArg::Native => XdpModeChoice::Native,
-            XdpModeArg::Generic => XdpModeChoice::Generic,
-        },
         node: a.node.or(cfg.node).unwrap_or_else(roce_trace::sys::hostname),
         token,
         datapath: DatapathOptions {
@@ -724,9 +750,8 @@ fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
             agent: Box::new(roce_trace::agent::AgentOptions {
                 collector: String::new(),
                 ifaces: a.interfaces.clone(),
-                ingress: true,
+                ingress: Some(IngressHook::Auto),
                 egress: true,
-                xdp_mode: XdpModeChoice::Auto,
                 node: roce_trace::sys::hostname(),
                 token: String::new(),
                 datapath: DatapathOptions {

@@ -88,6 +88,53 @@ pub fn ifindex(name: &str) -> Result<u32, SysError> {
     }
 }
 
+/// The driver behind an interface (`veth`, `mlx5_core`, …), from ETHTOOL_GDRVINFO; None
+/// when the interface does not say.
+pub fn driver(iface: &str) -> Option<String> {
+    const ETHTOOL_GDRVINFO: u32 = 0x3;
+    // struct ethtool_drvinfo: cmd, then driver[32] and more we do not read.
+    #[repr(C)]
+    struct DrvInfo {
+        cmd: u32,
+        driver: [u8; 32],
+        rest: [u8; 160],
+    }
+    let mut info = DrvInfo {
+        cmd: ETHTOOL_GDRVINFO,
+        driver: [0; 32],
+        rest: [0; 160],
+    };
+    // SAFETY: a zeroed ifreq is valid.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    let name = iface.as_bytes();
+    if name.len() >= req.ifr_name.len() {
+        return None;
+    }
+    for (d, &b) in req.ifr_name.iter_mut().zip(name) {
+        *d = b as libc::c_char;
+    }
+    req.ifr_ifru.ifru_data = (&mut info as *mut DrvInfo).cast();
+    // SAFETY: plain socket creation.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: `req` names the interface and points at `info`, which outlives the call and
+    // is as large as the kernel's ethtool_drvinfo.
+    let r = unsafe { libc::ioctl(fd, libc::SIOCETHTOOL, &mut req) };
+    // SAFETY: our own fd.
+    unsafe { libc::close(fd) };
+    if r < 0 {
+        return None;
+    }
+    let end = info
+        .driver
+        .iter()
+        .position(|&b| b == 0)
+        .unwrap_or(info.driver.len());
+    Some(String::from_utf8_lossy(&info.driver[..end]).into_owned())
+}
+
 pub fn ifname(index: u32) -> Option<String> {
     let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
     // SAFETY: buf holds IF_NAMESIZE bytes as if_indextoname requires.

@@ -11,7 +11,7 @@ use std::{
 
 use aya::programs::{TestRun, TestRunOptions};
 use roce_trace::datapath::{Datapath, DatapathOptions, GlobalTotals};
-use roce_trace_common::datapath::{FlowCounters, FlowKey, MirrorInfo, Sample};
+use roce_trace_common::datapath::{FlowCounters, FlowKey, MirrorInfo, PROG_TC, PROG_TC_INGRESS, Sample};
 
 /// Privileged tests need root (CAP_BPF, CAP_NET_ADMIN). They fail rather than pass
 /// silently without it, unless ROCE_TRACE_SKIP_PRIVILEGED=1 says to skip them.
@@ -41,7 +41,8 @@ impl ProgTest {
     pub fn new(opts: &DatapathOptions) -> Self {
         let mut dp = Datapath::load(opts).expect("load datapath");
         dp.xdp().expect("xdp verifies");
-        dp.tc().expect("tc verifies");
+        dp.tc(PROG_TC).expect("tc egress verifies");
+        dp.tc(PROG_TC_INGRESS).expect("tc ingress verifies");
         let ring = dp.take_samples().expect("ring");
         Self { dp, ring }
     }
@@ -65,10 +66,19 @@ impl ProgTest {
         r.return_value
     }
 
-    /// Runs the TC program once on `frame`; returns its verdict.
+    /// Runs the TC egress program once on `frame`; returns its verdict.
     pub fn run_tc(&mut self, frame: &[u8]) -> u32 {
+        self.run_classifier(PROG_TC, frame)
+    }
+
+    /// Runs the TC ingress program once on `frame`; returns its verdict.
+    pub fn run_tc_in(&mut self, frame: &[u8]) -> u32 {
+        self.run_classifier(PROG_TC_INGRESS, frame)
+    }
+
+    fn run_classifier(&mut self, name: &'static str, frame: &[u8]) -> u32 {
         let mut out = vec![0u8; frame.len() + 256];
-        let prog = self.dp.tc().unwrap();
+        let prog = self.dp.tc(name).unwrap();
         let r = prog
             .test_run(TestRunOptions {
                 data_in: Some(frame),
@@ -95,9 +105,9 @@ impl ProgTest {
         prog.test_run(opts).expect("xdp test run").duration
     }
 
-    /// Runs TC `repeat` times in the kernel; returns the mean time per packet.
+    /// Runs TC egress `repeat` times in the kernel; returns the mean time per packet.
     pub fn time_tc(&mut self, frame: &[u8], repeat: u32) -> std::time::Duration {
-        let prog = self.dp.tc().unwrap();
+        let prog = self.dp.tc(PROG_TC).unwrap();
         let opts = TestRunOptions {
             data_in: Some(frame),
             repeat,

@@ -1,5 +1,6 @@
 //! Real traffic between two network namespaces: `roce-trace capture` on each side (TC
-//! egress where it leaves, XDP ingress where it arrives) reports exact per-flow counts.
+//! egress where it leaves, XDP and TC ingress where it arrives) reports exact per-flow
+//! counts.
 
 use std::{collections::BTreeMap, net::IpAddr, sync::Mutex, time::Duration};
 
@@ -237,7 +238,7 @@ fn final_flows(recs: &[Value], direction: &str) -> BTreeMap<(String, u16, u32), 
 }
 
 #[test]
-fn capture_reports_exact_per_flow_counts_on_xdp_and_tc() {
+fn capture_reports_exact_per_flow_counts_on_xdp_and_tc_both_ways() {
     if !require_root() {
         return;
     }
@@ -256,19 +257,45 @@ fn capture_reports_exact_per_flow_counts_on_xdp_and_tc() {
         "--duration",
         "60s",
     ];
-    let mut rx_args = vec!["-i", &pair.b_if, "--direction", "ingress"];
-    rx_args.extend_from_slice(&common);
+    // Arriving packets through XDP and, at the same time, through TC ingress (what
+    // `--ingress-hook auto` picks on veth): the same counts from both.
+    let mut rx_xdp_args = vec![
+        "-i",
+        &pair.b_if,
+        "--direction",
+        "ingress",
+        "--ingress-hook",
+        "xdp",
+    ];
+    rx_xdp_args.extend_from_slice(&common);
+    let mut rx_tc_args = vec!["-i", &pair.b_if, "--direction", "ingress"];
+    rx_tc_args.extend_from_slice(&common);
     let mut tx_args = vec!["-i", &pair.a_if, "--direction", "egress"];
     tx_args.extend_from_slice(&common);
-    let rx = CaptureProc::start(&pair.b, &rx_args);
+    let rx_xdp = CaptureProc::start(&pair.b, &rx_xdp_args);
+    let rx_tc = CaptureProc::start(&pair.b, &rx_tc_args);
     let tx = CaptureProc::start(&pair.a, &tx_args);
 
     let frames = t.frames.clone();
     let a_if = pair.a_if.clone();
     pair.a.run(move || send_frames(&a_if, &frames));
 
-    for (side, proc_, dir) in [("XDP", rx, "ingress"), ("TC", tx, "egress")] {
+    for (side, proc_, dir, hook) in [
+        ("XDP", rx_xdp, "ingress", "xdp"),
+        ("TC ingress", rx_tc, "ingress", "tc-ingress"),
+        ("TC egress", tx, "egress", "tc-egress"),
+    ] {
         let recs = proc_.finish();
+        let summary = recs
+            .iter()
+            .find(|r| r["type"] == "summary")
+            .expect("summary record");
+        assert_eq!(summary["hooks"][0]["hook"], hook, "{side}: the hook attached");
+        assert_eq!(
+            summary["hooks"].as_array().map(Vec::len),
+            Some(1),
+            "{side}: one hook"
+        );
         let got = final_flows(&recs, dir);
         assert_eq!(got, t.flows, "{side}: exact per-flow counts");
         let samples = recs.iter().filter(|r| r["type"] == "sample").count() as u64;
@@ -298,14 +325,19 @@ fn capture_reports_exact_per_flow_counts_on_xdp_and_tc() {
     }
 }
 
-fn roce_programs_loaded() -> usize {
-    aya::programs::loaded_programs()
+/// Our programs loaded now, by name, sorted.
+fn roce_programs_loaded() -> Vec<String> {
+    let mut v: Vec<String> = aya::programs::loaded_programs()
         .filter_map(Result::ok)
-        .filter(|p| matches!(p.name_as_str(), Some("roce_xdp" | "roce_tc")))
-        .count()
+        .filter_map(|p| p.name_as_str().map(str::to_owned))
+        .filter(|n| matches!(n.as_str(), "roce_xdp" | "roce_tc" | "roce_tc_in"))
+        .collect();
+    v.sort();
+    v
 }
 
-/// Programs hang off BPF links owned by the process: SIGKILL must not leave them behind.
+/// Programs hang off BPF links owned by the process: SIGKILL must not leave them behind,
+/// whichever hook observes ingress.
 #[test]
 fn programs_detach_when_capture_is_killed() {
     if !require_root() {
@@ -313,21 +345,38 @@ fn programs_detach_when_capture_is_killed() {
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let pair = VethPair::new("kill");
-    assert_eq!(roce_programs_loaded(), 0, "nothing loaded before");
-    let mut p = CaptureProc::start(&pair.b, &["-i", &pair.b_if, "--json"]);
-    assert_eq!(roce_programs_loaded(), 2, "XDP and TC loaded while capturing");
-    let link = pair.b.exec(&["ip", "link", "show", "dev", &pair.b_if]);
-    assert!(link.contains("xdp"), "XDP attached: {link}");
-    p.child.kill().unwrap(); // SIGKILL
-    p.child.wait().unwrap();
-    // `ip netns exec` is the direct child; give the kernel a moment to release the links.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while roce_programs_loaded() > 0 && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
+    for (extra, loaded) in [
+        (None, ["roce_tc", "roce_tc_in"]),
+        (Some("xdp"), ["roce_tc", "roce_xdp"]),
+    ] {
+        assert!(roce_programs_loaded().is_empty(), "nothing loaded before");
+        let mut args = vec!["-i", &pair.b_if, "--json"];
+        if let Some(h) = extra {
+            args.extend(["--ingress-hook", h]);
+        }
+        let mut p = CaptureProc::start(&pair.b, &args);
+        assert_eq!(
+            roce_programs_loaded(),
+            loaded,
+            "loaded while capturing ({extra:?})"
+        );
+        let link = pair.b.exec(&["ip", "link", "show", "dev", &pair.b_if]);
+        assert_eq!(
+            link.contains("xdp"),
+            extra.is_some(),
+            "XDP attached only when asked: {link}"
+        );
+        p.child.kill().unwrap(); // SIGKILL
+        p.child.wait().unwrap();
+        // `ip netns exec` is the direct child; give the kernel a moment to release the links.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !roce_programs_loaded().is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(roce_programs_loaded().is_empty(), "programs gone after SIGKILL");
+        let link = pair.b.exec(&["ip", "link", "show", "dev", &pair.b_if]);
+        assert!(!link.contains("xdp"), "XDP detached: {link}");
     }
-    assert_eq!(roce_programs_loaded(), 0, "programs gone after SIGKILL");
-    let link = pair.b.exec(&["ip", "link", "show", "dev", &pair.b_if]);
-    assert!(!link.contains("xdp"), "XDP detached: {link}");
 }
 
 /// `capture -i … -w FILE.pcapng` on live traffic: tshark reads the file back with the same

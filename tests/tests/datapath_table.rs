@@ -699,19 +699,25 @@ fn mapped(ip: IpAddr) -> [u8; 16] {
     }
 }
 
-fn check_row(t: &mut ProgTest, r: &Row, dir: u8) {
-    let hook = if dir == DIR_INGRESS { "xdp" } else { "tc" };
-    let ctx = format!("[{hook}] {}", r.desc);
+/// The three programs: XDP and TC on ingress, TC on egress.
+#[derive(Clone, Copy, Debug)]
+enum Hook {
+    Xdp,
+    TcIngress,
+    TcEgress,
+}
+
+fn check_row(t: &mut ProgTest, r: &Row, hook: Hook) {
+    let dir = match hook {
+        Hook::Xdp | Hook::TcIngress => DIR_INGRESS,
+        Hook::TcEgress => DIR_EGRESS,
+    };
+    let ctx = format!("[{hook:?}] {}", r.desc);
     for fr in &r.frames {
-        let verdict = if dir == DIR_INGRESS {
-            t.run_xdp(fr)
-        } else {
-            t.run_tc(fr)
-        };
-        let pass = if dir == DIR_INGRESS {
-            XDP_PASS
-        } else {
-            TC_ACT_UNSPEC
+        let (verdict, pass) = match hook {
+            Hook::Xdp => (t.run_xdp(fr), XDP_PASS),
+            Hook::TcIngress => (t.run_tc_in(fr), TC_ACT_UNSPEC),
+            Hook::TcEgress => (t.run_tc(fr), TC_ACT_UNSPEC),
         };
         assert_eq!(verdict, pass, "{ctx}: verdict");
     }
@@ -851,7 +857,7 @@ fn check_row(t: &mut ProgTest, r: &Row, dir: u8) {
 }
 
 #[test]
-fn every_frame_kind_through_xdp_and_tc() {
+fn every_frame_kind_through_xdp_and_tc_both_ways() {
     if !require_root() {
         return;
     }
@@ -863,9 +869,9 @@ fn every_frame_kind_through_xdp_and_tc() {
     let rows = table();
     assert!(rows.len() >= 30, "the table covers every case of the issue");
     for r in &rows {
-        for dir in [DIR_INGRESS, DIR_EGRESS] {
+        for hook in [Hook::Xdp, Hook::TcIngress, Hook::TcEgress] {
             let mut t = ProgTest::new(&opts);
-            check_row(&mut t, r, dir);
+            check_row(&mut t, r, hook);
         }
     }
 }

@@ -231,6 +231,144 @@ fn generator(bin: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+const PERF_HZ: u32 = 4999;
+
+/// `perf record` of every CPU with call stacks (software clock: no PMU needed), so that
+/// kernel work done for a tool in softirq — which no process counter shows — is charged
+/// to it.
+struct Profiler {
+    child: Child,
+    data: std::path::PathBuf,
+}
+
+/// CPU time charged to each tool from the samples.
+#[derive(Default)]
+struct Charged {
+    samples: u64,
+    rt_process: Duration,
+    rt_bpf: Duration,
+    rt_veth_copy: Duration,
+    td_process: Duration,
+    td_kernel: Duration,
+}
+
+impl Charged {
+    fn roce_trace(&self) -> Duration {
+        self.rt_process + self.rt_bpf + self.rt_veth_copy
+    }
+    fn tcpdump(&self) -> Duration {
+        self.td_process + self.td_kernel
+    }
+}
+
+impl Profiler {
+    fn start(out: &Path) -> anyhow::Result<Self> {
+        let child = Command::new("perf")
+            .args([
+                "record",
+                "-a",
+                "-g",
+                "-e",
+                "cpu-clock",
+                "-F",
+                &PERF_HZ.to_string(),
+                "-o",
+            ])
+            .arg(out)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("perf record (Debian package linux-perf; scripts/setup installs it)")?;
+        // perf needs a moment to open its events on every CPU.
+        std::thread::sleep(Duration::from_millis(700));
+        Ok(Self {
+            child,
+            data: out.to_path_buf(),
+        })
+    }
+
+    /// Stops recording and charges each sample: to the tool whose kernel hook is on its
+    /// stack (our programs and the copy veth makes for XDP; tcpdump's packet socket), else
+    /// to the tool whose process it interrupted, else to nobody.
+    fn finish(mut self, rt_pid: u32, td_pid: u32) -> anyhow::Result<Charged> {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        let status = self.child.wait()?;
+        // perf stops on SIGINT by re-raising it once its data is written.
+        ensure!(
+            status.success() || std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGINT),
+            "perf record: {status}"
+        );
+        let data = &self.data;
+        let script = Command::new("perf")
+            .args(["script", "-F", "pid,period,ip,sym", "-i"])
+            .arg(data)
+            .stderr(Stdio::null())
+            .output()
+            .context("perf script")?;
+        ensure!(script.status.success(), "perf script failed");
+        Ok(charge(&String::from_utf8_lossy(&script.stdout), rt_pid, td_pid))
+    }
+}
+
+/// Charges `perf script -F pid,period,ip,sym` samples (a `pid period` line, then one
+/// `ip symbol` line per stack frame, innermost first; a blank line ends a sample).
+fn charge(script: &str, rt_pid: u32, td_pid: u32) -> Charged {
+    #[derive(PartialEq)]
+    enum To {
+        RtBpf,
+        RtVethCopy,
+        TdKernel,
+    }
+    let hook = |sym: &str| {
+        let ours = ["_roce_xdp", "_roce_tc", "_roce_tc_in"];
+        if sym.starts_with("bpf_prog_") && ours.iter().any(|p| sym.ends_with(p)) {
+            Some(To::RtBpf)
+        } else if matches!(sym, "tpacket_rcv" | "packet_rcv" | "dev_queue_xmit_nit") {
+            Some(To::TdKernel)
+        } else if sym == "skb_pp_cow_data" {
+            Some(To::RtVethCopy)
+        } else {
+            None
+        }
+    };
+    let mut c = Charged::default();
+    let mut sample: Option<(u32, u64)> = None;
+    let mut to: Option<To> = None;
+    let settle = |sample: Option<(u32, u64)>, to: Option<To>, c: &mut Charged| {
+        let Some((pid, period)) = sample else { return };
+        c.samples += 1;
+        let d = Duration::from_nanos(period);
+        match to {
+            Some(To::RtBpf) => c.rt_bpf += d,
+            Some(To::RtVethCopy) => c.rt_veth_copy += d,
+            Some(To::TdKernel) => c.td_kernel += d,
+            None if pid == rt_pid => c.rt_process += d,
+            None if pid == td_pid => c.td_process += d,
+            None => {}
+        }
+    };
+    for line in script.lines() {
+        if line.trim().is_empty() {
+            settle(sample.take(), to.take(), &mut c);
+        } else if line.starts_with('\t') {
+            // `ip symbol`: the first hook found from the innermost frame decides.
+            let sym = line.split_whitespace().nth(1).unwrap_or("");
+            if to.is_none() {
+                to = hook(sym);
+            }
+        } else {
+            let mut f = line.split_whitespace();
+            let pid = f.next().and_then(|x| x.parse().ok());
+            let period = f.next().and_then(|x| x.parse().ok());
+            settle(sample.take(), to.take(), &mut c);
+            sample = pid.zip(period);
+        }
+    }
+    settle(sample, to, &mut c);
+    c
+}
+
 /// CPU time (user + system) a running process has used so far, from /proc.
 fn proc_cpu(pid: u32) -> anyhow::Result<Duration> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
@@ -243,12 +381,18 @@ fn proc_cpu(pid: u32) -> anyhow::Result<Duration> {
     Ok(Duration::from_nanos(ticks * 1_000_000_000 / hz))
 }
 
-fn bpf_run_time() -> Duration {
-    aya::programs::loaded_programs()
+/// Run time of our loaded programs (the capture's XDP and TC programs).
+fn bpf_run_time() -> anyhow::Result<Duration> {
+    let ours: Vec<_> = aya::programs::loaded_programs()
         .filter_map(Result::ok)
-        .filter(|p| matches!(p.name_as_str(), Some("roce_xdp" | "roce_tc")))
-        .map(|p| p.run_time())
-        .sum()
+        .filter(|p| matches!(p.name_as_str(), Some("roce_xdp" | "roce_tc" | "roce_tc_in")))
+        .collect();
+    ensure!(
+        ours.len() == 2,
+        "expected the capture's two programs loaded, found {}",
+        ours.len()
+    );
+    Ok(ours.iter().map(|p| p.run_time()).sum())
 }
 
 /// CPU time of a child that has exited, from wait4's rusage.
@@ -324,7 +468,9 @@ fn capture_on_lab(lab: &Lab, bin: &Path) -> anyhow::Result<()> {
 
     // Steady state: what each tool costs while traffic flows, start-up (program
     // verification, tcpdump's set-up) excluded; both are reported.
-    let (cap0, dump0, bpf0) = (proc_cpu(cap.id())?, proc_cpu(dump.id())?, bpf_run_time());
+    let (cap0, dump0, bpf0) = (proc_cpu(cap.id())?, proc_cpu(dump.id())?, bpf_run_time()?);
+    let perf_data = dir.join("perf.data");
+    let perf = Profiler::start(&perf_data)?;
     let resp = Command::new("ip")
         .args(["netns", "exec", &lab.ns("h3")])
         .arg(bin)
@@ -361,8 +507,9 @@ fn capture_on_lab(lab: &Lab, bin: &Path) -> anyhow::Result<()> {
     let r: Value = serde_json::from_slice(&resp.wait_with_output()?.stdout)?;
     std::thread::sleep(Duration::from_millis(500));
     // The datapath's own time, read while it is still loaded.
-    let bpf = bpf_run_time() - bpf0;
+    let bpf = bpf_run_time()? - bpf0;
     let (cap_steady, dump_steady) = (proc_cpu(cap.id())? - cap0, proc_cpu(dump.id())? - dump0);
+    let charged = perf.finish(cap.id(), dump.id())?;
     // SAFETY: signalling our own child.
     unsafe { libc::kill(dump.id() as i32, libc::SIGINT) };
     let (dump_cpu, _) = wait_cpu(dump)?;
@@ -427,8 +574,32 @@ fn capture_on_lab(lab: &Lab, bin: &Path) -> anyhow::Result<()> {
     );
     println!("tcpdump said: {}", dump_report.trim());
     println!(
-        "ratio while traffic ran: roce-trace uses {:.3} of tcpdump's CPU per packet",
+        "ratio while traffic ran, process time + BPF run time: roce-trace uses {:.3} of tcpdump's CPU per packet",
         per_m(cap_steady + bpf, counted) / per_m(dump_steady, captured)
+    );
+    let c = &charged;
+    println!(
+        "whole system, sampled ({} samples of every CPU at {} Hz while traffic ran; kernel work charged to the tool whose hook is on the stack):",
+        c.samples, PERF_HZ
+    );
+    println!(
+        "  roce-trace: process {:.3}s + its BPF programs (helpers included) {:.3}s + veth's copy for XDP {:.3}s = {:.3}s = {:.3} CPU s per million packets",
+        c.rt_process.as_secs_f64(),
+        c.rt_bpf.as_secs_f64(),
+        c.rt_veth_copy.as_secs_f64(),
+        c.roce_trace().as_secs_f64(),
+        per_m(c.roce_trace(), counted),
+    );
+    println!(
+        "  tcpdump:    process {:.3}s + packet socket (filter, copy to the ring, clones of sent packets) {:.3}s = {:.3}s = {:.3} CPU s per million packets",
+        c.td_process.as_secs_f64(),
+        c.td_kernel.as_secs_f64(),
+        c.tcpdump().as_secs_f64(),
+        per_m(c.tcpdump(), captured),
+    );
+    println!(
+        "ratio, whole system: roce-trace uses {:.3} of tcpdump's CPU per packet",
+        per_m(c.roce_trace(), counted) / per_m(c.tcpdump(), captured)
     );
     let _ = std::fs::remove_dir_all(&dir);
     ensure!(
@@ -698,4 +869,30 @@ fn pcap_ingest(bin: &Path) -> anyhow::Result<()> {
     );
     println!("roce-trace is {:.1}x faster", theirs / ours);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samples_are_charged_by_hook_then_by_process() {
+        let script = "\
+ 100     200000 \n\tffffffff81 lookup_nulls_elem_raw\n\tffffffffa0 bpf_prog_1d9b1231156af7b6_roce_xdp\n\tffffffff82 veth_xdp_rcv_skb\n\n\
+ 100     200000 \n\tffffffff81 memcpy\n\tffffffff83 skb_pp_cow_data\n\tffffffff82 veth_xdp_rcv_skb\n\n\
+ 7     200000 \n\tffffffff84 skb_copy_bits\n\tffffffff85 tpacket_rcv\n\tffffffff86 __netif_receive_skb_core\n\n\
+ 42     300000 \n\t    55 main\n\n\
+ 7     100000 \n\tffffffff87 do_sys_poll\n\n\
+ 8     200000 \n\tffffffff88 bpf_prog_aa_roce_tc_in\n\tffffffff89 dev_queue_xmit_nit\n\n\
+ 9     200000 \n\tffffffff90 ip_forward\n";
+        let c = charge(script, 42, 7);
+        assert_eq!(c.samples, 7);
+        assert_eq!(c.rt_bpf, Duration::from_micros(400));
+        assert_eq!(c.rt_veth_copy, Duration::from_micros(200));
+        assert_eq!(c.rt_process, Duration::from_micros(300));
+        assert_eq!(c.td_kernel, Duration::from_micros(200));
+        assert_eq!(c.td_process, Duration::from_micros(100));
+        assert_eq!(c.roce_trace(), Duration::from_micros(900));
+        assert_eq!(c.tcpdump(), Duration::from_micros(300));
+    }
 }
