@@ -6,7 +6,7 @@ use crate::{
     datapath::*,
     parse::Parsed,
     roce::{self, AckKind, OP_CNP},
-    sampling::identity_hash,
+    sampling::{identity_hash, identity_hash_v4},
 };
 
 /// The flow key of a parsed packet at an observation point.
@@ -138,19 +138,35 @@ pub fn reasons(p: &Parsed, cfg: &DatapathConfig) -> u32 {
     if cfg.expected_dscp_mask != 0 && (cfg.expected_dscp_mask >> (p.dscp & 63)) & 1 == 0 {
         r |= REASON_UNEXPECTED_DSCP;
     }
-    if cfg.sample_enabled != 0
-        && identity_hash(
-            cfg.seed,
-            &p.src,
-            &p.dst,
-            p.udp_sport,
-            p.udp_dport,
-            p.bth.dest_qp(),
-            p.bth.psn(),
-            opcode,
-        ) <= cfg.sample_threshold
-    {
-        r |= REASON_HASH;
+    if cfg.sample_enabled != 0 {
+        let (qp, psn) = (p.bth.dest_qp(), p.bth.psn());
+        let h = if p.ip_version == 4 {
+            let last = |a: &[u8; 16]| u32::from_ne_bytes([a[12], a[13], a[14], a[15]]);
+            identity_hash_v4(
+                cfg.v4_prefix_state,
+                last(&p.src),
+                last(&p.dst),
+                p.udp_sport,
+                p.udp_dport,
+                qp,
+                psn,
+                opcode,
+            )
+        } else {
+            identity_hash(
+                cfg.seed,
+                &p.src,
+                &p.dst,
+                p.udp_sport,
+                p.udp_dport,
+                qp,
+                psn,
+                opcode,
+            )
+        };
+        if h <= cfg.sample_threshold {
+            r |= REASON_HASH;
+        }
     }
     r
 }

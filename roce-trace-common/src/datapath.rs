@@ -32,6 +32,12 @@ pub const PROG_TC_INGRESS: &str = "roce_tc_in";
 
 pub const DEFAULT_MAX_FLOWS: u32 = 65_536;
 pub const SAMPLE_RING_BYTES: u32 = 4 << 20;
+/// The kernel wakes the sample reader when this much is waiting (about 480 samples)...
+pub const SAMPLE_WAKEUP_BYTES: u32 = 128 << 10;
+/// A [`Sample`] in the ring: its 8-byte record header and the sample.
+pub const RING_RECORD_BYTES: u32 = 8 + core::mem::size_of::<Sample>() as u32;
+/// ...and the reader drains the ring this often whether woken or not.
+pub const SAMPLE_DRAIN_MS: u64 = 20;
 /// Mirror sessions the kernel remembers (`MIRRORS`): switches × sessions, far below this.
 pub const MAX_MIRRORS: u32 = 1024;
 
@@ -120,6 +126,8 @@ pub struct FlowCounters {
     pub psn_gaps: u64,
     /// Packets whose DSCP differs from the first DSCP seen on the flow.
     pub dscp_changed: u64,
+    /// First and last packet, `CLOCK_MONOTONIC` to a scheduler tick (the kernel's coarse
+    /// clock; samples carry precise times).
     pub first_ns: u64,
     pub last_ns: u64,
     pub last_dscp: u8,
@@ -271,17 +279,33 @@ pub struct DatapathConfig {
     pub sample_enabled: u32,
     /// Bit `d` set: DSCP `d` is expected. 0: no expectation.
     pub expected_dscp_mask: u64,
+    /// `sampling::v4_prefix_state(seed)`: the identity hash's state after the constant
+    /// words of two IPv4-mapped addresses, so IPv4 packets skip those rounds.
+    pub v4_prefix_state: u32,
+    pub _pad2: u32,
 }
 
 impl DatapathConfig {
-    pub const DEFAULT: Self = Self {
-        udp_port: crate::wire::ROCEV2_UDP_PORT,
-        _pad: 0,
-        seed: 0,
-        sample_threshold: u32::MAX / 1000,
-        sample_enabled: 1,
-        expected_dscp_mask: 0,
-    };
+    pub const DEFAULT: Self = Self::with(0, u32::MAX / 1000, 1, 0);
+
+    /// A configuration with its derived field filled in.
+    pub const fn with(
+        seed: u32,
+        sample_threshold: u32,
+        sample_enabled: u32,
+        expected_dscp_mask: u64,
+    ) -> Self {
+        Self {
+            udp_port: crate::wire::ROCEV2_UDP_PORT,
+            _pad: 0,
+            seed,
+            sample_threshold,
+            sample_enabled,
+            expected_dscp_mask,
+            v4_prefix_state: crate::sampling::v4_prefix_state(seed),
+            _pad2: 0,
+        }
+    }
 }
 
 /// Global per-CPU counters. The discriminant indexes the `GLOBALS` array; the array holds
@@ -404,9 +428,10 @@ const _: () = {
     assert!(core::mem::size_of::<FlowCounters>() == 128);
     assert!(core::mem::size_of::<FlowState>() == 8);
     assert!(core::mem::size_of::<Sample>() == 264);
+    assert!(RING_RECORD_BYTES.is_multiple_of(8));
     assert!(core::mem::offset_of!(Sample, head) == 136);
     assert!(core::mem::offset_of!(Sample, head) + SAMPLE_HEAD_LEN == core::mem::size_of::<Sample>());
-    assert!(core::mem::size_of::<DatapathConfig>() == 24);
+    assert!(core::mem::size_of::<DatapathConfig>() == 32);
     assert!((GlobalCounter::ALL.len() as u32) < GLOBAL_COUNTERS_PER_DIR);
 };
 

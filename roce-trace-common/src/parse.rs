@@ -93,13 +93,16 @@ impl Packet for InnerPacket<'_> {
     }
 }
 
-/// The fields of one RoCEv2 packet that the datapath records.
+/// The fields of one RoCEv2 packet that the datapath records. `repr(C)` with the
+/// addresses first, so they sit word-aligned: the kernel build then writes and copies them
+/// with word stores instead of calls to byte-loop `memset`/`memmove`.
+#[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Parsed {
-    pub ip_version: u8,
     /// IPv6, or IPv4 mapped as `::ffff:a.b.c.d`.
     pub src: [u8; 16],
     pub dst: [u8; 16],
+    pub ip_version: u8,
     pub dscp: u8,
     pub ecn: u8,
     /// TTL or hop limit.
@@ -138,9 +141,35 @@ pub struct Parsed {
 /// Why a frame is not a parsed RoCEv2 packet: the global counter it bumps.
 pub type Skip = GlobalCounter;
 
+impl Parsed {
+    /// Sets both addresses from their words in memory order, as word stores.
+    #[inline(always)]
+    fn set_addrs(&mut self, src: [u32; 4], dst: [u32; 4]) {
+        // SAFETY: `Parsed` is repr(C) with `src` and `dst` at offsets 0 and 16 and an
+        // alignment of at least 4 (asserted below), so both are valid, aligned `[u32; 4]`
+        // places; any bytes are valid `u8`s.
+        unsafe {
+            core::ptr::from_mut(&mut self.src).cast::<[u32; 4]>().write(src);
+            core::ptr::from_mut(&mut self.dst).cast::<[u32; 4]>().write(dst);
+        }
+    }
+}
+
+const _: () = {
+    assert!(core::mem::offset_of!(Parsed, src) == 0);
+    assert!(core::mem::offset_of!(Parsed, dst) == 16);
+    assert!(core::mem::align_of::<Parsed>() >= 4);
+};
+
+/// An IPv4 address mapped as `::ffff:a.b.c.d`, as words in memory order.
 #[inline(always)]
-fn mapped_v4(a: [u8; 4]) -> [u8; 16] {
-    [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, a[0], a[1], a[2], a[3]]
+fn mapped_v4(a: [u8; 4]) -> [u32; 4] {
+    [
+        0,
+        0,
+        u32::from_ne_bytes([0, 0, 0xff, 0xff]),
+        u32::from_ne_bytes(a),
+    ]
 }
 
 /// Parses `p` into a new [`Parsed`], ICRC included (host use; the kernel uses
@@ -239,7 +268,16 @@ fn parse_roce<P: Packet>(
     off += UdpHdr::LEN;
 
     let bth: &Bth = p.header(off).ok_or(Skip::TruncatedBth)?;
-    out.bth = *bth;
+    // Field by field: a whole-struct copy from packet memory becomes a `memmove` call.
+    out.bth = Bth {
+        opcode: bth.opcode,
+        flags: bth.flags,
+        pkey: [bth.pkey[0], bth.pkey[1]],
+        fecn_becn: bth.fecn_becn,
+        dest_qp: [bth.dest_qp[0], bth.dest_qp[1], bth.dest_qp[2]],
+        ack_req: bth.ack_req,
+        psn: [bth.psn[0], bth.psn[1], bth.psn[2]],
+    };
     off += Bth::LEN;
 
     let layout = ext_layout(out.bth.opcode);
@@ -330,8 +368,7 @@ fn parse_ip<P: Packet>(
                 return Err(Skip::Fragment);
             }
             out.ip_version = 4;
-            out.src = mapped_v4(ip.src);
-            out.dst = mapped_v4(ip.dst);
+            out.set_addrs(mapped_v4(ip.src), mapped_v4(ip.dst));
             tos = ip.tos;
             out.ttl = ip.ttl;
             proto = ip.protocol;
@@ -344,8 +381,7 @@ fn parse_ip<P: Packet>(
                 return Err(Skip::BadIpHeader);
             }
             out.ip_version = 6;
-            out.src = ip.src;
-            out.dst = ip.dst;
+            out.set_addrs(words_of_addr(ip.src), words_of_addr(ip.dst));
             tos = ip.traffic_class();
             out.ttl = ip.hop_limit;
             let mut next = ip.next_hdr;

@@ -38,6 +38,46 @@ pub fn identity_hash(
     fmix(h)
 }
 
+/// The identity hash's state after the first three words of two IPv4-mapped addresses
+/// (`::ffff:` — the same for every IPv4 packet), for [`identity_hash_v4`].
+pub const fn v4_prefix_state(seed: u32) -> u32 {
+    let prefix = u32::from_ne_bytes([0, 0, 0xff, 0xff]);
+    let mut h = seed ^ 0x9e37_79b9;
+    h = mix(h, 0);
+    h = mix(h, 0);
+    h = mix(h, 0);
+    h = mix(h, 0);
+    h = mix(h, prefix);
+    mix(h, prefix)
+}
+
+/// [`identity_hash`] of an IPv4 packet, from [`v4_prefix_state`] and the two addresses'
+/// last words (`u32::from_ne_bytes` of the four address bytes): the same value, five
+/// fewer rounds.
+#[inline(always)]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the identity fields, passed flat for the eBPF verifier"
+)]
+pub fn identity_hash_v4(
+    prefix_state: u32,
+    src: u32,
+    dst: u32,
+    sport: u16,
+    dport: u16,
+    dest_qp: u32,
+    psn: u32,
+    opcode: u8,
+) -> u32 {
+    let mut h = mix(prefix_state, src);
+    h = mix(h, dst);
+    h = mix(h, ((sport as u32) << 16) | dport as u32);
+    h = mix(h, dest_qp);
+    h = mix(h, psn);
+    h = mix(h, opcode as u32);
+    fmix(h)
+}
+
 /// Id of a mirror session (outer source as four words, session id or GRE key, `MIRROR_*`):
 /// the same murmur mix, a fixed seed (ids are local to one host, never compared across
 /// hosts), and never 0, which means "not mirrored" in a flow key.
@@ -105,6 +145,41 @@ mod tests {
         assert_ne!(base, identity_hash(7, &a, &b, 1, 4791, 0x11, 6, 0x0a));
         assert_ne!(base, identity_hash(7, &a, &b, 1, 4791, 0x11, 5, 0x0b));
         assert_eq!(base, identity_hash(7, &a, &b, 1, 4791, 0x11, 5, 0x0a));
+    }
+
+    #[test]
+    fn the_ipv4_shortcut_is_the_same_hash() {
+        let mut x = 0x1234_5678u32;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x
+        };
+        for _ in 0..10_000 {
+            let (seed, a, b, ports, qp, psn) = (next(), next(), next(), next(), next(), next());
+            let mapped = |w: u32| {
+                let mut m = [0u8; 16];
+                m[10] = 0xff;
+                m[11] = 0xff;
+                m[12..].copy_from_slice(&w.to_ne_bytes());
+                m
+            };
+            let (sport, dport, op) = ((ports >> 16) as u16, ports as u16, psn as u8);
+            assert_eq!(
+                identity_hash_v4(v4_prefix_state(seed), a, b, sport, dport, qp, psn & 0xff_ffff, op),
+                identity_hash(
+                    seed,
+                    &mapped(a),
+                    &mapped(b),
+                    sport,
+                    dport,
+                    qp,
+                    psn & 0xff_ffff,
+                    op
+                ),
+            );
+        }
     }
 
     #[test]

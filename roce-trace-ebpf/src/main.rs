@@ -10,8 +10,11 @@ mod ctx;
 mod maps;
 
 use aya_ebpf::{
-    bindings::{BPF_NOEXIST, TC_ACT_UNSPEC, xdp_action::XDP_PASS},
-    helpers::bpf_ktime_get_ns,
+    bindings::{
+        BPF_NOEXIST, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, TC_ACT_UNSPEC,
+        xdp_action::XDP_PASS,
+    },
+    helpers::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
     macros::{classifier, xdp},
     programs::{TcContext, XdpContext},
 };
@@ -94,12 +97,14 @@ fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
                 bump(GlobalCounter::Mirrored, dir);
                 remember_mirror(&scratch.parsed);
             }
-            // SAFETY: bpf_ktime_get_ns has no preconditions.
-            let now = unsafe { bpf_ktime_get_ns() };
-            let reasons = account(scratch, &cfg, dir, ifindex, frame_len, now);
+            // A flow's first and last packet to a tick (the cheap clock: no clock-source
+            // read per packet); reported packets get the precise one.
+            // SAFETY: bpf_ktime_get_coarse_ns has no preconditions.
+            let coarse = unsafe { bpf_ktime_get_coarse_ns() };
+            let reasons = account(scratch, &cfg, dir, ifindex, frame_len, coarse);
             if reasons != 0 {
                 load_icrc(pkt, &mut scratch.parsed);
-                emit(pkt, &scratch.parsed, &scratch.key, now, frame_len, reasons);
+                emit(pkt, &scratch.parsed, &scratch.key, frame_len, reasons);
             }
         }
         Err(reason) => bump(reason, dir),
@@ -171,13 +176,15 @@ fn account(
 }
 
 #[inline(always)]
-fn emit<P: Packet>(pkt: &P, p: &Parsed, key: &FlowKey, now: u64, frame_len: u32, reasons: u32) {
+fn emit<P: Packet>(pkt: &P, p: &Parsed, key: &FlowKey, frame_len: u32, reasons: u32) {
     let dir = key.direction;
     let Some(mut entry) = SAMPLES.reserve::<Sample>(0) else {
         // Full ring: counted, and the packet passes untouched all the same.
         bump(GlobalCounter::RingbufFull, dir);
         return;
     };
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
     let s = entry.as_mut_ptr();
     // SAFETY: `s` points at a reserved, exclusively owned `Sample` slot in the ring; every
     // field is written here (field by field, so no 264-byte copy lands on the BPF stack;
@@ -220,7 +227,18 @@ fn emit<P: Packet>(pkt: &P, p: &Parsed, key: &FlowKey, now: u64, frame_len: u32,
         }
         (*s)._pad2 = 0;
     }
-    entry.submit(0);
+    // Wake the reader once, when this sample takes what is waiting past
+    // `SAMPLE_WAKEUP_BYTES` (each wake-up is an interrupt here and a context switch there);
+    // it drains on a timer (`SAMPLE_DRAIN_MS`) besides, so a lost race only delays it.
+    let waiting = SAMPLES.query(BPF_RB_AVAIL_DATA as u64);
+    let flags = if waiting >= SAMPLE_WAKEUP_BYTES as u64
+        && waiting < (SAMPLE_WAKEUP_BYTES + RING_RECORD_BYTES) as u64
+    {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    };
+    entry.submit(flags as u64);
     bump(GlobalCounter::SamplesEmitted, dir);
 }
 

@@ -185,6 +185,9 @@ pub async fn run(
     let mut prev: HashMap<FlowKey, FlowCounters> = HashMap::new();
     let mut tick = tokio::time::interval(opts.interval);
     tick.tick().await;
+    // The kernel wakes us only for a batch of samples; the rest are drained on this timer.
+    let mut drain_tick = tokio::time::interval(Duration::from_millis(SAMPLE_DRAIN_MS));
+    drain_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -194,6 +197,11 @@ pub async fn run(
                 let n = drain(guard.get_inner_mut(), &clock, &shared);
                 guard.clear_ready();
                 if n > 0 {
+                    shared.notify.notify_one();
+                }
+            }
+            _ = drain_tick.tick() => {
+                if drain(ring.get_mut(), &clock, &shared) > 0 {
                     shared.notify.notify_one();
                 }
             }

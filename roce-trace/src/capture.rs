@@ -189,6 +189,8 @@ pub async fn run(
     let mut tick = tokio::time::interval(opts.interval);
     tick.tick().await;
     let mut poll = tokio::time::interval(Duration::from_millis(50));
+    let mut drain_tick = tokio::time::interval(Duration::from_millis(SAMPLE_DRAIN_MS));
+    drain_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
     let sleep_until = async {
         match deadline {
@@ -206,6 +208,10 @@ pub async fn run(
                 let mut guard = guard.context("waiting for samples")?;
                 samples_received += drain(guard.get_inner_mut(), &clock, &name_of, &mut out)?;
                 guard.clear_ready();
+            }
+            // The kernel wakes us only for a batch of samples; the rest come on this timer.
+            _ = drain_tick.tick() => {
+                samples_received += drain(ring.get_mut(), &clock, &name_of, &mut out)?;
             }
             _ = poll.tick(), if opts.count.is_some() => {
                 let g = dp.globals()?;

@@ -91,11 +91,12 @@ impl DatapathOptions {
         let threshold = threshold_for_rate(self.sample_rate);
         Ok(DatapathConfig {
             udp_port: self.udp_port,
-            _pad: 0,
-            seed: self.seed,
-            sample_threshold: threshold.unwrap_or(0),
-            sample_enabled: threshold.is_some() as u32,
-            expected_dscp_mask: mask,
+            ..DatapathConfig::with(
+                self.seed,
+                threshold.unwrap_or(0),
+                threshold.is_some() as u32,
+                mask,
+            )
         })
     }
 }
