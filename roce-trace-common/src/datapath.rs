@@ -37,7 +37,7 @@ pub const SAMPLE_WAKEUP_BYTES: u32 = 128 << 10;
 /// A [`Sample`] in the ring: its 8-byte record header and the sample.
 pub const RING_RECORD_BYTES: u32 = 8 + core::mem::size_of::<Sample>() as u32;
 /// ...and the reader drains the ring this often whether woken or not.
-pub const SAMPLE_DRAIN_MS: u64 = 20;
+pub const SAMPLE_DRAIN_MS: u64 = 100;
 /// Mirror sessions the kernel remembers (`MIRRORS`): switches × sessions, far below this.
 pub const MAX_MIRRORS: u32 = 1024;
 
