@@ -42,13 +42,24 @@ pub fn new_state(p: &Parsed) -> FlowState {
     FlowState {
         next_psn: (p.bth.psn() + 1) & roce::PSN_MASK,
         first_dscp: p.dscp,
-        flags: if roce::is_request(opcode) {
-            request_flags(opcode)
-        } else {
-            0
-        },
+        flags: STATE_INIT
+            | if roce::is_request(opcode) {
+                request_flags(opcode)
+            } else {
+                0
+            },
         _pad: [0; 2],
     }
+}
+
+/// `p` changes nothing but the expected PSN of a flow in state `st`: the state has seen
+/// the flow, and `p` is a response, or the request it expects next. The kernel's fast
+/// path; anything else may need what another CPU knows of the flow.
+#[inline(always)]
+pub fn in_sequence(st: &FlowState, p: &Parsed) -> bool {
+    st.flags & STATE_INIT != 0
+        && (!roce::is_request(p.bth.opcode)
+            || (st.flags & STATE_PSN_VALID != 0 && st.next_psn == p.bth.psn()))
 }
 
 /// What a packet revealed about its flow's sequence and class.
@@ -82,7 +93,7 @@ pub fn update_state(st: &mut FlowState, p: &Parsed) -> StateUpdate {
         if st.flags & STATE_PSN_VALID == 0 || roce::psn_ahead(st.next_psn, psn).is_some() {
             st.next_psn = (psn + 1) & roce::PSN_MASK;
         }
-        st.flags = request_flags(opcode);
+        st.flags = (st.flags & STATE_INIT) | request_flags(opcode);
     }
     u
 }

@@ -21,7 +21,7 @@ pub const MIRROR_ERSPAN_III: u8 = 4;
 
 /// Map and global names, shared so the loader and the programs cannot disagree.
 pub const MAP_FLOWS: &str = "FLOWS";
-pub const MAP_FLOW_STATE: &str = "FLOW_STATE";
+pub const MAP_FLOW_OWNER: &str = "FLOW_OWNER";
 pub const MAP_GLOBALS: &str = "GLOBALS";
 pub const MAP_SAMPLES: &str = "SAMPLES";
 pub const MAP_MIRRORS: &str = "MIRRORS";
@@ -43,8 +43,8 @@ pub const MAX_MIRRORS: u32 = 1024;
 
 /// One RDMA QP direction as seen at one observation point: interface + direction, and for
 /// a mirrored copy also the mirror session (as its [`MirrorInfo::id`]), so counters per
-/// mirror session are exact. 48 bytes: every packet hashes it twice (`FLOWS`,
-/// `FLOW_STATE`), so what only mirrored copies need lives in `MIRRORS`, keyed by the id.
+/// mirror session are exact. 48 bytes: every packet hashes it (`FLOWS`), so what only
+/// mirrored copies need lives in `MIRRORS`, keyed by the id.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct FlowKey {
@@ -130,6 +130,9 @@ pub struct FlowCounters {
     /// clock; samples carry precise times).
     pub first_ns: u64,
     pub last_ns: u64,
+    /// The flow's PSN sequence and first DSCP as this CPU last left them (kernel
+    /// bookkeeping, not a counter: merging per-CPU copies drops it).
+    pub state: FlowState,
     pub last_dscp: u8,
     /// PCP of the outermost VLAN tag; [`PCP_NONE`] when untagged.
     pub last_pcp: u8,
@@ -139,20 +142,34 @@ pub struct FlowCounters {
 
 pub const PCP_NONE: u8 = 0xff;
 
-/// Per-flow state shared by all CPUs (not per-CPU, so a flow that moves CPU keeps its
-/// PSN sequence and first class).
+/// A flow's PSN sequence and first DSCP. The kernel keeps it in each CPU's copy of the
+/// flow's counters, so a packet in sequence on the CPU its flow already runs on touches
+/// nothing shared; a flow that moves CPU picks it up from the CPU it left (see
+/// [`FlowOwner`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FlowState {
     pub next_psn: u32,
     pub first_dscp: u8,
-    /// [`STATE_PSN_VALID`] | [`STATE_AFTER_READ`].
+    /// [`STATE_INIT`] | [`STATE_PSN_VALID`] | [`STATE_AFTER_READ`].
     pub flags: u8,
     pub _pad: [u8; 2],
 }
 pub const STATE_PSN_VALID: u8 = 1;
 /// The last request was a READ REQUEST: the next PSN may jump by the response count.
 pub const STATE_AFTER_READ: u8 = 2;
+/// The state holds the flow's first DSCP (it has seen the flow).
+pub const STATE_INIT: u8 = 4;
+
+/// Which CPU last saw a flow (shared by all CPUs; touched only when a packet is not in
+/// sequence on its CPU: a new flow, a flow that moved CPU, a gap or a retransmission).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowOwner {
+    pub cpu: u32,
+    pub first_dscp: u8,
+    pub _pad: [u8; 3],
+}
 
 /// Why a packet was emitted as a sample (bit set).
 pub const REASON_HASH: u32 = 1;
@@ -425,8 +442,9 @@ impl GlobalCounter {
 const _: () = {
     assert!(core::mem::size_of::<FlowKey>() == 48);
     assert!(core::mem::size_of::<MirrorInfo>() == 24);
-    assert!(core::mem::size_of::<FlowCounters>() == 128);
+    assert!(core::mem::size_of::<FlowCounters>() == 136);
     assert!(core::mem::size_of::<FlowState>() == 8);
+    assert!(core::mem::size_of::<FlowOwner>() == 8);
     assert!(core::mem::size_of::<Sample>() == 264);
     assert!(RING_RECORD_BYTES.is_multiple_of(8));
     assert!(core::mem::offset_of!(Sample, head) == 136);
@@ -447,6 +465,8 @@ mod pod {
     unsafe impl aya::Pod for FlowCounters {}
     // SAFETY: as above.
     unsafe impl aya::Pod for FlowState {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for FlowOwner {}
     // SAFETY: as above.
     unsafe impl aya::Pod for Sample {}
     // SAFETY: as above.

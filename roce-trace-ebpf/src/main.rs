@@ -14,7 +14,10 @@ use aya_ebpf::{
         BPF_NOEXIST, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, TC_ACT_UNSPEC,
         xdp_action::XDP_PASS,
     },
-    helpers::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
+    helpers::{
+        bpf_get_smp_processor_id, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns,
+        generated::bpf_map_lookup_percpu_elem,
+    },
     macros::{classifier, xdp},
     programs::{TcContext, XdpContext},
 };
@@ -26,7 +29,7 @@ use roce_trace_common::{
 
 use crate::{
     ctx::{TcPacket, XdpPacket},
-    maps::{CONFIG, FLOW_STATE, FLOWS, GLOBALS, MIRRORS, SAMPLES, SCRATCH, Scratch},
+    maps::{CONFIG, FLOW_OWNER, FLOWS, GLOBALS, MIRRORS, SAMPLES, SCRATCH, Scratch},
 };
 
 #[xdp]
@@ -67,6 +70,12 @@ static ZERO_COUNTERS: FlowCounters = FlowCounters {
     dscp_changed: 0,
     first_ns: 0,
     last_ns: 0,
+    state: FlowState {
+        next_psn: 0,
+        first_dscp: 0,
+        flags: 0,
+        _pad: [0; 2],
+    },
     last_dscp: 0,
     last_pcp: 0,
     last_ttl: 0,
@@ -140,20 +149,6 @@ fn account(
     scratch.key = account::flow_key(p, ifindex, dir);
     let key = &scratch.key;
 
-    // Shared per-flow state: PSN sequence and the first DSCP.
-    let update = match FLOW_STATE.get_ptr_mut(key) {
-        // SAFETY: valid map value pointer; a racing CPU on the same flow can at worst
-        // misjudge one packet's gap, never corrupt memory.
-        Some(st) => account::update_state(unsafe { &mut *st }, p),
-        None => {
-            let _ = FLOW_STATE.insert(key, account::new_state(p), 0);
-            account::StateUpdate::default()
-        }
-    };
-    if update.psn_regression {
-        bump(GlobalCounter::PsnRegressions, dir);
-    }
-
     let counters = match FLOWS.get_ptr_mut(key) {
         Some(c) => Some(c),
         None => {
@@ -170,9 +165,88 @@ fn account(
     };
     if let Some(c) = counters {
         // SAFETY: per-CPU map value: only this CPU writes this copy.
-        account::count(unsafe { &mut *c }, p, frame_len, now, &update);
+        let c = unsafe { &mut *c };
+        let update = if account::in_sequence(&c.state, p) {
+            account::update_state(&mut c.state, p)
+        } else {
+            catch_up(&mut c.state, key, p)
+        };
+        if update.psn_regression {
+            bump(GlobalCounter::PsnRegressions, dir);
+        }
+        account::count(c, p, frame_len, now, &update);
     }
     account::reasons(p, cfg)
+}
+
+/// A packet not in sequence on this CPU: the flow is new here, moved here from another
+/// CPU, or really skipped or repeated PSNs. `FLOW_OWNER` says which CPU saw the flow
+/// last; when that is another CPU, its copy of the state is the flow's latest, so it is
+/// taken over before `p` is judged. The flow's first DSCP lives there too.
+#[inline(always)]
+fn catch_up(st: &mut FlowState, key: &FlowKey, p: &Parsed) -> account::StateUpdate {
+    // SAFETY: no preconditions.
+    let cpu = unsafe { bpf_get_smp_processor_id() };
+    let Some(owner) = FLOW_OWNER.get_ptr_mut(key) else {
+        // A new flow (or one whose owner record was evicted: this CPU's state stands).
+        let first_dscp = if st.flags & STATE_INIT != 0 {
+            st.first_dscp
+        } else {
+            p.dscp
+        };
+        let _ = FLOW_OWNER.insert(
+            key,
+            FlowOwner {
+                cpu,
+                first_dscp,
+                _pad: [0; 3],
+            },
+            0,
+        );
+        return if st.flags & STATE_INIT != 0 {
+            account::update_state(st, p)
+        } else {
+            *st = account::new_state(p);
+            account::StateUpdate::default()
+        };
+    };
+    // SAFETY: valid map value pointer; CPUs racing on one flow can at worst misjudge a
+    // packet, never corrupt memory.
+    let owner = unsafe { &mut *owner };
+    if owner.cpu != cpu {
+        let left = owner.cpu;
+        owner.cpu = cpu;
+        // SAFETY: FLOWS is a per-CPU hash map of FlowCounters; the helper returns that
+        // CPU's copy of the key's value, or null.
+        let theirs = unsafe {
+            bpf_map_lookup_percpu_elem(
+                core::ptr::addr_of!(FLOWS).cast_mut().cast(),
+                core::ptr::from_ref(key).cast_mut().cast(),
+                left,
+            )
+        } as *mut FlowCounters;
+        if !theirs.is_null() {
+            // SAFETY: non-null: a valid value of that CPU. Only its state is touched: it
+            // is taken over, and marked unknown there, so that the CPU the flow left
+            // cannot judge a later packet in sequence by what it saw before (a
+            // retransmission that happens to continue its old PSN).
+            let theirs = unsafe { &mut (*theirs).state };
+            if theirs.flags & STATE_INIT != 0 {
+                *st = *theirs;
+                theirs.flags = 0;
+            }
+        }
+        st.first_dscp = owner.first_dscp;
+    }
+    if st.flags & STATE_INIT == 0 {
+        *st = account::new_state(p);
+        st.first_dscp = owner.first_dscp;
+        return account::StateUpdate {
+            dscp_changed: p.dscp != owner.first_dscp,
+            ..Default::default()
+        };
+    }
+    account::update_state(st, p)
 }
 
 #[inline(always)]

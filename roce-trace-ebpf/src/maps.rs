@@ -19,9 +19,10 @@ pub static CONFIG: Global<DatapathConfig> = Global::new(DatapathConfig::DEFAULT)
 pub static FLOWS: LruPerCpuHashMap<FlowKey, FlowCounters> =
     LruPerCpuHashMap::with_max_entries(DEFAULT_MAX_FLOWS, 0);
 
-/// Per-flow PSN sequence and first DSCP, shared by all CPUs.
+/// The CPU that last saw each flow, and its first DSCP, shared by all CPUs: read only for
+/// packets not in sequence on their CPU (see `FlowState`).
 #[map]
-pub static FLOW_STATE: LruHashMap<FlowKey, FlowState> = LruHashMap::with_max_entries(DEFAULT_MAX_FLOWS, 0);
+pub static FLOW_OWNER: LruHashMap<FlowKey, FlowOwner> = LruHashMap::with_max_entries(DEFAULT_MAX_FLOWS, 0);
 
 /// Mirror sessions by id (`FlowKey::mirror`), so userspace can name them. Touched only by
 /// mirrored copies; the first session to claim an id keeps it.

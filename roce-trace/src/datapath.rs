@@ -152,7 +152,7 @@ impl Datapath {
         let ebpf = EbpfLoader::new()
             .override_global(GLOBAL_CONFIG, &cfg, true)
             .map_max_entries(MAP_FLOWS, opts.max_flows)
-            .map_max_entries(MAP_FLOW_STATE, opts.max_flows)
+            .map_max_entries(MAP_FLOW_OWNER, opts.max_flows)
             .load(EBPF_OBJECT)
             .map_err(DatapathError::Load)?;
         Ok(Self {

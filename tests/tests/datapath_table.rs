@@ -963,6 +963,91 @@ fn retransmission_counts_a_psn_regression() {
     assert_eq!(t.globals().get(GlobalCounter::PsnRegressions, DIR_INGRESS), 2);
 }
 
+/// Runs the rest of the calling thread on `cpu` (BPF_PROG_TEST_RUN runs the program on the
+/// caller's CPU); false when it cannot.
+fn pin_to_cpu(cpu: usize) -> bool {
+    // SAFETY: a zeroed cpu_set_t is empty; CPU_SET stays within it for cpu < CPU_SETSIZE.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
+/// A flow's PSN sequence follows it from CPU to CPU (each CPU keeps its own copy of the
+/// state; one that sees the flow after another takes that one's over): moving CPU is
+/// neither a gap nor a retransmission, a real gap or retransmission on the new CPU still
+/// is, and a DSCP change is judged against the flow's first DSCP everywhere.
+#[test]
+fn a_flow_moving_between_cpus_keeps_its_psn_sequence() {
+    if !require_root() {
+        return;
+    }
+    if !pin_to_cpu(0) || !pin_to_cpu(1) {
+        eprintln!("skipped: needs two CPUs to move a flow between");
+        return;
+    }
+    let mut t = ProgTest::new(&DatapathOptions::default());
+    let send = |t: &mut ProgTest, cpu: usize, psns: &[u32], dscp: u8| {
+        assert!(pin_to_cpu(cpu));
+        for &psn in psns {
+            t.run_xdp(
+                &RoceFrame {
+                    psn,
+                    dscp,
+                    ..f(op::WRITE_MIDDLE)
+                }
+                .build(),
+            );
+        }
+    };
+    let state = |t: &ProgTest| {
+        let flows = t.flows();
+        assert_eq!(flows.len(), 1, "one flow");
+        let c = flows[0].1;
+        (
+            c.packets,
+            c.psn_gaps,
+            t.globals().get(GlobalCounter::PsnRegressions, DIR_INGRESS),
+            c.dscp_changed,
+        )
+    };
+    let run = |a: u32, b: u32| (a..b).collect::<Vec<_>>();
+    send(&mut t, 0, &run(0, 10), 26);
+    send(&mut t, 1, &run(10, 20), 26);
+    send(&mut t, 0, &run(20, 30), 26);
+    send(&mut t, 1, &run(30, 35), 26);
+    send(&mut t, 0, &run(35, 40), 26);
+    assert_eq!(
+        state(&t),
+        (40, 0, 0, 0),
+        "moved four times, in sequence throughout"
+    );
+    // A gap right after a move (CPU 1 last saw 34; CPU 0 has seen up to 39).
+    send(&mut t, 1, &[42, 43], 26);
+    assert_eq!(state(&t), (42, 1, 0, 0), "a gap on the new CPU is a gap");
+    // A retransmission right after a move back.
+    send(&mut t, 0, &[40, 41, 42, 43, 44], 26);
+    assert_eq!(state(&t), (47, 1, 4, 0), "going back is a retransmission");
+    // A class change, on both CPUs: judged against the flow's first DSCP on each.
+    send(&mut t, 1, &[45, 46], 0);
+    send(&mut t, 0, &[47], 0);
+    assert_eq!(state(&t), (50, 1, 4, 3), "DSCP changes counted on both CPUs");
+    pin_to_cpu_any();
+}
+
+/// Lets the thread run anywhere again.
+fn pin_to_cpu_any() {
+    // SAFETY: a zeroed cpu_set_t is empty; CPU_SET stays within it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for cpu in 0..libc::CPU_SETSIZE as usize {
+            libc::CPU_SET(cpu, &mut set);
+        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
 /// Anomalies are reported whatever the rate; ordinary packets are not when hash sampling
 /// is off.
 #[test]
