@@ -15,7 +15,7 @@ use aya_ebpf::{
         xdp_action::XDP_PASS,
     },
     helpers::{
-        bpf_get_smp_processor_id, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns,
+        bpf_get_smp_processor_id, bpf_jiffies64, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns,
         generated::bpf_map_lookup_percpu_elem,
     },
     macros::{classifier, xdp},
@@ -106,10 +106,16 @@ fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
                 bump(GlobalCounter::Mirrored, dir);
                 remember_mirror(&scratch.parsed);
             }
-            // A flow's first and last packet to a tick (the cheap clock: no clock-source
-            // read per packet); reported packets get the precise one.
-            // SAFETY: bpf_ktime_get_coarse_ns has no preconditions.
-            let coarse = unsafe { bpf_ktime_get_coarse_ns() };
+            // A flow's first and last packet to a tick: the coarse clock, read once a tick
+            // on each CPU (`jiffies` is one load); reported packets get the precise one.
+            // SAFETY: no preconditions.
+            let jiffies = unsafe { bpf_jiffies64() };
+            if scratch.clock_jiffies != jiffies {
+                scratch.clock_jiffies = jiffies;
+                // SAFETY: no preconditions.
+                scratch.coarse_ns = unsafe { bpf_ktime_get_coarse_ns() };
+            }
+            let coarse = scratch.coarse_ns;
             let reasons = account(scratch, &cfg, dir, ifindex, frame_len, coarse);
             if reasons != 0 {
                 load_icrc(pkt, &mut scratch.parsed);

@@ -40,6 +40,9 @@ pub static SAMPLES: RingBuf = RingBuf::with_byte_size(SAMPLE_RING_BYTES, 0);
 /// Working memory for one packet: the parse result and flow key are too big for the
 /// 512-byte BPF stack once the compiler makes its copies.
 pub struct Scratch {
+    /// `jiffies` when `coarse_ns` was read: the coarse clock is read once a tick per CPU.
+    pub clock_jiffies: u64,
+    pub coarse_ns: u64,
     pub parsed: Parsed,
     pub key: FlowKey,
     /// The inner frame of a mirrored copy, copied out for parsing.
