@@ -37,7 +37,7 @@ pub const SAMPLE_WAKEUP_BYTES: u32 = 128 << 10;
 /// A [`Sample`] in the ring: its 8-byte record header and the sample.
 pub const RING_RECORD_BYTES: u32 = 8 + core::mem::size_of::<Sample>() as u32;
 /// ...and the reader drains the ring this often whether woken or not.
-pub const SAMPLE_DRAIN_MS: u64 = 100;
+pub const SAMPLE_DRAIN_MS: u64 = 250;
 /// Mirror sessions the kernel remembers (`MIRRORS`): switches × sessions, far below this.
 pub const MAX_MIRRORS: u32 = 1024;
 
@@ -325,8 +325,9 @@ impl DatapathConfig {
     }
 }
 
-/// Global per-CPU counters. The discriminant indexes the `GLOBALS` array; the array holds
-/// one block of [`GLOBAL_COUNTERS_PER_DIR`] per direction.
+/// Global per-CPU counters: `GLOBALS` holds one array per CPU, indexed by
+/// [`GlobalCounter::index`] — the two directions of a counter side by side, so the
+/// counters every packet bumps (frames seen, RoCEv2) share one cache line.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GlobalCounter {
@@ -388,7 +389,7 @@ impl GlobalCounter {
 
     #[inline(always)]
     pub const fn index(self, direction: u8) -> u32 {
-        direction as u32 * GLOBAL_COUNTERS_PER_DIR + self as u32
+        self as u32 * 2 + direction as u32
     }
 
     /// Stable snake_case name used in JSON and metrics.

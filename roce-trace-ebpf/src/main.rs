@@ -84,9 +84,11 @@ static ZERO_COUNTERS: FlowCounters = FlowCounters {
 
 #[inline(always)]
 fn bump(counter: GlobalCounter, dir: u8) {
-    if let Some(c) = GLOBALS.get_ptr_mut(counter.index(dir)) {
+    if let Some(g) = GLOBALS.get_ptr_mut(0) {
         // SAFETY: per-CPU slot, no other writer while this program runs on this CPU.
-        unsafe { *c += 1 };
+        if let Some(c) = unsafe { (*g).get_mut(counter.index(dir) as usize) } {
+            *c += 1;
+        }
     }
 }
 

@@ -29,9 +29,10 @@ pub static FLOW_OWNER: LruHashMap<FlowKey, FlowOwner> = LruHashMap::with_max_ent
 #[map]
 pub static MIRRORS: HashMap<u32, MirrorInfo> = HashMap::with_max_entries(MAX_MIRRORS, 0);
 
-/// Global counters indexed by `GlobalCounter::index(direction)`.
+/// Global counters, one array per CPU (a single allocation, so the counters every packet
+/// bumps sit in one cache line), indexed by `GlobalCounter::index(direction)`.
 #[map]
-pub static GLOBALS: PerCpuArray<u64> = PerCpuArray::with_max_entries(GLOBAL_COUNTERS_LEN, 0);
+pub static GLOBALS: PerCpuArray<[u64; GLOBAL_COUNTERS_LEN as usize]> = PerCpuArray::with_max_entries(1, 0);
 
 /// Sampled and anomalous packets to userspace.
 #[map]

@@ -384,18 +384,20 @@ impl Datapath {
             .ebpf
             .map(MAP_GLOBALS)
             .ok_or(DatapathError::MissingMap(MAP_GLOBALS))?;
-        let map: PerCpuArray<&MapData, u64> =
-            PerCpuArray::try_from(map).map_err(|source| DatapathError::Map {
+        let map: PerCpuArray<&MapData, [u64; GLOBAL_COUNTERS_LEN as usize]> = PerCpuArray::try_from(map)
+            .map_err(|source| DatapathError::Map {
                 name: MAP_GLOBALS,
                 source,
             })?;
+        let per_cpu = map.get(&0, 0).map_err(|source| DatapathError::Map {
+            name: MAP_GLOBALS,
+            source,
+        })?;
         let mut totals = GlobalTotals::default();
-        for (i, slot) in totals.0.iter_mut().enumerate() {
-            let v = map.get(&(i as u32), 0).map_err(|source| DatapathError::Map {
-                name: MAP_GLOBALS,
-                source,
-            })?;
-            *slot = v.iter().sum();
+        for cpu in per_cpu.iter() {
+            for (slot, v) in totals.0.iter_mut().zip(cpu) {
+                *slot += v;
+            }
         }
         Ok(totals)
     }

@@ -427,7 +427,7 @@ fn capture(bin: &Path) -> anyhow::Result<()> {
     // A light load (both CPUs mostly idle) and a heavy one (the lab's forwarding keeps
     // both busy): per-packet costs differ with how warm the caches stay.
     // Each three times: the figures move between runs with what else the two CPUs do.
-    let result = [40].into_iter().try_for_each(|mbit| {
+    let result = [40, 150].into_iter().try_for_each(|mbit| {
         let mut ratios = (1..=CAPTURE_RUNS)
             .map(|run| capture_on_lab(&lab, bin, mbit, run))
             .collect::<anyhow::Result<Vec<f64>>>()?;
