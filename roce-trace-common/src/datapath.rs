@@ -32,11 +32,8 @@ pub const PROG_TC_INGRESS: &str = "roce_tc_in";
 
 pub const DEFAULT_MAX_FLOWS: u32 = 65_536;
 pub const SAMPLE_RING_BYTES: u32 = 4 << 20;
-/// The kernel wakes the sample reader when this much is waiting (about 480 samples)...
-pub const SAMPLE_WAKEUP_BYTES: u32 = 128 << 10;
-/// A [`Sample`] in the ring: its 8-byte record header and the sample.
-pub const RING_RECORD_BYTES: u32 = 8 + core::mem::size_of::<Sample>() as u32;
-/// ...and the reader drains the ring this often whether woken or not.
+/// The sample reader drains the ring this often besides when the kernel wakes it (a
+/// wake-up that lands between its last read and re-arming is not lost).
 pub const SAMPLE_DRAIN_MS: u64 = 250;
 /// Mirror sessions the kernel remembers (`MIRRORS`): switches × sessions, far below this.
 pub const MAX_MIRRORS: u32 = 1024;
@@ -447,7 +444,6 @@ const _: () = {
     assert!(core::mem::size_of::<FlowState>() == 8);
     assert!(core::mem::size_of::<FlowOwner>() == 8);
     assert!(core::mem::size_of::<Sample>() == 264);
-    assert!(RING_RECORD_BYTES.is_multiple_of(8));
     assert!(core::mem::offset_of!(Sample, head) == 136);
     assert!(core::mem::offset_of!(Sample, head) + SAMPLE_HEAD_LEN == core::mem::size_of::<Sample>());
     assert!(core::mem::size_of::<DatapathConfig>() == 32);

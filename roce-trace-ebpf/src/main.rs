@@ -10,10 +10,7 @@ mod ctx;
 mod maps;
 
 use aya_ebpf::{
-    bindings::{
-        BPF_NOEXIST, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, TC_ACT_UNSPEC,
-        xdp_action::XDP_PASS,
-    },
+    bindings::{BPF_NOEXIST, TC_ACT_UNSPEC, xdp_action::XDP_PASS},
     helpers::{
         bpf_get_smp_processor_id, bpf_jiffies64, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns,
         generated::bpf_map_lookup_percpu_elem,
@@ -309,18 +306,11 @@ fn emit<P: Packet>(pkt: &P, p: &Parsed, key: &FlowKey, frame_len: u32, reasons: 
         }
         (*s)._pad2 = 0;
     }
-    // Wake the reader once, when this sample takes what is waiting past
-    // `SAMPLE_WAKEUP_BYTES` (each wake-up is an interrupt here and a context switch there);
-    // it drains on a timer (`SAMPLE_DRAIN_MS`) besides, so a lost race only delays it.
-    let waiting = SAMPLES.query(BPF_RB_AVAIL_DATA as u64);
-    let flags = if waiting >= SAMPLE_WAKEUP_BYTES as u64
-        && waiting < (SAMPLE_WAKEUP_BYTES + RING_RECORD_BYTES) as u64
-    {
-        BPF_RB_FORCE_WAKEUP
-    } else {
-        BPF_RB_NO_WAKEUP
-    };
-    entry.submit(flags as u64);
+    // The kernel's own policy: wake the reader only when it had caught up, so a busy
+    // reader is not woken per sample. (Waking only past a fill level, with a drain timer,
+    // let the ring overflow under bursts of CNPs in the lab: a reader that missed one
+    // wake-up slept while the ring filled.)
+    entry.submit(0);
     bump(GlobalCounter::SamplesEmitted, dir);
 }
 

@@ -185,7 +185,6 @@ pub async fn run(
     let mut prev: HashMap<FlowKey, FlowCounters> = HashMap::new();
     let mut tick = tokio::time::interval(opts.interval);
     tick.tick().await;
-    // The kernel wakes us only for a batch of samples; the rest are drained on this timer.
     let mut drain_tick = tokio::time::interval(Duration::from_millis(SAMPLE_DRAIN_MS));
     drain_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
@@ -194,12 +193,16 @@ pub async fn run(
             _ = &mut shutdown => break,
             guard = ring.readable_mut() => {
                 let mut guard = guard.context("waiting for samples")?;
-                let n = drain(guard.get_inner_mut(), &clock, &shared);
+                let mut n = drain(guard.get_inner_mut(), &clock, &shared);
                 guard.clear_ready();
+                // What the kernel committed between the last read and re-arming woke
+                // nobody: read it now.
+                n += drain(guard.get_inner_mut(), &clock, &shared);
                 if n > 0 {
                     shared.notify.notify_one();
                 }
             }
+            // A backstop for a wake-up lost all the same.
             _ = drain_tick.tick() => {
                 if drain(ring.get_mut(), &clock, &shared) > 0 {
                     shared.notify.notify_one();

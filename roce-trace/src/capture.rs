@@ -208,8 +208,11 @@ pub async fn run(
                 let mut guard = guard.context("waiting for samples")?;
                 samples_received += drain(guard.get_inner_mut(), &clock, &name_of, &mut out)?;
                 guard.clear_ready();
+                // What the kernel committed between the last read and re-arming woke
+                // nobody: read it now.
+                samples_received += drain(guard.get_inner_mut(), &clock, &name_of, &mut out)?;
             }
-            // The kernel wakes us only for a batch of samples; the rest come on this timer.
+            // A backstop for a wake-up lost all the same.
             _ = drain_tick.tick() => {
                 samples_received += drain(ring.get_mut(), &clock, &name_of, &mut out)?;
             }
