@@ -32,9 +32,12 @@ pub const PROG_TC_INGRESS: &str = "roce_tc_in";
 
 pub const DEFAULT_MAX_FLOWS: u32 = 65_536;
 pub const SAMPLE_RING_BYTES: u32 = 4 << 20;
-/// The sample reader drains the ring this often besides when the kernel wakes it (a
-/// wake-up that lands between its last read and re-arming is not lost).
+/// The sample reader drains the ring this often besides when the kernel wakes it.
 pub const SAMPLE_DRAIN_MS: u64 = 250;
+/// [`DatapathConfig::wakeup_bytes`] of a reader that batches: about 480 samples.
+pub const SAMPLE_BATCH_BYTES: u32 = 128 << 10;
+/// A [`Sample`] in the ring: its 8-byte record header and the sample.
+pub const RING_RECORD_BYTES: u32 = 8 + core::mem::size_of::<Sample>() as u32;
 /// Mirror sessions the kernel remembers (`MIRRORS`): switches × sessions, far below this.
 pub const MAX_MIRRORS: u32 = 1024;
 
@@ -296,7 +299,10 @@ pub struct DatapathConfig {
     /// `sampling::v4_prefix_state(seed)`: the identity hash's state after the constant
     /// words of two IPv4-mapped addresses, so IPv4 packets skip those rounds.
     pub v4_prefix_state: u32,
-    pub _pad2: u32,
+    /// 0: wake the sample reader whenever it has caught up (the kernel's policy). Else wake
+    /// it only when this many bytes wait (once, as a sample takes the fill past it): for a
+    /// reader that does not need samples promptly and drains on a timer besides.
+    pub wakeup_bytes: u32,
 }
 
 impl DatapathConfig {
@@ -317,7 +323,7 @@ impl DatapathConfig {
             sample_enabled,
             expected_dscp_mask,
             v4_prefix_state: crate::sampling::v4_prefix_state(seed),
-            _pad2: 0,
+            wakeup_bytes: 0,
         }
     }
 }

@@ -10,7 +10,10 @@ mod ctx;
 mod maps;
 
 use aya_ebpf::{
-    bindings::{BPF_NOEXIST, TC_ACT_UNSPEC, xdp_action::XDP_PASS},
+    bindings::{
+        BPF_NOEXIST, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, TC_ACT_UNSPEC,
+        xdp_action::XDP_PASS,
+    },
     helpers::{
         bpf_get_smp_processor_id, bpf_jiffies64, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns,
         generated::bpf_map_lookup_percpu_elem,
@@ -118,7 +121,14 @@ fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
             let reasons = account(scratch, &cfg, dir, ifindex, frame_len, coarse);
             if reasons != 0 {
                 load_icrc(pkt, &mut scratch.parsed);
-                emit(pkt, &scratch.parsed, &scratch.key, frame_len, reasons);
+                emit(
+                    pkt,
+                    &scratch.parsed,
+                    &scratch.key,
+                    frame_len,
+                    reasons,
+                    cfg.wakeup_bytes,
+                );
             }
         }
         Err(reason) => bump(reason, dir),
@@ -255,7 +265,7 @@ fn catch_up(st: &mut FlowState, key: &FlowKey, p: &Parsed) -> account::StateUpda
 }
 
 #[inline(always)]
-fn emit<P: Packet>(pkt: &P, p: &Parsed, key: &FlowKey, frame_len: u32, reasons: u32) {
+fn emit<P: Packet>(pkt: &P, p: &Parsed, key: &FlowKey, frame_len: u32, reasons: u32, wakeup_bytes: u32) {
     let dir = key.direction;
     let Some(mut entry) = SAMPLES.reserve::<Sample>(0) else {
         // Full ring: counted, and the packet passes untouched all the same.
@@ -306,11 +316,21 @@ fn emit<P: Packet>(pkt: &P, p: &Parsed, key: &FlowKey, frame_len: u32, reasons: 
         }
         (*s)._pad2 = 0;
     }
-    // The kernel's own policy: wake the reader only when it had caught up, so a busy
-    // reader is not woken per sample. (Waking only past a fill level, with a drain timer,
-    // let the ring overflow under bursts of CNPs in the lab: a reader that missed one
-    // wake-up slept while the ring filled.)
-    entry.submit(0);
+    // By default the kernel's own policy: wake the reader when it had caught up, so a busy
+    // reader is not woken per sample. A batching reader (capture) is woken once a batch
+    // waits, as this sample takes the fill past `wakeup_bytes`, and drains on a timer.
+    let flags = if wakeup_bytes == 0 {
+        0
+    } else {
+        let waiting = SAMPLES.query(BPF_RB_AVAIL_DATA as u64);
+        let at = wakeup_bytes as u64;
+        if waiting >= at && waiting < at + RING_RECORD_BYTES as u64 {
+            BPF_RB_FORCE_WAKEUP as u64
+        } else {
+            BPF_RB_NO_WAKEUP as u64
+        }
+    };
+    entry.submit(flags);
     bump(GlobalCounter::SamplesEmitted, dir);
 }
 

@@ -58,6 +58,10 @@ pub struct DatapathOptions {
     /// Packets with a DSCP outside this set are always reported; empty = no expectation.
     pub expected_dscp: Vec<u8>,
     pub max_flows: u32,
+    /// Wake the sample reader once a batch waits rather than as soon as it has caught up:
+    /// for a reader to which a quarter second's delay does not matter (capture); agents
+    /// deliver promptly, for the collector joins observations in time.
+    pub batch_wakeups: bool,
 }
 
 impl Default for DatapathOptions {
@@ -68,6 +72,7 @@ impl Default for DatapathOptions {
             seed: 0,
             expected_dscp: Vec::new(),
             max_flows: DEFAULT_MAX_FLOWS,
+            batch_wakeups: false,
         }
     }
 }
@@ -91,6 +96,7 @@ impl DatapathOptions {
         let threshold = threshold_for_rate(self.sample_rate);
         Ok(DatapathConfig {
             udp_port: self.udp_port,
+            wakeup_bytes: if self.batch_wakeups { SAMPLE_BATCH_BYTES } else { 0 },
             ..DatapathConfig::with(
                 self.seed,
                 threshold.unwrap_or(0),

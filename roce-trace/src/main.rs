@@ -512,6 +512,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     seed: a.seed,
                     expected_dscp: a.expect_dscp,
                     max_flows: a.max_flows,
+                    batch_wakeups: true,
                 },
                 json_stdout: a.json,
                 write: a.write,
@@ -659,6 +660,7 @@ async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
                 a.expect_dscp
             },
             max_flows: DEFAULT_MAX_FLOWS,
+            batch_wakeups: false,
         },
         interval,
         queue: a.queue.or(cfg.queue).unwrap_or(100_000),
@@ -760,6 +762,7 @@ fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
                     seed: 0,
                     expected_dscp: Vec::new(),
                     max_flows: DEFAULT_MAX_FLOWS,
+                    batch_wakeups: false,
                 },
                 interval: Duration::from_millis(500),
                 queue: 1_000_000,
