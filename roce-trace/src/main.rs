@@ -388,7 +388,9 @@ enum IngressArg {
     /// native XDP is unavailable.
     #[default]
     Auto,
+    /// XDP, in the mode `--xdp-mode` gives (auto: native, else generic).
     Xdp,
+    /// TC ingress (a tcx link; a clsact filter before Linux 6.6).
     Tc,
 }
 

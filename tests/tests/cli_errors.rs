@@ -33,6 +33,17 @@ fn bad_flags_are_rejected_before_anything_loads() {
     let (code, err) = run(&["capture"]);
     assert_eq!(code, 2);
     assert!(err.contains("--interface"), "{err}");
+    let (code, err) = run(&[
+        "capture",
+        "-i",
+        "lo",
+        "--ingress-hook",
+        "tc",
+        "--xdp-mode",
+        "native",
+    ]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--xdp-mode applies to XDP"), "{err}");
 }
 
 #[test]
