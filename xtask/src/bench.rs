@@ -450,6 +450,13 @@ const CAPTURE_RUNS: u32 = 3;
 fn capture_on_lab(lab: &Lab, bin: &Path, mbit: u32, run: u32) -> anyhow::Result<f64> {
     let dir = std::env::temp_dir().join(format!("roce-trace-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
+    // The pcap and perf data are large: removed whether the run succeeds or not.
+    let result = capture_run(lab, bin, mbit, run, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn capture_run(lab: &Lab, bin: &Path, mbit: u32, run: u32, dir: &Path) -> anyhow::Result<f64> {
     let secs = 10;
     // Statistics of the programs' own run time, for as long as this fd is open.
     let _stats =
@@ -625,7 +632,6 @@ fn capture_on_lab(lab: &Lab, bin: &Path, mbit: u32, run: u32) -> anyhow::Result<
     );
     let ratio = per_m(c.roce_trace(), counted) / per_m(c.tcpdump(), captured);
     println!("ratio, whole system: roce-trace uses {ratio:.3} of tcpdump's CPU per packet");
-    let _ = std::fs::remove_dir_all(&dir);
     ensure!(
         counted == requests + replies,
         "roce-trace counted {counted}, the wire carried {}",
