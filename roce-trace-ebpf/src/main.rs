@@ -202,66 +202,72 @@ fn account(
 fn catch_up(st: &mut FlowState, key: &FlowKey, p: &Parsed) -> account::StateUpdate {
     // SAFETY: no preconditions.
     let cpu = unsafe { bpf_get_smp_processor_id() };
-    let Some(owner) = FLOW_OWNER.get_ptr_mut(key) else {
-        // A new flow (or one whose owner record was evicted: this CPU's state stands).
-        let first_dscp = if st.flags & STATE_INIT != 0 {
-            st.first_dscp
-        } else {
-            p.dscp
-        };
-        let _ = FLOW_OWNER.insert(
-            key,
-            FlowOwner {
-                cpu,
-                first_dscp,
-                _pad: [0; 3],
-            },
-            0,
-        );
-        return if st.flags & STATE_INIT != 0 {
-            account::update_state(st, p)
-        } else {
-            *st = account::new_state(p);
-            account::StateUpdate::default()
-        };
-    };
-    // SAFETY: valid map value pointer; CPUs racing on one flow can at worst misjudge a
-    // packet, never corrupt memory.
-    let owner = unsafe { &mut *owner };
-    if owner.cpu != cpu {
-        let left = owner.cpu;
-        owner.cpu = cpu;
-        // SAFETY: FLOWS is a per-CPU hash map of FlowCounters; the helper returns that
-        // CPU's copy of the key's value, or null.
-        let theirs = unsafe {
-            bpf_map_lookup_percpu_elem(
-                core::ptr::addr_of!(FLOWS).cast_mut().cast(),
-                core::ptr::from_ref(key).cast_mut().cast(),
-                left,
-            )
-        } as *mut FlowCounters;
-        if !theirs.is_null() {
-            // SAFETY: non-null: a valid value of that CPU. Only its state is touched: it
-            // is taken over, and marked unknown there, so that the CPU the flow left
-            // cannot judge a later packet in sequence by what it saw before (a
-            // retransmission that happens to continue its old PSN).
-            let theirs = unsafe { &mut (*theirs).state };
-            if theirs.flags & STATE_INIT != 0 {
-                *st = *theirs;
-                theirs.flags = 0;
-            }
+    let first_dscp = match FLOW_OWNER.get_ptr_mut(key) {
+        None => {
+            // A new flow (or one whose owner record was evicted: this CPU's state stands).
+            let first_dscp = if st.flags & STATE_INIT != 0 {
+                st.first_dscp
+            } else {
+                p.dscp
+            };
+            let _ = FLOW_OWNER.insert(
+                key,
+                FlowOwner {
+                    cpu,
+                    first_dscp,
+                    _pad: [0; 3],
+                },
+                0,
+            );
+            first_dscp
         }
-        st.first_dscp = owner.first_dscp;
-    }
+        Some(owner) => {
+            // SAFETY: valid map value pointer; CPUs racing on one flow can at worst
+            // misjudge a packet, never corrupt memory.
+            let owner = unsafe { &mut *owner };
+            if owner.cpu != cpu {
+                let left = owner.cpu;
+                owner.cpu = cpu;
+                take_over(st, key, left);
+                st.first_dscp = owner.first_dscp;
+            }
+            owner.first_dscp
+        }
+    };
     if st.flags & STATE_INIT == 0 {
         *st = account::new_state(p);
-        st.first_dscp = owner.first_dscp;
+        st.first_dscp = first_dscp;
         return account::StateUpdate {
-            dscp_changed: p.dscp != owner.first_dscp,
+            dscp_changed: p.dscp != first_dscp,
             ..Default::default()
         };
     }
     account::update_state(st, p)
+}
+
+/// Takes the flow's state over from CPU `left`, which saw it last, and marks it unknown
+/// there, so that the CPU the flow left cannot judge a later packet in sequence by what it
+/// saw before (a retransmission that happens to continue its old PSN).
+#[inline(always)]
+fn take_over(st: &mut FlowState, key: &FlowKey, left: u32) {
+    // SAFETY: FLOWS is a per-CPU hash map of FlowCounters; the helper returns that CPU's
+    // copy of the key's value, or null.
+    let theirs = unsafe {
+        bpf_map_lookup_percpu_elem(
+            core::ptr::addr_of!(FLOWS).cast_mut().cast(),
+            core::ptr::from_ref(key).cast_mut().cast(),
+            left,
+        )
+    } as *mut FlowCounters;
+    if theirs.is_null() {
+        return;
+    }
+    // SAFETY: non-null: a valid value of that CPU; only its state is touched.
+    let theirs = unsafe { &mut (*theirs).state };
+    if theirs.flags & STATE_INIT != 0 {
+        *st = *theirs;
+        theirs.flags = 0;
+    }
 }
 
 #[inline(always)]
