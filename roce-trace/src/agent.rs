@@ -185,19 +185,16 @@ pub async fn run(
     let mut prev: HashMap<FlowKey, FlowCounters> = HashMap::new();
     let mut tick = tokio::time::interval(opts.interval);
     tick.tick().await;
-    let mut drain_tick = tokio::time::interval(Duration::from_millis(SAMPLE_DRAIN_MS));
-    drain_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut drain_tick = Datapath::drain_timer();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
             guard = ring.readable_mut() => {
                 let mut guard = guard.context("waiting for samples")?;
-                let mut n = drain(guard.get_inner_mut(), &clock, &shared);
-                guard.clear_ready();
-                // What the kernel committed between the last read and re-arming woke
-                // nobody: read it now.
-                n += drain(guard.get_inner_mut(), &clock, &shared);
+                let Ok(n) = Datapath::read_ready(&mut guard, |ring| {
+                    Ok::<_, std::convert::Infallible>(drain(ring, &clock, &shared) as u64)
+                });
                 if n > 0 {
                     shared.notify.notify_one();
                 }

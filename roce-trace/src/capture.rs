@@ -189,8 +189,7 @@ pub async fn run(
     let mut tick = tokio::time::interval(opts.interval);
     tick.tick().await;
     let mut poll = tokio::time::interval(Duration::from_millis(50));
-    let mut drain_tick = tokio::time::interval(Duration::from_millis(SAMPLE_DRAIN_MS));
-    drain_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut drain_tick = Datapath::drain_timer();
     let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
     let sleep_until = async {
         match deadline {
@@ -206,11 +205,8 @@ pub async fn run(
             _ = &mut sleep_until => break "duration",
             guard = ring.readable_mut() => {
                 let mut guard = guard.context("waiting for samples")?;
-                samples_received += drain(guard.get_inner_mut(), &clock, &name_of, &mut out)?;
-                guard.clear_ready();
-                // What the kernel committed between the last read and re-arming woke
-                // nobody: read it now.
-                samples_received += drain(guard.get_inner_mut(), &clock, &name_of, &mut out)?;
+                samples_received +=
+                    Datapath::read_ready(&mut guard, |ring| drain(ring, &clock, &name_of, &mut out))?;
             }
             // A backstop for a wake-up lost all the same.
             _ = drain_tick.tick() => {

@@ -144,9 +144,6 @@ pub struct Attachment {
 
 pub struct Datapath {
     ebpf: Ebpf,
-    xdp_loaded: bool,
-    /// Classifiers loaded so far (egress, ingress), by name.
-    tc_loaded: Vec<&'static str>,
 }
 
 impl Datapath {
@@ -161,11 +158,7 @@ impl Datapath {
             .map_max_entries(MAP_FLOW_OWNER, opts.max_flows)
             .load(EBPF_OBJECT)
             .map_err(DatapathError::Load)?;
-        Ok(Self {
-            ebpf,
-            xdp_loaded: false,
-            tc_loaded: Vec::new(),
-        })
+        Ok(Self { ebpf })
     }
 
     pub fn xdp(&mut self) -> Result<&mut Xdp, DatapathError> {
@@ -178,12 +171,12 @@ impl Datapath {
                 name: PROG_XDP,
                 source,
             })?;
-        if !self.xdp_loaded {
+        // Loaded on first use: a program without an fd is not loaded yet.
+        if prog.fd().is_err() {
             prog.load().map_err(|source| DatapathError::Program {
                 name: PROG_XDP,
                 source,
             })?;
-            self.xdp_loaded = true;
         }
         Ok(prog)
     }
@@ -196,10 +189,9 @@ impl Datapath {
             .ok_or(DatapathError::MissingMap(name))?
             .try_into()
             .map_err(|source| DatapathError::Program { name, source })?;
-        if !self.tc_loaded.contains(&name) {
+        if prog.fd().is_err() {
             prog.load()
                 .map_err(|source| DatapathError::Program { name, source })?;
-            self.tc_loaded.push(name);
         }
         Ok(prog)
     }
@@ -406,6 +398,26 @@ impl Datapath {
             }
         }
         Ok(totals)
+    }
+
+    /// Reads a sample ring the poller says is readable: `read`, re-arm, `read` again —
+    /// what the kernel committed between the last read and re-arming woke nobody. Returns
+    /// what the two reads returned, added.
+    pub fn read_ready<E>(
+        guard: &mut tokio::io::unix::AsyncFdReadyMutGuard<'_, RingBuf<MapData>>,
+        mut read: impl FnMut(&mut RingBuf<MapData>) -> Result<u64, E>,
+    ) -> Result<u64, E> {
+        let n = read(guard.get_inner_mut())?;
+        guard.clear_ready();
+        Ok(n + read(guard.get_inner_mut())?)
+    }
+
+    /// The timer on which a sample reader drains the ring besides when woken: a backstop
+    /// for a lost wake-up, and the only wake-up of a batching reader below its batch.
+    pub fn drain_timer() -> tokio::time::Interval {
+        let mut t = tokio::time::interval(std::time::Duration::from_millis(SAMPLE_DRAIN_MS));
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        t
     }
 
     /// The sample ring buffer (can be taken once).
