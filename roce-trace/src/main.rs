@@ -183,12 +183,8 @@ struct AgentArgs {
     /// Serve Prometheus metrics on ADDR (e.g. 127.0.0.1:9464).
     #[arg(long)]
     metrics: Option<std::net::SocketAddr>,
-    /// Hook observing arriving packets.
-    #[arg(long, value_enum, default_value_t)]
-    ingress_hook: IngressArg,
-    /// XDP attachment mode (implies `--ingress-hook xdp`).
-    #[arg(long, value_enum)]
-    xdp_mode: Option<XdpModeArg>,
+    #[command(flatten)]
+    ingress: IngressArgs,
 }
 
 #[derive(clap::Args)]
@@ -394,20 +390,33 @@ enum IngressArg {
     Tc,
 }
 
-/// The ingress hook the flags ask for: `--xdp-mode` alone means XDP in that mode.
-fn ingress_hook(hook: IngressArg, xdp: Option<XdpModeArg>) -> anyhow::Result<IngressHook> {
-    let mode = |m: XdpModeArg| match m {
-        XdpModeArg::Auto => XdpModeChoice::Auto,
-        XdpModeArg::Native => XdpModeChoice::Native,
-        XdpModeArg::Generic => XdpModeChoice::Generic,
-    };
-    Ok(match (hook, xdp) {
-        (IngressArg::Auto, None) => IngressHook::Auto,
-        (IngressArg::Auto | IngressArg::Xdp, Some(m)) => IngressHook::Xdp(mode(m)),
-        (IngressArg::Xdp, None) => IngressHook::Xdp(XdpModeChoice::Auto),
-        (IngressArg::Tc, None) => IngressHook::Tc,
-        (IngressArg::Tc, Some(_)) => anyhow::bail!("--xdp-mode applies to XDP, not to --ingress-hook tc"),
-    })
+/// How arriving packets are observed (capture and agent).
+#[derive(clap::Args)]
+struct IngressArgs {
+    /// Hook observing arriving packets.
+    #[arg(long, value_enum, default_value_t)]
+    ingress_hook: IngressArg,
+    /// XDP attachment mode (implies `--ingress-hook xdp`).
+    #[arg(long, value_enum)]
+    xdp_mode: Option<XdpModeArg>,
+}
+
+impl IngressArgs {
+    /// The ingress hook the flags ask for: `--xdp-mode` alone means XDP in that mode.
+    fn hook(&self) -> anyhow::Result<IngressHook> {
+        let mode = |m: XdpModeArg| match m {
+            XdpModeArg::Auto => XdpModeChoice::Auto,
+            XdpModeArg::Native => XdpModeChoice::Native,
+            XdpModeArg::Generic => XdpModeChoice::Generic,
+        };
+        Ok(match (self.ingress_hook, self.xdp_mode) {
+            (IngressArg::Auto, None) => IngressHook::Auto,
+            (IngressArg::Auto | IngressArg::Xdp, Some(m)) => IngressHook::Xdp(mode(m)),
+            (IngressArg::Xdp, None) => IngressHook::Xdp(XdpModeChoice::Auto),
+            (IngressArg::Tc, None) => IngressHook::Tc,
+            (IngressArg::Tc, Some(_)) => anyhow::bail!("--xdp-mode applies to XDP, not to --ingress-hook tc"),
+        })
+    }
 }
 
 #[derive(clap::Args)]
@@ -440,12 +449,8 @@ struct CaptureArgs {
     /// Which side to observe: XDP (or TC) on ingress, TC on egress.
     #[arg(long, value_enum, default_value_t = Direction::Both)]
     direction: Direction,
-    /// Hook observing arriving packets.
-    #[arg(long, value_enum, default_value_t)]
-    ingress_hook: IngressArg,
-    /// XDP attachment mode (implies `--ingress-hook xdp`).
-    #[arg(long, value_enum)]
-    xdp_mode: Option<XdpModeArg>,
+    #[command(flatten)]
+    ingress: IngressArgs,
     /// Flows tracked in the kernel (LRU beyond that).
     #[arg(long, default_value_t = DEFAULT_MAX_FLOWS)]
     max_flows: u32,
@@ -503,7 +508,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let opts = CaptureOptions {
                 ifaces: a.interfaces,
                 ingress: matches!(a.direction, Direction::Ingress | Direction::Both)
-                    .then(|| ingress_hook(a.ingress_hook, a.xdp_mode))
+                    .then(|| a.ingress.hook())
                     .transpose()?,
                 egress: matches!(a.direction, Direction::Egress | Direction::Both),
                 duration: a.duration,
@@ -648,7 +653,7 @@ async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
         } else {
             a.interfaces
         },
-        ingress: Some(ingress_hook(a.ingress_hook, a.xdp_mode)?),
+        ingress: Some(a.ingress.hook()?),
         egress: true,
         node: a.node.or(cfg.node).unwrap_or_else(roce_trace::sys::hostname),
         token,
