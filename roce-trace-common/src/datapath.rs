@@ -29,6 +29,8 @@ pub const GLOBAL_CONFIG: &str = "CONFIG";
 pub const PROG_XDP: &str = "roce_xdp";
 pub const PROG_TC: &str = "roce_tc";
 pub const PROG_TC_INGRESS: &str = "roce_tc_in";
+/// Every program of the object, by name.
+pub const PROGRAMS: [&str; 3] = [PROG_XDP, PROG_TC, PROG_TC_INGRESS];
 
 pub const DEFAULT_MAX_FLOWS: u32 = 65_536;
 pub const SAMPLE_RING_BYTES: u32 = 4 << 20;

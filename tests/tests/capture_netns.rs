@@ -5,7 +5,10 @@
 use std::{collections::BTreeMap, net::IpAddr, sync::Mutex, time::Duration};
 
 use roce_trace::frame::{RoceFrame, ethernet, ext};
-use roce_trace_common::roce::op;
+use roce_trace_common::{
+    datapath::{PROG_TC, PROG_TC_INGRESS, PROG_XDP, PROGRAMS},
+    roce::op,
+};
 use roce_trace_tests::*;
 use serde_json::Value;
 
@@ -330,7 +333,7 @@ fn roce_programs_loaded() -> Vec<String> {
     let mut v: Vec<String> = aya::programs::loaded_programs()
         .filter_map(Result::ok)
         .filter_map(|p| p.name_as_str().map(str::to_owned))
-        .filter(|n| matches!(n.as_str(), "roce_xdp" | "roce_tc" | "roce_tc_in"))
+        .filter(|n| PROGRAMS.contains(&n.as_str()))
         .collect();
     v.sort();
     v
@@ -346,8 +349,8 @@ fn programs_detach_when_capture_is_killed() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let pair = VethPair::new("kill");
     for (extra, loaded) in [
-        (None, ["roce_tc", "roce_tc_in"]),
-        (Some("xdp"), ["roce_tc", "roce_xdp"]),
+        (None, [PROG_TC, PROG_TC_INGRESS]),
+        (Some("xdp"), [PROG_TC, PROG_XDP]),
     ] {
         assert!(roce_programs_loaded().is_empty(), "nothing loaded before");
         let mut args = vec!["-i", &pair.b_if, "--json"];

@@ -13,7 +13,7 @@ use roce_trace::{
     datapath::DatapathOptions,
     frame::{RoceFrame, ext},
 };
-use roce_trace_common::roce::op;
+use roce_trace_common::{datapath::PROGRAMS, roce::op};
 use roce_trace_tests::{ProgTest, VethPair, lab::Lab};
 use serde_json::Value;
 
@@ -326,8 +326,13 @@ fn charge(script: &str, rt_pid: u32, td_pid: u32) -> Charged {
         TdKernel,
     }
     let hook = |sym: &str| {
-        let ours = ["_roce_xdp", "_roce_tc", "_roce_tc_in"];
-        if sym.starts_with("bpf_prog_") && ours.iter().any(|p| sym.ends_with(p)) {
+        // JIT symbols are `bpf_prog_<tag>_<name>`.
+        let ours = || {
+            PROGRAMS
+                .iter()
+                .any(|p| sym.strip_suffix(p).is_some_and(|s| s.ends_with('_')))
+        };
+        if sym.starts_with("bpf_prog_") && ours() {
             Some(To::RtBpf)
         } else if matches!(sym, "sch_handle_ingress" | "sch_handle_egress" | "tcx_run") {
             // The TC hook runs only because our programs are attached (nothing else is).
@@ -393,7 +398,7 @@ fn proc_cpu(pid: u32) -> anyhow::Result<Duration> {
 fn bpf_run_time() -> anyhow::Result<Duration> {
     let ours: Vec<_> = aya::programs::loaded_programs()
         .filter_map(Result::ok)
-        .filter(|p| matches!(p.name_as_str(), Some("roce_xdp" | "roce_tc" | "roce_tc_in")))
+        .filter(|p| p.name_as_str().is_some_and(|n| PROGRAMS.contains(&n)))
         .collect();
     ensure!(
         ours.len() == 2,
