@@ -152,11 +152,10 @@ pub fn reasons(p: &Parsed, cfg: &DatapathConfig) -> u32 {
     if cfg.sample_enabled != 0 {
         let (qp, psn) = (p.bth.dest_qp(), p.bth.psn());
         let h = if p.ip_version == 4 {
-            let last = |a: &[u8; 16]| u32::from_ne_bytes([a[12], a[13], a[14], a[15]]);
             identity_hash_v4(
                 cfg.v4_prefix_state,
-                last(&p.src),
-                last(&p.dst),
+                words_of_addr(p.src)[3],
+                words_of_addr(p.dst)[3],
                 p.udp_sport,
                 p.udp_dport,
                 qp,
