@@ -22,6 +22,7 @@ pub const MIRROR_ERSPAN_III: u8 = 4;
 /// Map and global names, shared so the loader and the programs cannot disagree.
 pub const MAP_FLOWS: &str = "FLOWS";
 pub const MAP_FLOW_OWNER: &str = "FLOW_OWNER";
+pub const MAP_FLOW_SLOTS: &str = "FLOW_SLOTS";
 pub const MAP_GLOBALS: &str = "GLOBALS";
 pub const MAP_SAMPLES: &str = "SAMPLES";
 pub const MAP_MIRRORS: &str = "MIRRORS";
@@ -33,6 +34,17 @@ pub const PROG_TC_INGRESS: &str = "roce_tc_in";
 pub const PROGRAMS: [&str; 3] = [PROG_XDP, PROG_TC, PROG_TC_INGRESS];
 
 pub const DEFAULT_MAX_FLOWS: u32 = 65_536;
+/// Slots of the direct-mapped flow table per CPU (a power of two): a host's busy flows
+/// fit many times over; a flow whose slot is taken is counted in `FLOWS`.
+pub const MAX_FLOW_SLOTS: u32 = 2048;
+/// Slots per element of `FLOW_SLOTS` (24 KiB, under the kernel's 32 KiB per-CPU value
+/// limit): few elements, so the element pointers the lookup loads stay in cache.
+pub const SLOTS_PER_CHUNK: u32 = 128;
+/// A chunk of the flow table: one element of `FLOW_SLOTS`.
+pub type FlowSlotChunk = [FlowSlot; SLOTS_PER_CHUNK as usize];
+/// A slot whose flow has been idle this long is handed to a new flow (its counters move to
+/// `FLOWS`). Far longer than any reader's interval between reads.
+pub const DEFAULT_SLOT_IDLE_MS: u32 = 30_000;
 pub const SAMPLE_RING_BYTES: u32 = 4 << 20;
 /// The sample reader drains the ring this often besides when the kernel wakes it.
 pub const SAMPLE_DRAIN_MS: u64 = 250;
@@ -46,8 +58,9 @@ pub const MAX_MIRRORS: u32 = 1024;
 /// One RDMA QP direction as seen at one observation point: interface + direction, and for
 /// a mirrored copy also the mirror session (as its [`MirrorInfo::id`]), so counters per
 /// mirror session are exact. 48 bytes: every packet hashes it (`FLOWS`), so what only
-/// mirrored copies need lives in `MIRRORS`, keyed by the id.
-#[repr(C)]
+/// mirrored copies need lives in `MIRRORS`, keyed by the id. Aligned to 8 so the kernel
+/// can hash and compare it as six words ([`FlowKey::words`]).
+#[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct FlowKey {
     /// IPv6 address, or IPv4 mapped as `::ffff:a.b.c.d`.
@@ -62,6 +75,48 @@ pub struct FlowKey {
     pub direction: u8,
     /// 4 or 6.
     pub ip_version: u8,
+}
+
+impl FlowKey {
+    /// The key as six words, for hashing and comparing in the kernel without byte loops.
+    #[inline(always)]
+    pub fn words(&self) -> &[u64; 6] {
+        // SAFETY: repr(C, align(8)), 48 bytes without padding (asserted below): every
+        // byte is initialised and the alignment is that of u64.
+        unsafe { &*core::ptr::from_ref(self).cast::<[u64; 6]>() }
+    }
+
+    /// Whether two keys are the same flow: six word compares (`==` on the byte arrays
+    /// would be a `bcmp` call, which BPF has not).
+    #[inline(always)]
+    pub fn same(&self, other: &FlowKey) -> bool {
+        let (a, b) = (self.words(), other.words());
+        (a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3]) | (a[4] ^ b[4]) | (a[5] ^ b[5]) == 0
+    }
+
+    /// The key's slot in the direct-mapped flow table (`FLOW_SLOTS`) of `mask + 1` slots: a
+    /// multiplicative hash of the six words, its high half masked.
+    #[inline(always)]
+    pub fn slot(&self, mask: u32) -> u32 {
+        const K: u64 = 0x9E37_79B9_7F4A_7C15;
+        let w = self.words();
+        let mut h = w[0].wrapping_mul(K);
+        h = (h ^ w[1]).wrapping_mul(K);
+        h = (h ^ w[2]).wrapping_mul(K);
+        h = (h ^ w[3]).wrapping_mul(K);
+        h = (h ^ w[4]).wrapping_mul(K);
+        h = (h ^ w[5]).wrapping_mul(K);
+        (h >> 32) as u32 & mask
+    }
+}
+
+/// One entry of the kernel's direct-mapped flow table (`FLOW_SLOTS`, per CPU): the flow
+/// that holds it and its counters on that CPU. Empty while `counters.packets` is 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowSlot {
+    pub key: FlowKey,
+    pub counters: FlowCounters,
 }
 
 /// A mirror session: the switch that mirrored a copy (its outer source), the session id
@@ -143,6 +198,40 @@ pub struct FlowCounters {
 }
 
 pub const PCP_NONE: u8 = 0xff;
+
+impl FlowCounters {
+    /// Adds another copy of the same flow's counters (another CPU's, or one the kernel
+    /// moved out of its flow table): sums, the earliest first and the latest last packet
+    /// with its class. The kernel's PSN state is not a counter and is left as it is.
+    #[inline(always)]
+    pub fn absorb(&mut self, v: &FlowCounters) {
+        if v.packets == 0 {
+            return;
+        }
+        self.packets += v.packets;
+        self.bytes += v.bytes;
+        self.ecn[0] += v.ecn[0];
+        self.ecn[1] += v.ecn[1];
+        self.ecn[2] += v.ecn[2];
+        self.ecn[3] += v.ecn[3];
+        self.cnp += v.cnp;
+        self.ack += v.ack;
+        self.nak_psn_seq_err += v.nak_psn_seq_err;
+        self.nak_rnr += v.nak_rnr;
+        self.nak_other += v.nak_other;
+        self.psn_gaps += v.psn_gaps;
+        self.dscp_changed += v.dscp_changed;
+        if self.first_ns == 0 || v.first_ns < self.first_ns {
+            self.first_ns = v.first_ns;
+        }
+        if v.last_ns >= self.last_ns {
+            self.last_ns = v.last_ns;
+            self.last_dscp = v.last_dscp;
+            self.last_pcp = v.last_pcp;
+            self.last_ttl = v.last_ttl;
+        }
+    }
+}
 
 /// A flow's PSN sequence and first DSCP. The kernel keeps it in each CPU's copy of the
 /// flow's counters, so a packet in sequence on the CPU its flow already runs on touches
@@ -305,6 +394,10 @@ pub struct DatapathConfig {
     /// it only when this many bytes wait (once, as a sample takes the fill past it): for a
     /// reader that does not need samples promptly and drains on a timer besides.
     pub wakeup_bytes: u32,
+    /// `FLOW_SLOTS` has `slot_mask + 1` slots per CPU.
+    pub slot_mask: u32,
+    /// A slot idle this long goes to a new flow that hashes to it.
+    pub slot_idle_ms: u32,
 }
 
 impl DatapathConfig {
@@ -326,6 +419,8 @@ impl DatapathConfig {
             expected_dscp_mask,
             v4_prefix_state: crate::sampling::v4_prefix_state(seed),
             wakeup_bytes: 0,
+            slot_mask: MAX_FLOW_SLOTS - 1,
+            slot_idle_ms: DEFAULT_SLOT_IDLE_MS,
         }
     }
 }
@@ -454,7 +549,11 @@ const _: () = {
     assert!(core::mem::size_of::<Sample>() == 264);
     assert!(core::mem::offset_of!(Sample, head) == 136);
     assert!(core::mem::offset_of!(Sample, head) + SAMPLE_HEAD_LEN == core::mem::size_of::<Sample>());
-    assert!(core::mem::size_of::<DatapathConfig>() == 32);
+    assert!(core::mem::size_of::<DatapathConfig>() == 40);
+    assert!(core::mem::size_of::<FlowSlot>() == 184);
+    assert!(MAX_FLOW_SLOTS.is_power_of_two() && SLOTS_PER_CHUNK.is_power_of_two());
+    assert!(MAX_FLOW_SLOTS.is_multiple_of(SLOTS_PER_CHUNK));
+    assert!(core::mem::size_of::<FlowSlotChunk>() <= 32 << 10);
     assert!((GlobalCounter::ALL.len() as u32) < GLOBAL_COUNTERS_PER_DIR);
 };
 
@@ -468,6 +567,8 @@ mod pod {
     unsafe impl aya::Pod for MirrorInfo {}
     // SAFETY: as above.
     unsafe impl aya::Pod for FlowCounters {}
+    // SAFETY: repr(C) of Pod fields, no padding (184 bytes asserted).
+    unsafe impl aya::Pod for FlowSlot {}
     // SAFETY: as above.
     unsafe impl aya::Pod for FlowState {}
     // SAFETY: as above.

@@ -29,7 +29,7 @@ use roce_trace_common::{
 
 use crate::{
     ctx::{TcPacket, XdpPacket},
-    maps::{CONFIG, FLOW_OWNER, FLOWS, GLOBALS, MIRRORS, SAMPLES, SCRATCH, Scratch},
+    maps::{CONFIG, FLOW_OWNER, FLOW_SLOTS, FLOWS, GLOBALS, MIRRORS, SAMPLES, SCRATCH, Scratch},
 };
 
 #[xdp]
@@ -164,19 +164,15 @@ fn account(
     scratch.key = account::flow_key(p, ifindex, dir);
     let key = &scratch.key;
 
-    let counters = match FLOWS.get_ptr_mut(key) {
-        Some(c) => Some(c),
-        None => {
-            #[expect(
-                clippy::needless_borrows_for_generic_args,
-                reason = "by value would copy 128 bytes onto the 512-byte BPF stack"
-            )]
-            let inserted = FLOWS.insert(key, &ZERO_COUNTERS, 0);
-            if inserted.is_err() {
-                bump(GlobalCounter::FlowInsertFailed, dir);
-            }
-            FLOWS.get_ptr_mut(key)
+    let counters = match flow_slot(key.slot(cfg.slot_mask)) {
+        // SAFETY: per-CPU slot: only this CPU writes this copy.
+        Some(slot) if unsafe { (*slot).counters.packets != 0 && (*slot).key.same(key) } => {
+            // SAFETY: as above.
+            Some(unsafe { core::ptr::addr_of_mut!((*slot).counters) })
         }
+        // SAFETY: as above; the slot is not the flow's: taken, or handed to it here.
+        Some(slot) => slot_or_flows(unsafe { &mut *slot }, key, cfg, dir, now),
+        None => flows_entry(key, dir),
     };
     if let Some(c) = counters {
         // SAFETY: per-CPU map value: only this CPU writes this copy.
@@ -184,7 +180,7 @@ fn account(
         let update = if account::in_sequence(&c.state, p) {
             account::update_state(&mut c.state, p)
         } else {
-            catch_up(&mut c.state, key, p)
+            catch_up(&mut c.state, key, cfg.slot_mask, p)
         };
         if update.psn_regression {
             bump(GlobalCounter::PsnRegressions, dir);
@@ -194,12 +190,82 @@ fn account(
     account::reasons(p, cfg)
 }
 
+/// A flow without its slot on this CPU: the slot is handed to it when free or idle for
+/// `slot_idle_ms` (an idle flow's counters move to `FLOWS` first), unless this CPU
+/// already counts the flow in `FLOWS` (a flow's copy on a CPU lives in one place); else
+/// the flow is counted in `FLOWS`.
+#[inline(always)]
+fn slot_or_flows(
+    slot: &mut FlowSlot,
+    key: &FlowKey,
+    cfg: &DatapathConfig,
+    dir: u8,
+    now: u64,
+) -> Option<*mut FlowCounters> {
+    let held = slot.counters.packets != 0;
+    if held && now.saturating_sub(slot.counters.last_ns) < cfg.slot_idle_ms as u64 * 1_000_000 {
+        return flows_entry(key, dir);
+    }
+    if let Some(c) = FLOWS.get_ptr_mut(key) {
+        // SAFETY: per-CPU map value: only this CPU writes this copy.
+        if unsafe { (*c).packets } != 0 {
+            return Some(c);
+        }
+    }
+    if held {
+        // The idle flow's copy moves to FLOWS (this CPU's copy there is empty: it held
+        // the slot). Readers read the slots first, then FLOWS, and count a copy in both
+        // once, so the move is neither missed nor counted twice.
+        #[expect(
+            clippy::needless_borrows_for_generic_args,
+            reason = "straight from the map value: by value would copy 184 bytes onto the BPF stack"
+        )]
+        let moved = FLOWS.insert(&slot.key, &slot.counters, 0);
+        if moved.is_err() {
+            bump(GlobalCounter::FlowInsertFailed, dir);
+        }
+    }
+    // Empty first (a reader skips a slot without packets), then the new key.
+    // SAFETY: valid, exclusively owned per-CPU value.
+    unsafe {
+        core::ptr::write_volatile(core::ptr::addr_of_mut!(slot.counters.packets), 0);
+    }
+    slot.counters = ZERO_COUNTERS;
+    slot.key = *key;
+    Some(core::ptr::addr_of_mut!(slot.counters))
+}
+
+/// This CPU's slot `i` of the flow table.
+#[inline(always)]
+fn flow_slot(i: u32) -> Option<*mut FlowSlot> {
+    let chunk = FLOW_SLOTS.get_ptr_mut(i / SLOTS_PER_CHUNK)?;
+    // SAFETY: per-CPU value; the index is below the chunk's length.
+    unsafe { (*chunk).get_mut((i % SLOTS_PER_CHUNK) as usize) }.map(core::ptr::from_mut)
+}
+
+/// The flow's counters in `FLOWS`, inserted when new.
+#[inline(always)]
+fn flows_entry(key: &FlowKey, dir: u8) -> Option<*mut FlowCounters> {
+    if let Some(c) = FLOWS.get_ptr_mut(key) {
+        return Some(c);
+    }
+    #[expect(
+        clippy::needless_borrows_for_generic_args,
+        reason = "by value would copy 128 bytes onto the 512-byte BPF stack"
+    )]
+    let inserted = FLOWS.insert(key, &ZERO_COUNTERS, 0);
+    if inserted.is_err() {
+        bump(GlobalCounter::FlowInsertFailed, dir);
+    }
+    FLOWS.get_ptr_mut(key)
+}
+
 /// A packet not in sequence on this CPU: the flow is new here, moved here from another
 /// CPU, or really skipped or repeated PSNs. `FLOW_OWNER` says which CPU saw the flow
 /// last; when that is another CPU, its copy of the state is the flow's latest, so it is
 /// taken over before `p` is judged. The flow's first DSCP lives there too.
 #[inline(always)]
-fn catch_up(st: &mut FlowState, key: &FlowKey, p: &Parsed) -> account::StateUpdate {
+fn catch_up(st: &mut FlowState, key: &FlowKey, slot_mask: u32, p: &Parsed) -> account::StateUpdate {
     // SAFETY: no preconditions.
     let cpu = unsafe { bpf_get_smp_processor_id() };
     let first_dscp = match FLOW_OWNER.get_ptr_mut(key) {
@@ -228,7 +294,7 @@ fn catch_up(st: &mut FlowState, key: &FlowKey, p: &Parsed) -> account::StateUpda
             if owner.cpu != cpu {
                 let left = owner.cpu;
                 owner.cpu = cpu;
-                take_over(st, key, left);
+                take_over(st, key, slot_mask, left);
                 st.first_dscp = owner.first_dscp;
             }
             owner.first_dscp
@@ -249,16 +315,41 @@ fn catch_up(st: &mut FlowState, key: &FlowKey, p: &Parsed) -> account::StateUpda
 /// there, so that the CPU the flow left cannot judge a later packet in sequence by what it
 /// saw before (a retransmission that happens to continue its old PSN).
 #[inline(always)]
-fn take_over(st: &mut FlowState, key: &FlowKey, left: u32) {
-    // SAFETY: FLOWS is a per-CPU hash map of FlowCounters; the helper returns that CPU's
-    // copy of the key's value, or null.
-    let theirs = unsafe {
+fn take_over(st: &mut FlowState, key: &FlowKey, slot_mask: u32, left: u32) {
+    // That CPU's copy of the flow: in its slot when it holds it, else in FLOWS.
+    let i = key.slot(slot_mask);
+    let chunk_idx = i / SLOTS_PER_CHUNK;
+    // SAFETY: FLOW_SLOTS is a per-CPU array of FlowSlotChunk; the helper returns that
+    // CPU's copy of the chunk, or null.
+    let chunk = unsafe {
         bpf_map_lookup_percpu_elem(
-            core::ptr::addr_of!(FLOWS).cast_mut().cast(),
-            core::ptr::from_ref(key).cast_mut().cast(),
+            core::ptr::addr_of!(FLOW_SLOTS).cast_mut().cast(),
+            core::ptr::from_ref(&chunk_idx).cast_mut().cast(),
             left,
         )
-    } as *mut FlowCounters;
+    } as *mut FlowSlotChunk;
+    let slot = if chunk.is_null() {
+        core::ptr::null_mut()
+    } else {
+        // SAFETY: non-null: a valid value of that CPU; the index is below its length.
+        unsafe { (*chunk).get_mut((i % SLOTS_PER_CHUNK) as usize) }
+            .map_or(core::ptr::null_mut(), core::ptr::from_mut)
+    };
+    // SAFETY: non-null: a valid value of that CPU, read only here.
+    let theirs = if !slot.is_null() && unsafe { (*slot).key.same(key) } {
+        // SAFETY: as above.
+        unsafe { core::ptr::addr_of_mut!((*slot).counters) }
+    } else {
+        // SAFETY: FLOWS is a per-CPU hash map of FlowCounters; the helper returns that
+        // CPU's copy of the key's value, or null.
+        (unsafe {
+            bpf_map_lookup_percpu_elem(
+                core::ptr::addr_of!(FLOWS).cast_mut().cast(),
+                core::ptr::from_ref(key).cast_mut().cast(),
+                left,
+            )
+        }) as *mut FlowCounters
+    };
     if theirs.is_null() {
         return;
     }

@@ -14,7 +14,16 @@ use roce_trace_common::{
 #[unsafe(no_mangle)]
 pub static CONFIG: Global<DatapathConfig> = Global::new(DatapathConfig::DEFAULT);
 
-/// Exact per-flow counters, per CPU; LRU so a flood of new flows evicts idle ones.
+/// The flow table every packet looks in first: per CPU, direct-mapped by
+/// [`FlowKey::slot`], so a lookup is an index and six word compares. A flow finds its slot
+/// taken by another busy flow only by collision; it is then counted in `FLOWS`. Slot `i`
+/// is entry `i % SLOTS_PER_CHUNK` of element `i / SLOTS_PER_CHUNK`.
+#[map]
+pub static FLOW_SLOTS: PerCpuArray<FlowSlotChunk> =
+    PerCpuArray::with_max_entries(MAX_FLOW_SLOTS / SLOTS_PER_CHUNK, 0);
+
+/// Exact per-flow counters, per CPU, for flows without a slot on that CPU, and flows moved
+/// out of an idle slot; LRU so a flood of new flows evicts idle ones.
 #[map]
 pub static FLOWS: LruPerCpuHashMap<FlowKey, FlowCounters> =
     LruPerCpuHashMap::with_max_entries(DEFAULT_MAX_FLOWS, 0);

@@ -57,7 +57,13 @@ pub struct DatapathOptions {
     pub seed: u32,
     /// Packets with a DSCP outside this set are always reported; empty = no expectation.
     pub expected_dscp: Vec<u8>,
+    /// Flows the LRU map `FLOWS` keeps (flows without a flow-table slot).
     pub max_flows: u32,
+    /// Slots of the per-CPU flow table, rounded up to a power of two, at most
+    /// `MAX_FLOW_SLOTS`.
+    pub flow_slots: u32,
+    /// A flow-table slot idle this long goes to a new flow that hashes to it.
+    pub slot_idle_ms: u32,
     /// Wake the sample reader once a batch waits rather than as soon as it has caught up:
     /// for a reader to which a quarter second's delay does not matter (capture); agents
     /// deliver promptly, for the collector joins observations in time.
@@ -72,12 +78,20 @@ impl Default for DatapathOptions {
             seed: 0,
             expected_dscp: Vec::new(),
             max_flows: DEFAULT_MAX_FLOWS,
+            flow_slots: MAX_FLOW_SLOTS,
+            slot_idle_ms: DEFAULT_SLOT_IDLE_MS,
             batch_wakeups: false,
         }
     }
 }
 
 impl DatapathOptions {
+    /// Slots of the per-CPU flow table as loaded: `flow_slots` rounded up to a power of
+    /// two, at most `MAX_FLOW_SLOTS`.
+    pub fn table_slots(&self) -> u32 {
+        self.flow_slots.max(1).next_power_of_two().min(MAX_FLOW_SLOTS)
+    }
+
     pub fn config(&self) -> Result<DatapathConfig, DatapathError> {
         let mut mask = 0u64;
         for &d in &self.expected_dscp {
@@ -96,6 +110,8 @@ impl DatapathOptions {
         let threshold = threshold_for_rate(self.sample_rate);
         Ok(DatapathConfig {
             udp_port: self.udp_port,
+            slot_mask: self.table_slots() - 1,
+            slot_idle_ms: self.slot_idle_ms,
             wakeup_bytes: if self.batch_wakeups { SAMPLE_BATCH_BYTES } else { 0 },
             ..DatapathConfig::with(
                 self.seed,
@@ -156,6 +172,7 @@ impl Datapath {
             .override_global(GLOBAL_CONFIG, &cfg, true)
             .map_max_entries(MAP_FLOWS, opts.max_flows)
             .map_max_entries(MAP_FLOW_OWNER, opts.max_flows)
+            .map_max_entries(MAP_FLOW_SLOTS, opts.table_slots().div_ceil(SLOTS_PER_CHUNK))
             .load(EBPF_OBJECT)
             .map_err(DatapathError::Load)?;
         Ok(Self { ebpf })
@@ -320,25 +337,39 @@ impl Datapath {
     }
 
     /// Every flow in the kernel, per-CPU copies merged.
+    ///
+    /// A flow's copy on one CPU is in that CPU's flow table (`FLOW_SLOTS`) or in `FLOWS`,
+    /// never both, except while the kernel moves an idle flow out of its slot into `FLOWS`.
+    /// So the slots are read first, then `FLOWS`, and a copy found in both counts once (the
+    /// one in `FLOWS`): a move between the two reads is neither missed nor counted twice.
     pub fn flows(&self) -> Result<HashMap<FlowKey, FlowCounters>, DatapathError> {
+        let err = |name| move |source| DatapathError::Map { name, source };
+        let slots = self
+            .ebpf
+            .map(MAP_FLOW_SLOTS)
+            .ok_or(DatapathError::MissingMap(MAP_FLOW_SLOTS))?;
+        let slots: PerCpuArray<&MapData, FlowSlotChunk> =
+            PerCpuArray::try_from(slots).map_err(err(MAP_FLOW_SLOTS))?;
+        let mut copies = FlowCopies::default();
+        for i in 0..slots.len() {
+            let per_cpu = slots.get(&i, 0).map_err(err(MAP_FLOW_SLOTS))?;
+            for (cpu, chunk) in per_cpu.iter().enumerate() {
+                for slot in chunk {
+                    copies.slot(cpu, per_cpu.len(), slot);
+                }
+            }
+        }
         let map = self
             .ebpf
             .map(MAP_FLOWS)
             .ok_or(DatapathError::MissingMap(MAP_FLOWS))?;
         let map: PerCpuHashMap<&MapData, FlowKey, FlowCounters> =
-            PerCpuHashMap::try_from(map).map_err(|source| DatapathError::Map {
-                name: MAP_FLOWS,
-                source,
-            })?;
-        let mut out = HashMap::new();
+            PerCpuHashMap::try_from(map).map_err(err(MAP_FLOWS))?;
         for item in map.iter() {
-            let (k, values) = item.map_err(|source| DatapathError::Map {
-                name: MAP_FLOWS,
-                source,
-            })?;
-            out.insert(k, merge_percpu(&values));
+            let (k, values) = item.map_err(err(MAP_FLOWS))?;
+            copies.flows_entry(k, &values);
         }
-        Ok(out)
+        Ok(copies.merge())
     }
 
     /// The mirror sessions the datapath has seen, by id (`FlowKey::mirror`). Read after
@@ -461,34 +492,53 @@ impl GlobalTotals {
     }
 }
 
+/// Each flow's copy on each CPU, gathered from the flow table's slots and then from
+/// `FLOWS` (in that order, see [`Datapath::flows`]): a copy in `FLOWS` replaces one found
+/// in a slot of the same CPU, the same counters caught while the kernel moved them.
+#[derive(Default)]
+pub struct FlowCopies(HashMap<FlowKey, Vec<FlowCounters>>);
+
+impl FlowCopies {
+    /// A slot of CPU `cpu` (of `cpus`); empty slots are skipped.
+    pub fn slot(&mut self, cpu: usize, cpus: usize, slot: &FlowSlot) {
+        if slot.counters.packets == 0 {
+            return;
+        }
+        let c = self
+            .0
+            .entry(slot.key)
+            .or_insert_with(|| vec![FlowCounters::default(); cpus]);
+        if let Some(c) = c.get_mut(cpu) {
+            *c = slot.counters;
+        }
+    }
+
+    /// A flow's per-CPU values in `FLOWS`; read after every slot.
+    pub fn flows_entry(&mut self, key: FlowKey, per_cpu: &[FlowCounters]) {
+        let c = self
+            .0
+            .entry(key)
+            .or_insert_with(|| vec![FlowCounters::default(); per_cpu.len()]);
+        for (mine, v) in c.iter_mut().zip(per_cpu) {
+            if v.packets > 0 {
+                *mine = *v;
+            }
+        }
+    }
+
+    pub fn merge(self) -> HashMap<FlowKey, FlowCounters> {
+        self.0.into_iter().map(|(k, c)| (k, merge_percpu(&c))).collect()
+    }
+}
+
 /// Merges per-CPU copies of one flow: sums, earliest first, newest last-seen fields.
 pub fn merge_percpu(values: &[FlowCounters]) -> FlowCounters {
     let mut m = FlowCounters {
         last_pcp: PCP_NONE,
         ..FlowCounters::default()
     };
-    for v in values.iter().filter(|v| v.packets > 0) {
-        m.packets += v.packets;
-        m.bytes += v.bytes;
-        for i in 0..4 {
-            m.ecn[i] += v.ecn[i];
-        }
-        m.cnp += v.cnp;
-        m.ack += v.ack;
-        m.nak_psn_seq_err += v.nak_psn_seq_err;
-        m.nak_rnr += v.nak_rnr;
-        m.nak_other += v.nak_other;
-        m.psn_gaps += v.psn_gaps;
-        m.dscp_changed += v.dscp_changed;
-        if m.first_ns == 0 || v.first_ns < m.first_ns {
-            m.first_ns = v.first_ns;
-        }
-        if v.last_ns >= m.last_ns {
-            m.last_ns = v.last_ns;
-            m.last_dscp = v.last_dscp;
-            m.last_pcp = v.last_pcp;
-            m.last_ttl = v.last_ttl;
-        }
+    for v in values {
+        m.absorb(v);
     }
     m
 }
@@ -511,6 +561,43 @@ mod tests {
         o.expected_dscp.clear();
         o.sample_rate = 0;
         assert_eq!(o.config().unwrap().sample_enabled, 0);
+    }
+
+    /// A flow's copies on different CPUs add up whether each sits in a slot or in
+    /// `FLOWS`; a copy caught in both places on one CPU (being moved out of an idle slot
+    /// between the reads) counts once.
+    #[test]
+    fn flow_copies_count_a_moving_copy_once() {
+        let key = |qp| FlowKey {
+            dest_qp: qp,
+            ..Default::default()
+        };
+        let c = |packets, last_ns| FlowCounters {
+            packets,
+            bytes: packets * 100,
+            first_ns: 1,
+            last_ns,
+            ..Default::default()
+        };
+        let slot = |qp, counters| FlowSlot {
+            key: key(qp),
+            counters,
+        };
+        let mut copies = FlowCopies::default();
+        copies.slot(0, 2, &slot(1, c(5, 10))); // QP 1 on CPU 0, being moved
+        copies.slot(1, 2, &slot(1, c(7, 20))); // QP 1 on CPU 1
+        copies.slot(1, 2, &slot(2, c(3, 30))); // QP 2 on CPU 1 only
+        copies.slot(0, 2, &FlowSlot::default()); // an empty slot
+        copies.flows_entry(key(1), &[c(5, 10), FlowCounters::default()]); // the moved copy
+        copies.flows_entry(key(3), &[FlowCounters::default(), c(4, 40)]); // QP 3: no slot
+        let m = copies.merge();
+        assert_eq!(m.len(), 3, "{m:?}");
+        assert_eq!(
+            (m[&key(1)].packets, m[&key(1)].bytes, m[&key(1)].last_ns),
+            (12, 1200, 20)
+        );
+        assert_eq!(m[&key(2)].packets, 3);
+        assert_eq!(m[&key(3)].packets, 4);
     }
 
     #[test]

@@ -451,7 +451,8 @@ struct CaptureArgs {
     direction: Direction,
     #[command(flatten)]
     ingress: IngressArgs,
-    /// Flows tracked in the kernel (LRU beyond that).
+    /// Flows the kernel keeps besides its per-CPU flow table (2048 slots a CPU, direct
+    /// mapped): those whose slot is taken; the idlest are evicted beyond this many.
     #[arg(long, default_value_t = DEFAULT_MAX_FLOWS)]
     max_flows: u32,
     /// JSON Lines on stdout instead of the live view.
@@ -520,6 +521,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     expected_dscp: a.expect_dscp,
                     max_flows: a.max_flows,
                     batch_wakeups: true,
+                    ..DatapathOptions::default()
                 },
                 json_stdout: a.json,
                 write: a.write,
@@ -666,8 +668,8 @@ async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
             } else {
                 a.expect_dscp
             },
-            max_flows: DEFAULT_MAX_FLOWS,
             batch_wakeups: false,
+            ..DatapathOptions::default()
         },
         interval,
         queue: a.queue.or(cfg.queue).unwrap_or(100_000),
@@ -768,8 +770,8 @@ fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
                     sample_rate: a.sample_rate,
                     seed: 0,
                     expected_dscp: Vec::new(),
-                    max_flows: DEFAULT_MAX_FLOWS,
                     batch_wakeups: false,
+                    ..DatapathOptions::default()
                 },
                 interval: Duration::from_millis(500),
                 queue: 1_000_000,

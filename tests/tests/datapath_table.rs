@@ -987,7 +987,28 @@ fn a_flow_moving_between_cpus_keeps_its_psn_sequence() {
         eprintln!("skipped: needs two CPUs to move a flow between");
         return;
     }
-    let mut t = ProgTest::new(&DatapathOptions::default());
+    // The flow in its flow-table slot on each CPU; then in FLOWS, its slot taken by a
+    // flow seen first.
+    for squatter in [false, true] {
+        moving_flow(squatter);
+    }
+    pin_to_cpu_any();
+}
+
+fn moving_flow(squatter: bool) {
+    let mut t = ProgTest::new(&DatapathOptions {
+        flow_slots: 1,
+        ..Default::default()
+    });
+    if squatter {
+        for cpu in [0, 1] {
+            assert!(pin_to_cpu(cpu));
+            let from = cpu as u32 * 3;
+            for f in qp_frames(0x5157, from..from + 3) {
+                t.run_xdp(&f);
+            }
+        }
+    }
     let send = |t: &mut ProgTest, cpu: usize, psns: &[u32], dscp: u8| {
         assert!(pin_to_cpu(cpu));
         for &psn in psns {
@@ -1003,8 +1024,8 @@ fn a_flow_moving_between_cpus_keeps_its_psn_sequence() {
     };
     let state = |t: &ProgTest| {
         let flows = t.flows();
-        assert_eq!(flows.len(), 1, "one flow");
-        let c = flows[0].1;
+        assert_eq!(flows.len(), 1 + squatter as usize, "one flow (and the squatter)");
+        let c = flows.iter().find(|(k, _)| k.dest_qp != 0x5157).unwrap().1;
         (
             c.packets,
             c.psn_gaps,
@@ -1034,6 +1055,114 @@ fn a_flow_moving_between_cpus_keeps_its_psn_sequence() {
     send(&mut t, 0, &[47], 0);
     assert_eq!(state(&t), (50, 1, 4, 3), "DSCP changes counted on both CPUs");
     pin_to_cpu_any();
+}
+
+/// A flow's packets, in sequence from `psn`, on QP `qp`.
+fn qp_frames(qp: u32, psns: std::ops::Range<u32>) -> Vec<Vec<u8>> {
+    psns.map(|psn| {
+        RoceFrame {
+            dest_qp: qp,
+            psn,
+            ..f(op::WRITE_MIDDLE)
+        }
+        .build()
+    })
+    .collect()
+}
+
+/// A flow's QP, packets, PSN gaps and DSCP changes.
+type QpCounts = (u32, u64, u64, u64);
+
+/// Each flow's [`QpCounts`] by QP; PSN regressions and failed inserts overall.
+fn per_qp(t: &ProgTest) -> (Vec<QpCounts>, u64, u64) {
+    let mut v: Vec<_> = t
+        .flows()
+        .iter()
+        .map(|(k, c)| (k.dest_qp, c.packets, c.psn_gaps, c.dscp_changed))
+        .collect();
+    v.sort();
+    let g = t.globals();
+    (
+        v,
+        g.total(GlobalCounter::PsnRegressions),
+        g.total(GlobalCounter::FlowInsertFailed),
+    )
+}
+
+/// More flows than flow-table slots (one slot here): the flows that find it taken are
+/// counted in `FLOWS`, exactly, with their PSN sequences, interleaved packet by packet.
+#[test]
+fn flows_beyond_the_flow_table_are_counted_exactly() {
+    if !require_root() {
+        return;
+    }
+    let mut t = ProgTest::new(&DatapathOptions {
+        flow_slots: 1,
+        ..Default::default()
+    });
+    let qps = [0x11, 0x22, 0x33, 0x44, 0x55];
+    let frames: Vec<_> = qps.iter().map(|&qp| qp_frames(qp, 0..40)).collect();
+    for i in 0..40 {
+        for (n, f) in frames.iter().enumerate() {
+            // Uneven: QP n sends its first n * 5 packets only.
+            if i < 40 - n * 5 {
+                t.run_tc_in(&f[i]);
+            }
+        }
+    }
+    let want: Vec<_> = qps
+        .iter()
+        .enumerate()
+        .map(|(n, &qp)| (qp, 40 - n as u64 * 5, 0, 0))
+        .collect();
+    assert_eq!(per_qp(&t), (want, 0, 0));
+}
+
+/// A slot whose flow went idle goes to the next flow that hashes to it; the idle flow's
+/// counters move to `FLOWS` and it carries on there, in sequence, when it comes back. A
+/// flow counted in `FLOWS` on a CPU does not take a slot there (one copy per CPU).
+#[test]
+fn an_idle_flows_slot_goes_to_a_new_flow_and_nothing_is_lost() {
+    if !require_root() {
+        return;
+    }
+    // The slot and FLOWS are per CPU: all on one.
+    if !pin_to_cpu(0) {
+        eprintln!("skipped: cannot pin to CPU 0");
+        return;
+    }
+    let mut t = ProgTest::new(&DatapathOptions {
+        flow_slots: 1,
+        slot_idle_ms: 20,
+        ..Default::default()
+    });
+    let send = |t: &mut ProgTest, qp, psns| {
+        for f in qp_frames(qp, psns) {
+            t.run_xdp(&f);
+        }
+    };
+    // Longer than the idle time, in coarse-clock ticks (up to 10 ms each) to spare.
+    let idle = || std::thread::sleep(std::time::Duration::from_millis(60));
+    send(&mut t, 0xa, 0..10); // A takes the slot
+    send(&mut t, 0xb, 0..5); // B: slot busy, FLOWS
+    idle();
+    send(&mut t, 0xc, 0..5); // C takes the idle slot, A moves to FLOWS
+    send(&mut t, 0xa, 10..20); // A carries on in FLOWS
+    send(&mut t, 0xb, 5..10);
+    idle();
+    send(&mut t, 0xa, 20..25); // slot idle, but A has its copy in FLOWS: stays there
+    send(&mut t, 0xd, 0..5); // D takes the slot, C moves
+    send(&mut t, 0xc, 5..10); // C carries on in FLOWS
+    send(&mut t, 0xd, 5..10);
+    pin_to_cpu_any();
+    assert_eq!(
+        per_qp(&t),
+        (
+            vec![(0xa, 25, 0, 0), (0xb, 10, 0, 0), (0xc, 10, 0, 0), (0xd, 10, 0, 0)],
+            0,
+            0
+        )
+    );
 }
 
 /// Lets the thread run anywhere again.
