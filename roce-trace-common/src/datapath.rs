@@ -40,6 +40,36 @@ pub const MAX_FLOW_SLOTS: u32 = 2048;
 /// Slots per element of `FLOW_SLOTS` (24 KiB, under the kernel's 32 KiB per-CPU value
 /// limit): few elements, so the element pointers the lookup loads stay in cache.
 pub const SLOTS_PER_CHUNK: u32 = 128;
+/// Each CPU's one value of `GLOBALS`: the global counters userspace reads and, beside
+/// them, the programs' working memory `W` (userspace reads it as bytes), so a packet
+/// touches one per-CPU value, whose first cache line holds the coarse clock and the
+/// counters every packet bumps (`RoceV2` of both directions).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CpuGlobals<W> {
+    /// `jiffies` when `coarse_ns` was read: the coarse clock is read once a tick per CPU.
+    pub clock_jiffies: u64,
+    pub coarse_ns: u64,
+    /// Indexed by [`GlobalCounter::index`].
+    pub counters: [u64; GLOBAL_COUNTERS_LEN as usize],
+    pub work: W,
+}
+
+/// The programs' working memory for one packet (too big for the 512-byte BPF stack once
+/// the compiler makes its copies).
+#[repr(C)]
+pub struct Work {
+    pub parsed: crate::parse::Parsed,
+    /// The inner frame of a mirrored copy, copied out for parsing. Not last: the parser
+    /// checks each header against the frame's length, but the verifier bounds some reads
+    /// only by the buffer's start, and `key` after it keeps those inside the value.
+    pub inner: [u8; crate::parse::INNER_HEAD_LEN],
+    pub key: FlowKey,
+}
+
+/// [`CpuGlobals`] as userspace reads it.
+pub type CpuGlobalsBytes = CpuGlobals<[u8; core::mem::size_of::<Work>()]>;
+
 /// A chunk of the flow table: one element of `FLOW_SLOTS`.
 pub type FlowSlotChunk = [FlowSlot; SLOTS_PER_CHUNK as usize];
 /// A slot whose flow has been idle this long is handed to a new flow (its counters move to
@@ -462,6 +492,27 @@ pub const GLOBAL_COUNTERS_PER_DIR: u32 = 32;
 pub const GLOBAL_COUNTERS_LEN: u32 = GLOBAL_COUNTERS_PER_DIR * 2;
 
 impl GlobalCounter {
+    /// What became of a frame: each frame the programs see is counted in exactly one of
+    /// these (every reason the parser gives up, or RoCEv2), so `FramesSeen` is their sum
+    /// and not counted apart.
+    pub const OUTCOMES: [GlobalCounter; 15] = [
+        Self::RoceV2,
+        Self::NonRoce,
+        Self::RoceV1,
+        Self::TruncatedL2,
+        Self::VlanTooDeep,
+        Self::TruncatedIp,
+        Self::BadIpHeader,
+        Self::Fragment,
+        Self::Ipv6ExtTooDeep,
+        Self::TruncatedUdp,
+        Self::BadUdpLength,
+        Self::TruncatedBth,
+        Self::TruncatedExtHeader,
+        Self::TruncatedEncap,
+        Self::BadEncap,
+    ];
+
     pub const ALL: [GlobalCounter; 22] = [
         Self::FramesSeen,
         Self::RoceV2,
@@ -551,6 +602,10 @@ const _: () = {
     assert!(core::mem::offset_of!(Sample, head) + SAMPLE_HEAD_LEN == core::mem::size_of::<Sample>());
     assert!(core::mem::size_of::<DatapathConfig>() == 40);
     assert!(core::mem::size_of::<FlowSlot>() == 184);
+    assert!(core::mem::size_of::<CpuGlobals<Work>>() == core::mem::size_of::<CpuGlobalsBytes>());
+    assert!(core::mem::offset_of!(CpuGlobals<Work>, counters) == 16);
+    // The counters every packet bumps share the clock's cache line.
+    assert!(16 + 8 * (GlobalCounter::RoceV2 as usize * 2 + 2) <= 64);
     assert!(MAX_FLOW_SLOTS.is_power_of_two() && SLOTS_PER_CHUNK.is_power_of_two());
     assert!(MAX_FLOW_SLOTS.is_multiple_of(SLOTS_PER_CHUNK));
     assert!(core::mem::size_of::<FlowSlotChunk>() <= 32 << 10);
@@ -569,6 +624,9 @@ mod pod {
     unsafe impl aya::Pod for FlowCounters {}
     // SAFETY: repr(C) of Pod fields, no padding (184 bytes asserted).
     unsafe impl aya::Pod for FlowSlot {}
+    // SAFETY: repr(C) of u64s and bytes, its size a multiple of 8 (asserted equal to the
+    // kernel's type): no padding.
+    unsafe impl aya::Pod for CpuGlobalsBytes {}
     // SAFETY: as above.
     unsafe impl aya::Pod for FlowState {}
     // SAFETY: as above.

@@ -29,7 +29,7 @@ use roce_trace_common::{
 
 use crate::{
     ctx::{TcPacket, XdpPacket},
-    maps::{CONFIG, FLOW_OWNER, FLOW_SLOTS, FLOWS, GLOBALS, MIRRORS, SAMPLES, SCRATCH, Scratch},
+    maps::{CONFIG, FLOW_OWNER, FLOW_SLOTS, FLOWS, GLOBALS, MIRRORS, SAMPLES},
 };
 
 #[xdp]
@@ -82,56 +82,62 @@ static ZERO_COUNTERS: FlowCounters = FlowCounters {
     _pad: [0; 5],
 };
 
+/// Counts one event in this CPU's global counters.
 #[inline(always)]
 fn bump(counter: GlobalCounter, dir: u8) {
     if let Some(g) = GLOBALS.get_ptr_mut(0) {
-        // SAFETY: per-CPU slot, no other writer while this program runs on this CPU.
-        if let Some(c) = unsafe { (*g).get_mut(counter.index(dir) as usize) } {
-            *c += 1;
-        }
+        // SAFETY: per-CPU value; programs do not nest on one CPU for these hooks.
+        count_in(unsafe { &mut *g }, counter, dir);
+    }
+}
+
+#[inline(always)]
+fn count_in(g: &mut CpuGlobals<Work>, counter: GlobalCounter, dir: u8) {
+    if let Some(c) = g.counters.get_mut(counter.index(dir) as usize) {
+        *c += 1;
     }
 }
 
 #[inline(always)]
 fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
-    bump(GlobalCounter::FramesSeen, dir);
     let cfg = CONFIG.load();
-    let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
+    let Some(g) = GLOBALS.get_ptr_mut(0) else {
         return;
     };
-    // SAFETY: per-CPU slot; programs do not nest on one CPU for these hooks.
-    let scratch = unsafe { &mut *scratch };
-    match parse_into(pkt, cfg.udp_port, &mut scratch.parsed, &mut scratch.inner) {
+    // SAFETY: per-CPU value; programs do not nest on one CPU for these hooks.
+    let g = unsafe { &mut *g };
+    // Every frame is counted once, by what became of it (`GlobalCounter::OUTCOMES`).
+    match parse_into(pkt, cfg.udp_port, &mut g.work.parsed, &mut g.work.inner) {
         Ok(()) => {
-            bump(GlobalCounter::RoceV2, dir);
-            if scratch.parsed.present & HAS_MIRROR != 0 {
-                bump(GlobalCounter::Mirrored, dir);
-                remember_mirror(&scratch.parsed);
+            count_in(g, GlobalCounter::RoceV2, dir);
+            if g.work.parsed.present & HAS_MIRROR != 0 {
+                count_in(g, GlobalCounter::Mirrored, dir);
+                remember_mirror(&g.work.parsed);
             }
             // A flow's first and last packet to a tick: the coarse clock, read once a tick
             // on each CPU (`jiffies` is one load); reported packets get the precise one.
             // SAFETY: no preconditions.
             let jiffies = unsafe { bpf_jiffies64() };
-            if scratch.clock_jiffies != jiffies {
-                scratch.clock_jiffies = jiffies;
+            if g.clock_jiffies != jiffies {
+                g.clock_jiffies = jiffies;
                 // SAFETY: no preconditions.
-                scratch.coarse_ns = unsafe { bpf_ktime_get_coarse_ns() };
+                g.coarse_ns = unsafe { bpf_ktime_get_coarse_ns() };
             }
-            let coarse = scratch.coarse_ns;
-            let reasons = account(scratch, &cfg, dir, ifindex, frame_len, coarse);
+            let coarse = g.coarse_ns;
+            let reasons = account(&mut g.work, &cfg, dir, ifindex, frame_len, coarse);
             if reasons != 0 {
-                load_icrc(pkt, &mut scratch.parsed);
+                load_icrc(pkt, &mut g.work.parsed);
                 emit(
                     pkt,
-                    &scratch.parsed,
-                    &scratch.key,
+                    &g.work.parsed,
+                    &g.work.key,
                     frame_len,
                     reasons,
                     cfg.wakeup_bytes,
                 );
             }
         }
-        Err(reason) => bump(reason, dir),
+        Err(reason) => count_in(g, reason, dir),
     }
 }
 
@@ -152,14 +158,7 @@ fn remember_mirror(p: &Parsed) {
 
 /// Counts the packet on its flow; returns why it must be reported (0: it need not be).
 #[inline(always)]
-fn account(
-    scratch: &mut Scratch,
-    cfg: &DatapathConfig,
-    dir: u8,
-    ifindex: u32,
-    frame_len: u32,
-    now: u64,
-) -> u32 {
+fn account(scratch: &mut Work, cfg: &DatapathConfig, dir: u8, ifindex: u32, frame_len: u32, now: u64) -> u32 {
     let p = &scratch.parsed;
     scratch.key = account::flow_key(p, ifindex, dir);
     let key = &scratch.key;

@@ -5,10 +5,7 @@ use aya_ebpf::{
     macros::map,
     maps::{HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
 };
-use roce_trace_common::{
-    datapath::*,
-    parse::{INNER_HEAD_LEN, Parsed},
-};
+use roce_trace_common::datapath::*;
 
 /// Load-time configuration (port, sampling, expected DSCPs), overridden by the loader.
 #[unsafe(no_mangle)]
@@ -38,27 +35,10 @@ pub static FLOW_OWNER: LruHashMap<FlowKey, FlowOwner> = LruHashMap::with_max_ent
 #[map]
 pub static MIRRORS: HashMap<u32, MirrorInfo> = HashMap::with_max_entries(MAX_MIRRORS, 0);
 
-/// Global counters, one array per CPU (a single allocation, so the counters every packet
-/// bumps sit in one cache line), indexed by `GlobalCounter::index(direction)`.
+/// Global counters and working memory, one value per CPU (see [`CpuGlobals`]).
 #[map]
-pub static GLOBALS: PerCpuArray<[u64; GLOBAL_COUNTERS_LEN as usize]> = PerCpuArray::with_max_entries(1, 0);
+pub static GLOBALS: PerCpuArray<CpuGlobals<Work>> = PerCpuArray::with_max_entries(1, 0);
 
 /// Sampled and anomalous packets to userspace.
 #[map]
 pub static SAMPLES: RingBuf = RingBuf::with_byte_size(SAMPLE_RING_BYTES, 0);
-
-/// Working memory for one packet: the parse result and flow key are too big for the
-/// 512-byte BPF stack once the compiler makes its copies.
-pub struct Scratch {
-    /// `jiffies` when `coarse_ns` was read: the coarse clock is read once a tick per CPU.
-    pub clock_jiffies: u64,
-    pub coarse_ns: u64,
-    pub parsed: Parsed,
-    pub key: FlowKey,
-    /// The inner frame of a mirrored copy, copied out for parsing.
-    pub inner: [u8; INNER_HEAD_LEN],
-}
-
-/// One [`Scratch`] per CPU.
-#[map]
-pub static SCRATCH: PerCpuArray<Scratch> = PerCpuArray::with_max_entries(1, 0);

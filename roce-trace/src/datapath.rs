@@ -413,8 +413,8 @@ impl Datapath {
             .ebpf
             .map(MAP_GLOBALS)
             .ok_or(DatapathError::MissingMap(MAP_GLOBALS))?;
-        let map: PerCpuArray<&MapData, [u64; GLOBAL_COUNTERS_LEN as usize]> = PerCpuArray::try_from(map)
-            .map_err(|source| DatapathError::Map {
+        let map: PerCpuArray<&MapData, CpuGlobalsBytes> =
+            PerCpuArray::try_from(map).map_err(|source| DatapathError::Map {
                 name: MAP_GLOBALS,
                 source,
             })?;
@@ -424,7 +424,7 @@ impl Datapath {
         })?;
         let mut totals = GlobalTotals::default();
         for cpu in per_cpu.iter() {
-            for (slot, v) in totals.0.iter_mut().zip(cpu) {
+            for (slot, v) in totals.0.iter_mut().zip(&cpu.counters) {
                 *slot += v;
             }
         }
@@ -483,7 +483,14 @@ impl Default for GlobalTotals {
 }
 
 impl GlobalTotals {
+    /// `FramesSeen` is the sum of [`GlobalCounter::OUTCOMES`] (each frame ends in one).
     pub fn get(&self, c: GlobalCounter, direction: u8) -> u64 {
+        if c == GlobalCounter::FramesSeen {
+            return GlobalCounter::OUTCOMES
+                .iter()
+                .map(|&o| self.0[o.index(direction) as usize])
+                .sum();
+        }
         self.0[c.index(direction) as usize]
     }
     /// Both directions added.

@@ -264,7 +264,6 @@ impl Offline {
         let dir = DIR_INGRESS;
         self.frames += 1;
         let g = &mut self.globals.0;
-        g[GlobalCounter::FramesSeen.index(dir) as usize] += 1;
         let pkt = SlicePacket::new(&fr.data);
         let mut p = Default::default();
         let mut inner = [0u8; INNER_HEAD_LEN];
