@@ -124,10 +124,11 @@ impl FlowKey {
         (a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3]) | (a[4] ^ b[4]) | (a[5] ^ b[5]) == 0
     }
 
-    /// The key's slot in the direct-mapped flow table (`FLOW_SLOTS`) of `mask + 1` slots: a
-    /// multiplicative hash of the six words, its high half masked.
+    /// The key's slot in the direct-mapped flow table (`FLOW_SLOTS`) of `1 << bits`
+    /// slots (`bits` < 32): the top `bits` bits of a multiplicative hash of the six words
+    /// (only the top bits depend on every bit of every word).
     #[inline(always)]
-    pub fn slot(&self, mask: u32) -> u32 {
+    pub fn slot(&self, bits: u32) -> u32 {
         const K: u64 = 0x9E37_79B9_7F4A_7C15;
         let w = self.words();
         let mut h = w[0].wrapping_mul(K);
@@ -136,7 +137,8 @@ impl FlowKey {
         h = (h ^ w[3]).wrapping_mul(K);
         h = (h ^ w[4]).wrapping_mul(K);
         h = (h ^ w[5]).wrapping_mul(K);
-        (h >> 32) as u32 & mask
+        // In two steps, so that 0 bits is slot 0 without a shift by 64.
+        ((h >> (63 - bits)) >> 1) as u32
     }
 }
 
@@ -424,8 +426,8 @@ pub struct DatapathConfig {
     /// it only when this many bytes wait (once, as a sample takes the fill past it): for a
     /// reader that does not need samples promptly and drains on a timer besides.
     pub wakeup_bytes: u32,
-    /// `FLOW_SLOTS` has `slot_mask + 1` slots per CPU.
-    pub slot_mask: u32,
+    /// `FLOW_SLOTS` has `1 << slot_bits` slots per CPU.
+    pub slot_bits: u32,
     /// A slot idle this long goes to a new flow that hashes to it.
     pub slot_idle_ms: u32,
 }
@@ -449,7 +451,7 @@ impl DatapathConfig {
             expected_dscp_mask,
             v4_prefix_state: crate::sampling::v4_prefix_state(seed),
             wakeup_bytes: 0,
-            slot_mask: MAX_FLOW_SLOTS - 1,
+            slot_bits: MAX_FLOW_SLOTS.trailing_zeros(),
             slot_idle_ms: DEFAULT_SLOT_IDLE_MS,
         }
     }
@@ -635,4 +637,52 @@ mod pod {
     unsafe impl aya::Pod for Sample {}
     // SAFETY: as above.
     unsafe impl aya::Pod for DatapathConfig {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A key's slot depends on every bit of it: flipping any one bit of a flow key (the
+    /// direction, the high bits of the UDP source port, the IP version as well as the
+    /// addresses) moves the flow to another slot, for this key and table size. With the
+    /// hash's low half a flow's two directions shared a slot.
+    #[test]
+    fn every_bit_of_the_key_moves_the_slot() {
+        let key = FlowKey {
+            src: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 10, 1, 2],
+            dst: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 10, 3, 2],
+            ifindex: 7,
+            dest_qp: 0x11,
+            mirror: 0,
+            udp_sport: 0xc001,
+            direction: DIR_INGRESS,
+            ip_version: 4,
+        };
+        let bits = MAX_FLOW_SLOTS.trailing_zeros();
+        let slot = key.slot(bits);
+        assert!(slot < MAX_FLOW_SLOTS);
+        let (mut same, mut first) = (0, None);
+        for word in 0..6 {
+            for bit in 0..64 {
+                let mut k = key;
+                // SAFETY: FlowKey is 48 bytes of plain integers, aligned to 8.
+                let w = unsafe { &mut *core::ptr::from_mut(&mut k).cast::<[u64; 6]>() };
+                w[word] ^= 1 << bit;
+                if k.slot(bits) == slot {
+                    same += 1;
+                    first = first.or(Some((word, bit)));
+                }
+            }
+        }
+        // 288 flips into 2048 slots: a chance match or two, not whole fields.
+        assert!(same <= 2, "{same} flips keep the slot, the first {first:?}");
+        let other_way = FlowKey {
+            direction: DIR_EGRESS,
+            ..key
+        };
+        assert_ne!(other_way.slot(bits), slot);
+        assert_eq!(key.slot(0), 0, "one slot");
+        assert!(key.slot(1) < 2);
+    }
 }

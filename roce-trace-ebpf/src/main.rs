@@ -163,7 +163,7 @@ fn account(scratch: &mut Work, cfg: &DatapathConfig, dir: u8, ifindex: u32, fram
     scratch.key = account::flow_key(p, ifindex, dir);
     let key = &scratch.key;
 
-    let counters = match flow_slot(key.slot(cfg.slot_mask)) {
+    let counters = match flow_slot(key.slot(cfg.slot_bits)) {
         // SAFETY: per-CPU slot: only this CPU writes this copy.
         Some(slot) if unsafe { (*slot).counters.packets != 0 && (*slot).key.same(key) } => {
             // SAFETY: as above.
@@ -179,7 +179,7 @@ fn account(scratch: &mut Work, cfg: &DatapathConfig, dir: u8, ifindex: u32, fram
         let update = if account::in_sequence(&c.state, p) {
             account::update_state(&mut c.state, p)
         } else {
-            catch_up(&mut c.state, key, cfg.slot_mask, p)
+            catch_up(&mut c.state, key, cfg.slot_bits, p)
         };
         if update.psn_regression {
             bump(GlobalCounter::PsnRegressions, dir);
@@ -264,7 +264,7 @@ fn flows_entry(key: &FlowKey, dir: u8) -> Option<*mut FlowCounters> {
 /// last; when that is another CPU, its copy of the state is the flow's latest, so it is
 /// taken over before `p` is judged. The flow's first DSCP lives there too.
 #[inline(always)]
-fn catch_up(st: &mut FlowState, key: &FlowKey, slot_mask: u32, p: &Parsed) -> account::StateUpdate {
+fn catch_up(st: &mut FlowState, key: &FlowKey, slot_bits: u32, p: &Parsed) -> account::StateUpdate {
     // SAFETY: no preconditions.
     let cpu = unsafe { bpf_get_smp_processor_id() };
     let first_dscp = match FLOW_OWNER.get_ptr_mut(key) {
@@ -293,7 +293,7 @@ fn catch_up(st: &mut FlowState, key: &FlowKey, slot_mask: u32, p: &Parsed) -> ac
             if owner.cpu != cpu {
                 let left = owner.cpu;
                 owner.cpu = cpu;
-                take_over(st, key, slot_mask, left);
+                take_over(st, key, slot_bits, left);
                 st.first_dscp = owner.first_dscp;
             }
             owner.first_dscp
@@ -314,9 +314,9 @@ fn catch_up(st: &mut FlowState, key: &FlowKey, slot_mask: u32, p: &Parsed) -> ac
 /// there, so that the CPU the flow left cannot judge a later packet in sequence by what it
 /// saw before (a retransmission that happens to continue its old PSN).
 #[inline(always)]
-fn take_over(st: &mut FlowState, key: &FlowKey, slot_mask: u32, left: u32) {
+fn take_over(st: &mut FlowState, key: &FlowKey, slot_bits: u32, left: u32) {
     // That CPU's copy of the flow: in its slot when it holds it, else in FLOWS.
-    let i = key.slot(slot_mask);
+    let i = key.slot(slot_bits);
     let chunk_idx = i / SLOTS_PER_CHUNK;
     // SAFETY: FLOW_SLOTS is a per-CPU array of FlowSlotChunk; the helper returns that
     // CPU's copy of the chunk, or null.

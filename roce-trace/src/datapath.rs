@@ -110,7 +110,7 @@ impl DatapathOptions {
         let threshold = threshold_for_rate(self.sample_rate);
         Ok(DatapathConfig {
             udp_port: self.udp_port,
-            slot_mask: self.table_slots() - 1,
+            slot_bits: self.table_slots().trailing_zeros(),
             slot_idle_ms: self.slot_idle_ms,
             wakeup_bytes: if self.batch_wakeups { SAMPLE_BATCH_BYTES } else { 0 },
             ..DatapathConfig::with(
