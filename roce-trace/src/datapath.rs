@@ -47,6 +47,10 @@ pub enum DatapathError {
     InvalidOption(String),
 }
 
+/// Bytes the kernel's flow table may take over all CPUs (see
+/// [`DatapathOptions::table_slots`]).
+pub const FLOW_TABLE_BUDGET: usize = 16 << 20;
+
 /// Load-time settings of the datapath.
 #[derive(Clone, Debug)]
 pub struct DatapathOptions {
@@ -86,10 +90,18 @@ impl Default for DatapathOptions {
 }
 
 impl DatapathOptions {
-    /// Slots of the per-CPU flow table as loaded: `flow_slots` rounded up to a power of
-    /// two, at most `MAX_FLOW_SLOTS`.
-    pub fn table_slots(&self) -> u32 {
-        self.flow_slots.max(1).next_power_of_two().min(MAX_FLOW_SLOTS)
+    /// Slots of the per-CPU flow table as loaded on a host with `cpus` possible CPUs:
+    /// `flow_slots` rounded up to a power of two, at most `MAX_FLOW_SLOTS`, and few enough
+    /// that the whole table (every CPU's copy, which a reader copies out each interval)
+    /// stays within `FLOW_TABLE_BUDGET`: 2048 slots a CPU up to 44 CPUs, 256 at 256.
+    pub fn table_slots(&self, cpus: usize) -> u32 {
+        let budget = FLOW_TABLE_BUDGET / (cpus.max(1) * size_of::<FlowSlot>());
+        let fits = if budget == 0 { 1 } else { 1 << budget.ilog2() };
+        self.flow_slots
+            .max(1)
+            .next_power_of_two()
+            .min(MAX_FLOW_SLOTS)
+            .min(fits as u32)
     }
 
     pub fn config(&self) -> Result<DatapathConfig, DatapathError> {
@@ -110,7 +122,6 @@ impl DatapathOptions {
         let threshold = threshold_for_rate(self.sample_rate);
         Ok(DatapathConfig {
             udp_port: self.udp_port,
-            slot_bits: self.table_slots().trailing_zeros(),
             slot_idle_ms: self.slot_idle_ms,
             wakeup_bytes: if self.batch_wakeups { SAMPLE_BATCH_BYTES } else { 0 },
             ..DatapathConfig::with(
@@ -167,12 +178,19 @@ impl Datapath {
     pub fn load(opts: &DatapathOptions) -> Result<Self, DatapathError> {
         sys::check_kernel()?;
         sys::check_privileges()?;
-        let cfg = opts.config()?;
+        let cpus = aya::util::nr_cpus().map_err(|(path, source)| {
+            DatapathError::InvalidOption(format!("cannot count the CPUs ({path}): {source}"))
+        })?;
+        let slots = opts.table_slots(cpus);
+        let cfg = DatapathConfig {
+            slot_bits: slots.trailing_zeros(),
+            ..opts.config()?
+        };
         let ebpf = EbpfLoader::new()
             .override_global(GLOBAL_CONFIG, &cfg, true)
             .map_max_entries(MAP_FLOWS, opts.max_flows)
             .map_max_entries(MAP_FLOW_OWNER, opts.max_flows)
-            .map_max_entries(MAP_FLOW_SLOTS, opts.table_slots().div_ceil(SLOTS_PER_CHUNK))
+            .map_max_entries(MAP_FLOW_SLOTS, slots.div_ceil(SLOTS_PER_CHUNK))
             .load(EBPF_OBJECT)
             .map_err(DatapathError::Load)?;
         Ok(Self { ebpf })
@@ -568,6 +586,26 @@ mod tests {
         o.expected_dscp.clear();
         o.sample_rate = 0;
         assert_eq!(o.config().unwrap().sample_enabled, 0);
+    }
+
+    #[test]
+    fn the_flow_table_shrinks_with_the_cpu_count() {
+        let o = DatapathOptions::default();
+        assert_eq!(o.table_slots(2), 2048);
+        assert_eq!(o.table_slots(44), 2048);
+        assert_eq!(o.table_slots(64), 1024);
+        assert_eq!(o.table_slots(256), 256);
+        assert_eq!(o.table_slots(1 << 20), 1);
+        for cpus in [1, 2, 7, 64, 100, 256, 4096] {
+            let slots = o.table_slots(cpus) as usize;
+            assert!(slots.is_power_of_two());
+            assert!(slots == 1 || cpus * slots * size_of::<FlowSlot>() <= FLOW_TABLE_BUDGET);
+        }
+        let small = DatapathOptions {
+            flow_slots: 5,
+            ..Default::default()
+        };
+        assert_eq!(small.table_slots(2), 8, "rounded up to a power of two");
     }
 
     /// A flow's copies on different CPUs add up whether each sits in a slot or in

@@ -451,8 +451,8 @@ struct CaptureArgs {
     direction: Direction,
     #[command(flatten)]
     ingress: IngressArgs,
-    /// Flows the kernel keeps besides its per-CPU flow table (2048 slots a CPU, direct
-    /// mapped): those whose slot is taken; the idlest are evicted beyond this many.
+    /// Flows the kernel keeps besides its per-CPU flow table (up to 2048 slots a CPU,
+    /// direct mapped): those whose slot is taken; the idlest are evicted beyond this many.
     #[arg(long, default_value_t = DEFAULT_MAX_FLOWS)]
     max_flows: u32,
     /// JSON Lines on stdout instead of the live view.
