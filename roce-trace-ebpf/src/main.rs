@@ -221,7 +221,8 @@ fn slot_or_flows(
         )]
         let moved = FLOWS.insert(&slot.key, &slot.counters, 0);
         if moved.is_err() {
-            bump(GlobalCounter::FlowInsertFailed, dir);
+            // The idle flow keeps its slot (nothing lost); this one goes to FLOWS.
+            return flows_entry(key, dir);
         }
     }
     // Empty first (a reader skips a slot without packets), then the new key.
@@ -229,8 +230,10 @@ fn slot_or_flows(
     unsafe {
         core::ptr::write_volatile(core::ptr::addr_of_mut!(slot.counters.packets), 0);
     }
+    core::sync::atomic::compiler_fence(core::sync::atomic::Ordering::Release);
     slot.counters = ZERO_COUNTERS;
     slot.key = *key;
+    core::sync::atomic::compiler_fence(core::sync::atomic::Ordering::Release);
     Some(core::ptr::addr_of_mut!(slot.counters))
 }
 

@@ -189,7 +189,11 @@ impl Datapath {
         let ebpf = EbpfLoader::new()
             .override_global(GLOBAL_CONFIG, &cfg, true)
             .map_max_entries(MAP_FLOWS, opts.max_flows)
-            .map_max_entries(MAP_FLOW_OWNER, opts.max_flows)
+            // Every flow has an owner record, in a slot or not.
+            .map_max_entries(
+                MAP_FLOW_OWNER,
+                opts.max_flows.saturating_add(slots.saturating_mul(cpus as u32)),
+            )
             .map_max_entries(MAP_FLOW_SLOTS, slots.div_ceil(SLOTS_PER_CHUNK))
             .load(EBPF_OBJECT)
             .map_err(DatapathError::Load)?;
