@@ -82,18 +82,13 @@ static ZERO_COUNTERS: FlowCounters = FlowCounters {
     _pad: [0; 5],
 };
 
+/// This CPU's global counters (`CpuGlobals::counters`), passed down from `observe`.
+type Counters = [u64; GLOBAL_COUNTERS_LEN as usize];
+
 /// Counts one event in this CPU's global counters.
 #[inline(always)]
-fn bump(counter: GlobalCounter, dir: u8) {
-    if let Some(g) = GLOBALS.get_ptr_mut(0) {
-        // SAFETY: per-CPU value; programs do not nest on one CPU for these hooks.
-        count_in(unsafe { &mut *g }, counter, dir);
-    }
-}
-
-#[inline(always)]
-fn count_in(g: &mut CpuGlobals<Work>, counter: GlobalCounter, dir: u8) {
-    if let Some(c) = g.counters.get_mut(counter.index(dir) as usize) {
+fn bump(counters: &mut Counters, counter: GlobalCounter, dir: u8) {
+    if let Some(c) = counters.get_mut(counter.index(dir) as usize) {
         *c += 1;
     }
 }
@@ -109,9 +104,9 @@ fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
     // Every frame is counted once, by what became of it (`GlobalCounter::OUTCOMES`).
     match parse_into(pkt, cfg.udp_port, &mut g.work.parsed, &mut g.work.inner) {
         Ok(()) => {
-            count_in(g, GlobalCounter::RoceV2, dir);
+            bump(&mut g.counters, GlobalCounter::RoceV2, dir);
             if g.work.parsed.present & HAS_MIRROR != 0 {
-                count_in(g, GlobalCounter::Mirrored, dir);
+                bump(&mut g.counters, GlobalCounter::Mirrored, dir);
                 remember_mirror(&g.work.parsed);
             }
             // A flow's first and last packet to a tick: the coarse clock, read once a tick
@@ -124,20 +119,29 @@ fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
                 g.coarse_ns = unsafe { bpf_ktime_get_coarse_ns() };
             }
             let coarse = g.coarse_ns;
-            let reasons = account(&mut g.work, &cfg, dir, ifindex, frame_len, coarse);
+            let reasons = account(
+                &mut g.work,
+                &mut g.counters,
+                &cfg,
+                dir,
+                ifindex,
+                frame_len,
+                coarse,
+            );
             if reasons != 0 {
                 load_icrc(pkt, &mut g.work.parsed);
                 emit(
                     pkt,
                     &g.work.parsed,
                     &g.work.key,
+                    &mut g.counters,
                     frame_len,
                     reasons,
                     cfg.wakeup_bytes,
                 );
             }
         }
-        Err(reason) => count_in(g, reason, dir),
+        Err(reason) => bump(&mut g.counters, reason, dir),
     }
 }
 
@@ -158,22 +162,30 @@ fn remember_mirror(p: &Parsed) {
 
 /// Counts the packet on its flow; returns why it must be reported (0: it need not be).
 #[inline(always)]
-fn account(scratch: &mut Work, cfg: &DatapathConfig, dir: u8, ifindex: u32, frame_len: u32, now: u64) -> u32 {
-    let p = &scratch.parsed;
-    scratch.key = account::flow_key(p, ifindex, dir);
-    let key = &scratch.key;
+fn account(
+    work: &mut Work,
+    counters: &mut Counters,
+    cfg: &DatapathConfig,
+    dir: u8,
+    ifindex: u32,
+    frame_len: u32,
+    now: u64,
+) -> u32 {
+    let p = &work.parsed;
+    work.key = account::flow_key(p, ifindex, dir);
+    let key = &work.key;
 
-    let counters = match flow_slot(key.slot(cfg.slot_bits)) {
+    let flow = match flow_slot(key.slot(cfg.slot_bits)) {
         // SAFETY: per-CPU slot: only this CPU writes this copy.
         Some(slot) if unsafe { (*slot).counters.packets != 0 && (*slot).key.same(key) } => {
             // SAFETY: as above.
             Some(unsafe { core::ptr::addr_of_mut!((*slot).counters) })
         }
         // SAFETY: as above; the slot is not the flow's: taken, or handed to it here.
-        Some(slot) => slot_or_flows(unsafe { &mut *slot }, key, cfg, dir, now),
-        None => flows_entry(key, dir),
+        Some(slot) => slot_or_flows(unsafe { &mut *slot }, key, counters, cfg, dir, now),
+        None => flows_entry(key, counters, dir),
     };
-    if let Some(c) = counters {
+    if let Some(c) = flow {
         // SAFETY: per-CPU map value: only this CPU writes this copy.
         let c = unsafe { &mut *c };
         let update = if account::in_sequence(&c.state, p) {
@@ -182,7 +194,7 @@ fn account(scratch: &mut Work, cfg: &DatapathConfig, dir: u8, ifindex: u32, fram
             catch_up(&mut c.state, key, cfg.slot_bits, p)
         };
         if update.psn_regression {
-            bump(GlobalCounter::PsnRegressions, dir);
+            bump(counters, GlobalCounter::PsnRegressions, dir);
         }
         account::count(c, p, frame_len, now, &update);
     }
@@ -197,13 +209,14 @@ fn account(scratch: &mut Work, cfg: &DatapathConfig, dir: u8, ifindex: u32, fram
 fn slot_or_flows(
     slot: &mut FlowSlot,
     key: &FlowKey,
+    counters: &mut Counters,
     cfg: &DatapathConfig,
     dir: u8,
     now: u64,
 ) -> Option<*mut FlowCounters> {
     let held = slot.counters.packets != 0;
     if held && now.saturating_sub(slot.counters.last_ns) < cfg.slot_idle_ms as u64 * 1_000_000 {
-        return flows_entry(key, dir);
+        return flows_entry(key, counters, dir);
     }
     if let Some(c) = FLOWS.get_ptr_mut(key) {
         // SAFETY: per-CPU map value: only this CPU writes this copy.
@@ -222,7 +235,7 @@ fn slot_or_flows(
         let moved = FLOWS.insert(&slot.key, &slot.counters, 0);
         if moved.is_err() {
             // The idle flow keeps its slot (nothing lost); this one goes to FLOWS.
-            return flows_entry(key, dir);
+            return flows_entry(key, counters, dir);
         }
     }
     // Empty first (a reader skips a slot without packets), then the new key.
@@ -240,14 +253,20 @@ fn slot_or_flows(
 /// This CPU's slot `i` of the flow table.
 #[inline(always)]
 fn flow_slot(i: u32) -> Option<*mut FlowSlot> {
-    let chunk = FLOW_SLOTS.get_ptr_mut(i / SLOTS_PER_CHUNK)?;
-    // SAFETY: per-CPU value; the index is below the chunk's length.
+    slot_in(FLOW_SLOTS.get_ptr_mut(i / SLOTS_PER_CHUNK)?, i)
+}
+
+/// Slot `i` in `chunk`, which must be element `i / SLOTS_PER_CHUNK` of `FLOW_SLOTS` (of
+/// some CPU): entry `i % SLOTS_PER_CHUNK`.
+#[inline(always)]
+fn slot_in(chunk: *mut FlowSlotChunk, i: u32) -> Option<*mut FlowSlot> {
+    // SAFETY: a valid `FLOW_SLOTS` value; `get_mut` checks the index against its length.
     unsafe { (*chunk).get_mut((i % SLOTS_PER_CHUNK) as usize) }.map(core::ptr::from_mut)
 }
 
 /// The flow's counters in `FLOWS`, inserted when new.
 #[inline(always)]
-fn flows_entry(key: &FlowKey, dir: u8) -> Option<*mut FlowCounters> {
+fn flows_entry(key: &FlowKey, counters: &mut Counters, dir: u8) -> Option<*mut FlowCounters> {
     if let Some(c) = FLOWS.get_ptr_mut(key) {
         return Some(c);
     }
@@ -257,7 +276,7 @@ fn flows_entry(key: &FlowKey, dir: u8) -> Option<*mut FlowCounters> {
     )]
     let inserted = FLOWS.insert(key, &ZERO_COUNTERS, 0);
     if inserted.is_err() {
-        bump(GlobalCounter::FlowInsertFailed, dir);
+        bump(counters, GlobalCounter::FlowInsertFailed, dir);
     }
     FLOWS.get_ptr_mut(key)
 }
@@ -330,15 +349,9 @@ fn take_over(st: &mut FlowState, key: &FlowKey, slot_bits: u32, left: u32) {
             left,
         )
     } as *mut FlowSlotChunk;
-    let slot = if chunk.is_null() {
-        core::ptr::null_mut()
-    } else {
-        // SAFETY: non-null: a valid value of that CPU; the index is below its length.
-        unsafe { (*chunk).get_mut((i % SLOTS_PER_CHUNK) as usize) }
-            .map_or(core::ptr::null_mut(), core::ptr::from_mut)
-    };
-    // SAFETY: non-null: a valid value of that CPU, read only here.
-    let theirs = if !slot.is_null() && unsafe { (*slot).key.same(key) } {
+    let slot = if chunk.is_null() { None } else { slot_in(chunk, i) };
+    // SAFETY: a valid slot of that CPU's chunk.
+    let theirs = if let Some(slot) = slot.filter(|&s| unsafe { (*s).key.same(key) }) {
         // SAFETY: as above.
         unsafe { core::ptr::addr_of_mut!((*slot).counters) }
     } else {
@@ -364,11 +377,19 @@ fn take_over(st: &mut FlowState, key: &FlowKey, slot_bits: u32, left: u32) {
 }
 
 #[inline(always)]
-fn emit<P: Packet>(pkt: &P, p: &Parsed, key: &FlowKey, frame_len: u32, reasons: u32, wakeup_bytes: u32) {
+fn emit<P: Packet>(
+    pkt: &P,
+    p: &Parsed,
+    key: &FlowKey,
+    counters: &mut Counters,
+    frame_len: u32,
+    reasons: u32,
+    wakeup_bytes: u32,
+) {
     let dir = key.direction;
     let Some(mut entry) = SAMPLES.reserve::<Sample>(0) else {
         // Full ring: counted, and the packet passes untouched all the same.
-        bump(GlobalCounter::RingbufFull, dir);
+        bump(counters, GlobalCounter::RingbufFull, dir);
         return;
     };
     // SAFETY: bpf_ktime_get_ns has no preconditions.
@@ -430,7 +451,7 @@ fn emit<P: Packet>(pkt: &P, p: &Parsed, key: &FlowKey, frame_len: u32, reasons: 
         }
     };
     entry.submit(flags);
-    bump(GlobalCounter::SamplesEmitted, dir);
+    bump(counters, GlobalCounter::SamplesEmitted, dir);
 }
 
 #[cfg(not(test))]
