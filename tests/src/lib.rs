@@ -172,16 +172,27 @@ pub fn read_pcap(path: &Path) -> Vec<Vec<u8>> {
     v
 }
 
-/// What `python3 ARGS…` printed, line by line (scapy cross-checks); panics with its
-/// stderr when it fails.
+/// The Python that has scapy: the checkout's `.venv` (scripts/setup creates it: Debian's
+/// system Python refuses pip installs), or `$ROCE_TRACE_PYTHON`.
+pub fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("ROCE_TRACE_PYTHON") {
+        return PathBuf::from(p);
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python3")
+}
+
+/// What `python ARGS…` printed (see [`python`]), line by line (scapy cross-checks); panics
+/// with its stderr when it fails.
 pub fn python_lines(args: &[&std::ffi::OsStr]) -> Vec<String> {
-    let out = Command::new("python3")
+    let py = python();
+    let out = Command::new(&py)
         .args(args)
         .output()
-        .expect("python3 is installed (scripts/setup)");
+        .unwrap_or_else(|e| panic!("{} (scripts/setup creates it): {e}", py.display()));
     assert!(
         out.status.success(),
-        "python3 {args:?} failed (scripts/setup installs scapy): {}",
+        "{} {args:?} failed (scripts/setup installs scapy): {}",
+        py.display(),
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8(out.stdout)
