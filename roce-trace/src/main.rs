@@ -319,6 +319,13 @@ struct GenArgs {
     /// Packets per sendmmsg call.
     #[arg(long, default_value_t = 32)]
     batch: usize,
+    /// RC local ACK timeout: with messages outstanding and nothing acknowledged for this
+    /// long, go back to the oldest unacknowledged message (default: 4.096 µs × 2^14).
+    #[arg(long, default_value = "67108864ns", value_parser = humantime::parse_duration)]
+    ack_timeout: Duration,
+    /// Timeouts in a row before the QP gives up (retry exceeded), 0..=7 as in RC.
+    #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u32).range(0..=7))]
+    retry_count: u32,
     /// Print the final report as JSON.
     #[arg(long)]
     json: bool,
@@ -585,6 +592,10 @@ async fn run_gen(a: GenArgs) -> anyhow::Result<()> {
             qp_base: a.qp_base,
             dcqcn: !a.no_dcqcn,
             batch: a.batch,
+            ack_timeout: roce_trace::traffic::requester::AckTimeout {
+                timeout: a.ack_timeout,
+                retries: a.retry_count,
+            },
             tx: match (a.tx, &a.iface, a.dst_mac) {
                 (TxArg::Packet, Some(iface), Some(dst_mac)) => TxMode::Packet {
                     iface: iface.clone(),

@@ -105,12 +105,21 @@ fn generated_packets_decode_in_tshark_and_carry_scapys_icrc() {
                     "AckReq on the last packet"
                 );
             }
-            let acks = rows
+            let acks: Vec<_> = rows
                 .iter()
                 .filter(|r| {
                     r[0] == "17" && u64::from_str_radix(r[1].trim_start_matches("0x"), 16).unwrap() == qp ^ 1
                 })
-                .count();
+                .collect();
+            // Each responder QP replies from a port of its own, as NICs do, so the
+            // replies of different QPs take different ECMP paths.
+            let port = roce_trace::traffic::reply_port(qp as u32).to_string();
+            assert!(
+                acks.iter().all(|r| r[3] == port),
+                "ACKs of QP {qp:#x} from port {port}: {:?}",
+                acks.first()
+            );
+            let acks = acks.len();
             assert!(
                 (acks as u64).abs_diff(sent / 4) <= 1,
                 "one ACK per message: {acks} for {sent} packets"
@@ -136,8 +145,10 @@ fn generated_packets_decode_in_tshark_and_carry_scapys_icrc() {
     }
 }
 
-/// Drop 1 in 200 requests on the way in: the responder NAKs each gap once, the sender
-/// goes back to the NAKed PSN, and every message completes.
+/// Drop 1 in 200 requests on the way in, over 4 QPs: the responder NAKs each gap once,
+/// the sender goes back to the NAKed PSN (or, when a retransmission is lost too, to the
+/// oldest unacknowledged message once the ACK timeout passes), and every message
+/// completes: on every QP, messages completed == messages sent, exactly.
 #[test]
 fn losses_are_naked_and_retransmitted() {
     if !require_root() {
@@ -164,50 +175,205 @@ fn losses_are_naked_and_retransmitted() {
         "-j",
         "DROP",
     ]);
-    let resp = spawn_gen(&pair.b.name, &["--bind", "10.99.0.2", "--duration", "4s"]);
+    let resp = spawn_gen(&pair.b.name, &["--bind", "10.99.0.2", "--duration", "5s"]);
     std::thread::sleep(Duration::from_millis(300));
     let send = spawn_gen(
         &pair.a.name,
         &[
             "--to",
             "10.99.0.2",
+            "--qps",
+            "4",
             "--msg-size",
             "16KiB",
             "--rate",
-            "50mbit",
+            "20mbit",
             "--duration",
             "2s",
+            "--ack-timeout",
+            "20ms",
         ],
     );
     let s = gen_report(send);
     let r = gen_report(resp);
+    let senders = s["senders"].as_array().unwrap();
+    assert_eq!(senders.len(), 4);
+    let dropped = pair.b.exec(&["iptables", "-L", "INPUT", "-v", "-x", "-n"]);
+    let drops: u64 = dropped
+        .lines()
+        .find(|l| l.contains("DROP"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no DROP counter in {dropped}"));
+    assert!(drops > 10, "the rule dropped {drops} requests");
+    let mut naks = 0;
+    for q in senders {
+        let rq = r["responders"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|rq| rq["qp"] == q["dest_qp"])
+            .unwrap_or_else(|| panic!("no responder QP for {q}"));
+        let sent = n(&q["messages_sent"]);
+        // 20 Mbit/s for 2 s of 16 KiB messages (16 frames of 1098 bytes): ~140 each.
+        assert!(sent > 100, "{sent} messages sent: {q}");
+        assert_eq!(n(&q["messages_acked"]), sent, "every message completed: {q}");
+        assert_eq!(
+            n(&rq["messages"]),
+            sent,
+            "the responder completed each once: {rq}"
+        );
+        assert_eq!(n(&q["unacked_at_end"]), 0, "{q}");
+        assert_eq!(q["retry_exceeded"], false, "{q}");
+        assert!(n(&q["naks_psn_seq_err"]) <= n(&rq["naks_sent"]), "{q} {rq}");
+        assert!(
+            n(&q["retransmitted"]) >= n(&q["naks_psn_seq_err"]),
+            "each NAK caused a go-back: {q}"
+        );
+        naks += n(&rq["naks_sent"]);
+    }
+    assert!(naks > 0, "gaps were NAKed: {r}");
+}
+
+/// Every NAK is lost on the way back (and 1 in 100 requests on the way in): nothing tells
+/// the sender of a gap, so only RC's local ACK timeout can recover — each QP still
+/// completes every message, with timeouts counted; and a QP whose peer is gone gives up
+/// after its retry count instead of sending forever.
+#[test]
+fn lost_naks_are_recovered_by_the_ack_timeout_and_a_dead_peer_exceeds_the_retries() {
+    if !require_root() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let pair = VethPair::new("gto");
+    pair.b.exec(&[
+        "iptables",
+        "-A",
+        "INPUT",
+        "-p",
+        "udp",
+        "--dport",
+        "4791",
+        "-m",
+        "statistic",
+        "--mode",
+        "nth",
+        "--every",
+        "100",
+        "--packet",
+        "0",
+        "-j",
+        "DROP",
+    ]);
+    // A PSN-sequence-error NAK: BTH opcode 0x11 (UDP payload byte 0) with AETH syndrome
+    // 0x60 (byte 12).
+    pair.a.exec(&["nft", "add", "table", "inet", "gto"]);
+    pair.a.exec(&[
+        "nft",
+        "add",
+        "chain",
+        "inet",
+        "gto",
+        "in",
+        "{ type filter hook input priority 0 ; }",
+    ]);
+    pair.a.exec(&[
+        "nft",
+        "add",
+        "rule",
+        "inet",
+        "gto",
+        "in",
+        "udp",
+        "dport",
+        "4791",
+        "@th,64,8",
+        "0x11",
+        "@th,160,8",
+        "0x60",
+        "counter",
+        "drop",
+    ]);
+    let resp = spawn_gen(&pair.b.name, &["--bind", "10.99.0.2", "--duration", "5s"]);
+    std::thread::sleep(Duration::from_millis(300));
+    let send = spawn_gen(
+        &pair.a.name,
+        &[
+            "--to",
+            "10.99.0.2",
+            "--qps",
+            "2",
+            "--msg-size",
+            "16KiB",
+            "--rate",
+            "20mbit",
+            "--duration",
+            "2s",
+            "--ack-timeout",
+            "20ms",
+        ],
+    );
+    let s = gen_report(send);
+    let r = gen_report(resp);
+    let nft = pair.a.exec(&["nft", "list", "table", "inet", "gto"]);
+    let lost_naks: u64 = nft
+        .split("packets ")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next())
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no counter in {nft}"));
+    let naks_sent: u64 = r["responders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| n(&q["naks_sent"]))
+        .sum();
+    assert!(naks_sent > 0, "{r}");
+    assert_eq!(lost_naks, naks_sent, "every NAK was dropped");
+    for q in s["senders"].as_array().unwrap() {
+        assert_eq!(n(&q["naks_psn_seq_err"]), 0, "no NAK arrived: {q}");
+        assert!(n(&q["timeouts"]) > 0, "gaps recovered by the timeout: {q}");
+        let sent = n(&q["messages_sent"]);
+        assert!(sent > 50, "{q}");
+        assert_eq!(n(&q["messages_acked"]), sent, "every message completed: {q}");
+        assert_eq!(q["retry_exceeded"], false, "{q}");
+    }
+
+    // The responder is gone: no ACK ever comes, so after 3 timeouts of 20 ms in a row the
+    // next one puts the QP in error — it stops sending at once instead of for the whole
+    // run, and gen ends without draining.
+    let send = spawn_gen(
+        &pair.a.name,
+        &[
+            "--to",
+            "10.99.0.2",
+            "--msg-size",
+            "4KiB",
+            "--rate",
+            "10mbit",
+            "--duration",
+            "300ms",
+            "--ack-timeout",
+            "20ms",
+            "--retry-count",
+            "3",
+        ],
+    );
+    let s = gen_report(send);
     let q = &s["senders"][0];
-    let rq = &r["responders"][0];
-    assert!(n(&rq["naks_sent"]) > 0, "gaps were NAKed: {rq}");
-    assert_eq!(
-        n(&q["naks_psn_seq_err"]),
-        n(&rq["naks_sent"]),
-        "every NAK reached the sender"
-    );
-    assert!(
-        n(&q["retransmitted"]) >= n(&q["naks_psn_seq_err"]),
-        "each NAK caused a go-back"
-    );
-    assert!(n(&rq["out_of_sequence"]) > 0, "{rq}");
-    // Messages the responder completed were all acknowledged, less any whose ACK was in
-    // flight when the sender stopped.
-    let done = n(&rq["messages"]);
-    let acked = n(&q["messages_acked"]);
-    assert!(
-        acked <= done && done - acked <= 2,
-        "acked {acked}, completed {done}"
-    );
-    assert!(done > 10, "{done} messages");
+    assert_eq!(q["retry_exceeded"], true, "{q}");
+    assert_eq!(n(&q["timeouts"]), 3, "{q}");
+    assert_eq!(n(&q["messages_acked"]), 0, "{q}");
+    assert_eq!(n(&q["unacked_at_end"]), n(&q["messages_sent"]), "{q}");
+    // ~1,100 packets a second: about 80 ms of sending before the QP gave up, not 300.
+    assert!(n(&q["packets"]) < 200, "stopped sending in error: {q}");
+    assert!(s["drain_s"].as_f64().unwrap() < 0.05, "nothing to drain: {s}");
 }
 
 /// CE-mark everything leaving A for 2 s, then stop marking: the responder answers with
-/// CNPs (format as a ConnectX sends them, at most one per QP per 50 µs), the sender's
-/// rate falls, and recovers once marking stops.
+/// CNPs (format as a ConnectX sends them, at most one per QP per CNP interval — 200 µs
+/// here, so the limit bites: CE marks arrive faster than that at first), the sender's rate falls, and
+/// recovers once marking stops.
 #[test]
 fn ce_marks_draw_rate_limited_cnps_and_dcqcn_reacts() {
     if !require_root() {
@@ -240,7 +406,17 @@ fn ce_marks_draw_rate_limited_cnps_and_dcqcn_reacts() {
         .collect();
     pair.a.exec(&add);
     let dump = start_tcpdump(&pair.a.name, &pair.a_if, &pcap, "udp port 4791 and inbound");
-    let resp = spawn_gen(&pair.b.name, &["--bind", "10.99.0.2", "--duration", "6s"]);
+    let resp = spawn_gen(
+        &pair.b.name,
+        &[
+            "--bind",
+            "10.99.0.2",
+            "--duration",
+            "6s",
+            "--cnp-interval",
+            "200us",
+        ],
+    );
     std::thread::sleep(Duration::from_millis(300));
     let send = spawn_gen(
         &pair.a.name,
@@ -254,12 +430,17 @@ fn ce_marks_draw_rate_limited_cnps_and_dcqcn_reacts() {
 
     let q = &s["senders"][0];
     let rq = &r["responders"][0];
-    assert!(n(&rq["ce_marked"]) > 1000, "{rq}");
+    let ce = n(&rq["ce_marked"]);
+    assert!(ce > 1000, "{rq}");
     let cnps = n(&rq["cnps_sent"]);
-    assert!(cnps > 10, "{cnps} CNPs");
     assert_eq!(n(&q["cnps"]), cnps, "every CNP reached the sender");
-    // Rate limit: at most one CNP per 50 µs over the ~2 s of marking.
-    assert!(cnps <= 2_000_000 / 50 + 1, "{cnps} CNPs");
+    // Rate limit: no more CNPs than CE marks, nor than one per 200 µs of the ~2 s of
+    // marking; and some CE marks drew none (they came closer together than that).
+    assert!(
+        cnps > 100 && cnps <= 2_000_000 / 200 + 1,
+        "{cnps} CNPs for {ce} CE marks"
+    );
+    assert!(cnps < ce, "the limit suppressed CNPs: {cnps} for {ce} CE marks");
 
     // DCQCN: cut well below line rate while marked, back to it at the end.
     let d = &q["dcqcn"];
@@ -277,7 +458,9 @@ fn ce_marks_draw_rate_limited_cnps_and_dcqcn_reacts() {
         .collect();
     let during = timeline
         .iter()
-        .filter(|(t, _)| (500..1800).contains(t))
+        // Marking stops 2 s after the sender was spawned; its clock starts when it is up,
+        // up to a few hundred ms later on a loaded machine.
+        .filter(|(t, _)| (500..1400).contains(t))
         .map(|(_, r)| *r)
         .fold(0.0, f64::max);
     assert!(
@@ -299,6 +482,18 @@ fn ce_marks_draw_rate_limited_cnps_and_dcqcn_reacts() {
         ],
     );
     let cnp_rows: Vec<_> = rows.iter().filter(|r| r[0] == "129").collect();
+    // On the wire: any 11 CNPs of the QP span at least 10 intervals (less 10% for the
+    // jitter of capture timestamps, which batch on a veth: single gaps say little).
+    let times: Vec<f64> = tshark_fields(&pcap, &["infiniband.bth.opcode", "frame.time_epoch"])
+        .iter()
+        .filter(|r| r[0] == "129")
+        .map(|r| r[1].parse().unwrap())
+        .collect();
+    let tightest = times.windows(11).map(|w| w[10] - w[0]).fold(f64::MAX, f64::min);
+    assert!(
+        tightest >= 0.0018,
+        "11 CNPs within {tightest} s (interval 200 µs)"
+    );
     // tcpdump may lose the tail of its ring when stopped.
     assert!(
         cnp_rows.len() as u64 <= cnps && cnp_rows.len() as u64 * 100 >= cnps * 99,

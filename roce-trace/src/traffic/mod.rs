@@ -7,6 +7,11 @@
 //!
 //! QP numbering: sender QP `i` has local QPN `qp_base + 2i` and talks to remote QPN
 //! `qp_base + 2i + 1`; a responder answers QPN `q` on QPN `q ^ 1`.
+//!
+//! UDP source ports: as a NIC does, each QP sends everything — requests and its ACKs and
+//! NAKs alike — from a port of its own ([`reply_port`] for a responder's QP), so replies
+//! spread over ECMP like requests; CNPs leave from one port per address (as ConnectX
+//! sends them).
 
 pub mod dcqcn;
 pub mod net;
@@ -32,7 +37,7 @@ use thiserror::Error;
 
 use crate::frame::{RoceFrame, ext, icrc_finish, icrc_prefix};
 use dcqcn::{Dcqcn, DcqcnParams, DcqcnState};
-use requester::{Requester, RequesterStats, Verb};
+use requester::{AckTimeout, Requester, RequesterStats, Verb};
 use responder::{Reply, ResponderQp, ResponderStats};
 
 #[derive(Debug, Error)]
@@ -133,6 +138,8 @@ pub struct SenderOptions {
     /// Packets per sendmmsg.
     pub batch: usize,
     pub tx: TxMode,
+    /// Local ACK timeout and retry count of every QP.
+    pub ack_timeout: AckTimeout,
 }
 
 /// How requests leave the host.
@@ -180,6 +187,9 @@ impl GenOptions {
             }
             if s.dscp > 63 || s.ecn > 3 {
                 return bad("DSCP must be 0..=63 and ECN 0..=3".into());
+            }
+            if s.ack_timeout.timeout.is_zero() || s.ack_timeout.retries > 7 {
+                return bad("--ack-timeout must be positive and --retry-count 0..=7 (RC's 3 bits)".into());
             }
             if s.batch == 0 || s.batch > 1024 {
                 return bad("--batch must be 1..=1024".into());
@@ -309,6 +319,9 @@ pub struct SenderReport {
     pub dcqcn: Option<DcqcnState>,
     /// Current rate every 100 ms: (milliseconds since start, Gbit/s).
     pub rate_timeline: Vec<(u64, f64)>,
+    /// Messages still unacknowledged when gen stopped (after draining: in flight when the
+    /// drain gave up, or on a QP in error).
+    pub unacked_at_end: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -324,6 +337,9 @@ pub struct GenReport {
     #[serde(rename = "type")]
     pub kind: &'static str,
     pub duration_s: f64,
+    /// Of it, the time after --duration spent finishing started messages and waiting for
+    /// their acknowledgements (no new messages are started then).
+    pub drain_s: f64,
     pub senders: Vec<SenderReport>,
     pub responders: Vec<ResponderReport>,
     /// Requests dropped for a bad ICRC, as a RoCE NIC drops them (probes among them).
@@ -340,15 +356,25 @@ struct SenderQp {
     report: SenderReport,
 }
 
+/// The UDP source port a responder's QP `qpn` sends its ACKs and NAKs from: 0xC000 plus
+/// the QPN's low 14 bits, so each QP is a flow of its own and runs are repeatable (the
+/// Huawei capture in ../shared shows a NIC using the QPN itself).
+pub fn reply_port(qpn: u32) -> u16 {
+    0xC000 | (qpn & 0x3fff) as u16
+}
+
 struct Rx {
     sock: UdpSocket,
+    /// Per responder QP (peer, QPN answered): the socket its ACKs and NAKs leave from.
+    reply_socks: HashMap<(IpAddr, u32), (UdpSocket, u16)>,
     /// CNPs leave from their own port, as NICs send them apart from ACKs (ConnectX uses
     /// source port 0), so they form a flow of their own.
     cnp_sock: UdpSocket,
     cnp_sport: u16,
     local: IpAddr,
-    builders: HashMap<IpAddr, PayloadBuilder>,
-    cnp_builders: HashMap<IpAddr, PayloadBuilder>,
+    /// Per (peer, source port).
+    builders: HashMap<(IpAddr, u16), PayloadBuilder>,
+    cnp_builders: HashMap<(IpAddr, u16), PayloadBuilder>,
     /// ICRC checkers for arriving requests, per (peer, source port).
     checkers: HashMap<(IpAddr, u16), PayloadBuilder>,
     icrc_errors: u64,
@@ -384,6 +410,7 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
                 .port();
             Ok(Rx {
                 sock,
+                reply_socks: HashMap::new(),
                 cnp_sock,
                 cnp_sport,
                 local: ip,
@@ -461,6 +488,7 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
                     tx_dropped: 0,
                     dcqcn: None,
                     rate_timeline: Vec::new(),
+                    unacked_at_end: 0,
                 },
             });
         }
@@ -474,11 +502,29 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
     let mut dgrams = Vec::new();
     let mut reply = Vec::with_capacity(64);
     let mut next_timeline = Duration::ZERO;
+    // After --duration a sender drains: it starts no new message, finishes the ones
+    // started and waits for their acknowledgements (retransmitting on NAK or timeout),
+    // for at most every retry's timeout and a little more. A responder-only gen stops.
+    let drain_limit = sender.as_ref().map_or(Duration::ZERO, |s| {
+        s.ack_timeout.timeout * (s.ack_timeout.retries + 2) + Duration::from_millis(100)
+    });
+    let mut drain_since: Option<Duration> = None;
 
     loop {
         let now = started.elapsed();
-        if stop.load(Ordering::Relaxed) || opts.duration.is_some_and(|d| now >= d) {
+        if stop.load(Ordering::Relaxed) {
             break;
+        }
+        if drain_since.is_none() && opts.duration.is_some_and(|d| now >= d) {
+            drain_since = Some(now);
+        }
+        if let Some(since) = drain_since {
+            let settled = qps
+                .iter()
+                .all(|q| !q.req.usable() || (q.req.unacked() == 0 && !q.req.mid_message()));
+            if settled || now >= since + drain_limit {
+                break;
+            }
         }
         // Receive: requests (answer them), ACK/NAK/CNP (feed the requesters).
         for rx in &mut rxs {
@@ -512,12 +558,17 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
                 if s.dcqcn {
                     q.dcqcn.tick(now);
                 }
+                q.req.check_timeout(now, s.ack_timeout);
                 // Never burst to catch up more than a millisecond of lateness.
                 if q.next_send + Duration::from_millis(1) < now {
                     q.next_send = now;
                 }
                 let mut k = 0;
-                while k < bufs.len() && (rate_bps == 0.0 || q.next_send <= now) {
+                while k < bufs.len()
+                    && (rate_bps == 0.0 || q.next_send <= now)
+                    && q.req.usable()
+                    && (drain_since.is_none() || q.req.mid_message())
+                {
                     let plan = q.req.next_packet();
                     let ext = plan
                         .reth_len
@@ -568,6 +619,8 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
         }
         // Wait for replies or the next send time.
         let wait = match (soonest, rate_bps > 0.0 || sender.is_none()) {
+            // Draining sends only what is due again: wait for replies.
+            _ if drain_since.is_some() => Duration::from_millis(1),
             (_, false) => Duration::ZERO,
             (Some(t), true) => t.saturating_sub(started.elapsed()).min(Duration::from_millis(10)),
             (None, true) => Duration::from_millis(10),
@@ -583,6 +636,7 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
         .map(|q| {
             let mut r = q.report;
             r.stats = q.req.stats;
+            r.unacked_at_end = q.req.unacked() as u64;
             r.dcqcn = sender
                 .as_ref()
                 .is_some_and(|s| s.dcqcn && rate_bps > 0.0)
@@ -602,6 +656,7 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
     Ok(GenReport {
         kind: "gen",
         duration_s,
+        drain_s: drain_since.map_or(0.0, |d| duration_s - d.as_secs_f64()),
         senders,
         responders,
         icrc_errors: rxs.iter().map(|r| r.icrc_errors).sum(),
@@ -611,12 +666,12 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
 /// The report as a network engineer reads it.
 pub fn render_report(r: &GenReport) -> String {
     let mut s = format!(
-        "gen ran {:.1}s; {} requests dropped for a bad ICRC\n",
-        r.duration_s, r.icrc_errors
+        "gen ran {:.1}s ({:.2}s of it draining); {} requests dropped for a bad ICRC\n",
+        r.duration_s, r.drain_s, r.icrc_errors
     );
     if !r.senders.is_empty() {
         s.push_str(&format!(
-            "{:<39} {:>8} {:>6} {:>10} {:>12} {:>7} {:>7} {:>8} {:>6} {:>6} {:>6} {:>9} {:>9}\n",
+            "{:<39} {:>8} {:>6} {:>10} {:>12} {:>7} {:>7} {:>8} {:>8} {:>5} {:>6} {:>6} {:>6} {:>9} {:>9}\n",
             "SENT TO",
             "QP",
             "SPORT",
@@ -624,7 +679,9 @@ pub fn render_report(r: &GenReport) -> String {
             "BYTES",
             "RETX",
             "TXDROP",
+            "MSGS",
             "MSGS OK",
+            "T/O",
             "ACKS",
             "NAKS",
             "CNPS",
@@ -636,7 +693,7 @@ pub fn render_report(r: &GenReport) -> String {
                 (d.min_rate_seen / 1e9, d.current_rate / 1e9)
             });
             s.push_str(&format!(
-                "{:<39} {:>#8x} {:>6} {:>10} {:>12} {:>7} {:>7} {:>8} {:>6} {:>6} {:>6} {:>9.3} {:>9.3}\n",
+                "{:<39} {:>#8x} {:>6} {:>10} {:>12} {:>7} {:>7} {:>8} {:>8} {:>5} {:>6} {:>6} {:>6} {:>9.3} {:>9.3}{}\n",
                 q.dst.to_string(),
                 q.qp,
                 q.udp_sport,
@@ -644,12 +701,19 @@ pub fn render_report(r: &GenReport) -> String {
                 q.stats.bytes,
                 q.stats.retransmitted,
                 q.tx_dropped,
+                q.stats.messages_sent,
                 q.stats.messages_acked,
+                q.stats.timeouts,
                 q.stats.acks,
                 q.stats.naks_psn_seq_err + q.stats.naks_other,
                 q.stats.cnps,
                 min,
-                end
+                end,
+                if q.stats.retry_exceeded {
+                    "  retry exceeded: QP in error"
+                } else {
+                    ""
+                }
             ));
         }
     }
@@ -732,13 +796,27 @@ fn handle(
         let r = responders.entry((peer, qpn)).or_default();
         let replies = r.on_request(opcode, b.psn(), b.ack_req(), ce, now, opts.cnp_interval);
         let dst = SocketAddr::new(peer, ROCEV2_UDP_PORT);
+        if !replies.is_empty() && !rx.reply_socks.contains_key(&(peer, qpn)) {
+            // The responder QP's own port; when it is taken (another program, or one of
+            // our senders), any free port still makes the QP a flow of its own.
+            let port = reply_port(qpn);
+            let sock = net::bind_sender(SocketAddr::new(rx.local, port), ack_tos)
+                .or_else(|_| net::bind(SocketAddr::new(rx.local, 0), ack_tos))
+                .map_err(io_err(format!("binding a reply port on {}", rx.local)))?;
+            let port = sock.local_addr().map_err(io_err("reply socket address"))?.port();
+            rx.reply_socks.insert((peer, qpn), (sock, port));
+        }
         for rep in replies {
             let (tos, builder_map, sport, sock) = match rep {
                 Reply::Cnp => (cnp_tos, &mut rx.cnp_builders, rx.cnp_sport, &rx.cnp_sock),
-                _ => (ack_tos, &mut rx.builders, ROCEV2_UDP_PORT, &rx.sock),
+                _ => {
+                    let (sock, port) = &rx.reply_socks[&(peer, qpn)];
+                    (ack_tos, &mut rx.builders, *port, sock)
+                }
             };
+            let key = (peer, sport);
             let builder = builder_map
-                .entry(peer)
+                .entry(key)
                 .or_insert_with(|| PayloadBuilder::new(rx.local, peer, sport, tos >> 2, tos & 3));
             match rep {
                 Reply::Ack { psn, msn } => builder.build(

@@ -1,7 +1,11 @@
 //! An RC requester's send side: messages split at the path MTU into PSN-numbered packets,
-//! go-back-N retransmission from a NAKed PSN, completion on ACK.
+//! go-back-N retransmission from a NAKed PSN, completion on ACK, and — as an RC QP does —
+//! a local ACK timeout: when nothing is acknowledged for the timeout while messages are
+//! outstanding, it goes back to the oldest unacknowledged message, up to a retry count,
+//! after which the QP is in error and stops (a lost retransmission or a lost NAK never
+//! stalls it for good).
 
-use std::collections::VecDeque;
+use std::{collections::VecDeque, time::Duration};
 
 use roce_trace_common::roce::{PSN_MASK, op, psn_ahead};
 use serde::Serialize;
@@ -35,6 +39,31 @@ pub struct RequesterStats {
     pub naks_psn_seq_err: u64,
     pub naks_other: u64,
     pub cnps: u64,
+    /// Messages started (first packet sent for the first time).
+    pub messages_sent: u64,
+    /// Local ACK timeouts: nothing acknowledged for the timeout, went back to the oldest
+    /// unacknowledged message.
+    pub timeouts: u64,
+    /// The QP gave up after its retry count of timeouts in a row (as an RC QP moves to the
+    /// error state with a retry-exceeded completion).
+    pub retry_exceeded: bool,
+}
+
+/// RC's local ACK timeout and retry count. Defaults as a NIC is commonly configured:
+/// timeout exponent 14 (4.096 µs × 2^14 ≈ 67 ms) and 7 retries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AckTimeout {
+    pub timeout: Duration,
+    pub retries: u32,
+}
+
+impl Default for AckTimeout {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_nanos(4096 << 14),
+            retries: 7,
+        }
+    }
 }
 
 /// Messages kept for retransmission; older ones are forgotten (no responder, say).
@@ -53,6 +82,11 @@ pub struct Requester {
     high: u32,
     /// Start PSNs of messages sent and not yet acknowledged, oldest first.
     outstanding: VecDeque<u32>,
+    /// When the requester last made progress (an ACK completed a message, or it had
+    /// nothing outstanding), and the timeouts in a row since.
+    last_progress: Duration,
+    progressed: bool,
+    retries_in_row: u32,
     pub stats: RequesterStats,
 }
 
@@ -68,8 +102,51 @@ impl Requester {
             idx: 0,
             high: first_psn & PSN_MASK,
             outstanding: VecDeque::new(),
+            last_progress: Duration::ZERO,
+            progressed: false,
+            retries_in_row: 0,
             stats: RequesterStats::default(),
         }
+    }
+
+    /// Whether the next packet belongs to a message already started (the rest of it, or a
+    /// retransmission) rather than a new message.
+    pub fn mid_message(&self) -> bool {
+        self.idx != 0 || self.msg_start != self.high
+    }
+
+    /// Messages sent and not yet acknowledged.
+    pub fn unacked(&self) -> usize {
+        self.outstanding.len()
+    }
+
+    /// Whether the QP may send: not in error.
+    pub fn usable(&self) -> bool {
+        !self.stats.retry_exceeded
+    }
+
+    /// The local ACK timeout at `now`: when messages are outstanding and nothing was
+    /// acknowledged for `t.timeout`, go back to the oldest unacknowledged message; after
+    /// `t.retries` timeouts in a row the QP is in error. Returns true when it timed out.
+    pub fn check_timeout(&mut self, now: Duration, t: AckTimeout) -> bool {
+        if std::mem::take(&mut self.progressed) || self.outstanding.is_empty() || !self.usable() {
+            self.last_progress = now;
+            return false;
+        }
+        if now.saturating_sub(self.last_progress) < t.timeout {
+            return false;
+        }
+        self.last_progress = now;
+        if self.retries_in_row >= t.retries {
+            self.stats.retry_exceeded = true;
+            return true;
+        }
+        self.retries_in_row += 1;
+        self.stats.timeouts += 1;
+        let oldest = *self.outstanding.front().expect("not empty");
+        self.msg_start = oldest;
+        self.idx = 0;
+        true
     }
 
     pub fn packets_per_message(&self) -> u32 {
@@ -97,6 +174,7 @@ impl Requester {
         };
         let retransmission = psn_ahead(self.high, psn).is_none();
         if first && !retransmission {
+            self.stats.messages_sent += 1;
             self.outstanding.push_back(self.msg_start);
             if self.outstanding.len() > MAX_OUTSTANDING {
                 self.outstanding.pop_front();
@@ -136,6 +214,7 @@ impl Requester {
             if psn_ahead(last, psn).is_some() {
                 self.outstanding.pop_front();
                 self.stats.messages_acked += 1;
+                self.progress();
             } else {
                 break;
             }
@@ -155,6 +234,13 @@ impl Requester {
         };
         self.msg_start = start;
         self.idx = psn.wrapping_sub(start) & PSN_MASK;
+    }
+
+    /// An acknowledgement completed a message: the timer restarts, the retries reset.
+    fn progress(&mut self) {
+        self.retries_in_row = 0;
+        // The timer restarts at the next check, which knows the time.
+        self.progressed = true;
     }
 
     fn on_ack_silent(&mut self, psn: u32) {
@@ -235,5 +321,44 @@ mod tests {
         r.on_ack(8);
         assert_eq!(r.stats.messages_acked, 3);
         assert_eq!(r.stats.acks, 2);
+        assert_eq!(r.stats.messages_sent, 3);
+    }
+
+    /// A lost retransmission (or a lost NAK) leaves the responder silent: the local ACK
+    /// timeout goes back to the oldest unacknowledged message, and only a timeout with no
+    /// acknowledgement in between counts towards the retry limit.
+    #[test]
+    fn ack_timeout_goes_back_to_the_oldest_unacked_message_then_gives_up() {
+        let ms = Duration::from_millis;
+        let t = AckTimeout {
+            timeout: ms(10),
+            retries: 2,
+        };
+        let mut r = Requester::new(Verb::Write, 2 * 1024, 1024, 0);
+        assert!(!r.check_timeout(ms(0), t), "nothing outstanding");
+        take(&mut r, 6); // messages at 0, 2, 4
+        assert!(!r.check_timeout(ms(5), t));
+        r.on_ack(1); // message 0 done: progress restarts the timer
+        assert!(!r.check_timeout(ms(9), t));
+        assert!(!r.check_timeout(ms(18), t), "9 ms since the progress");
+        assert!(r.check_timeout(ms(19), t), "10 ms without progress");
+        assert_eq!(r.stats.timeouts, 1);
+        assert!(r.mid_message());
+        let p = take(&mut r, 5);
+        assert_eq!(p.iter().map(|x| x.psn).collect::<Vec<_>>(), [2, 3, 4, 5, 6]);
+        assert!(p[..4].iter().all(|x| x.retransmission) && !p[4].retransmission);
+        assert_eq!(p[0].opcode, op::WRITE_FIRST);
+        assert_eq!(r.stats.messages_sent, 4);
+        r.on_ack(3); // the retransmission got through: retries reset
+        assert!(!r.check_timeout(ms(25), t));
+        assert!(r.check_timeout(ms(35), t));
+        assert!(r.check_timeout(ms(45), t));
+        assert_eq!(r.stats.timeouts, 3);
+        assert!(r.usable(), "two in a row is the limit, not past it");
+        assert!(r.check_timeout(ms(55), t), "the third in a row exceeds 2 retries");
+        assert!(r.stats.retry_exceeded && !r.usable());
+        assert_eq!(r.stats.timeouts, 3);
+        assert!(!r.check_timeout(ms(100), t), "an errored QP stays quiet");
+        assert_eq!(r.unacked(), 2);
     }
 }
