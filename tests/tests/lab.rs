@@ -48,23 +48,26 @@ fn traffic(l: &Lab, src: u8, dst: u8, qps: u32, rate: &str, secs: &str) -> (Valu
 }
 
 /// (UDP source port → set of (DSCP, ECN)) of the RoCE requests in a capture.
-fn classes_by_sport(pcap: &std::path::Path) -> BTreeMap<u16, std::collections::BTreeSet<(u8, u8)>> {
-    let mut m: BTreeMap<u16, std::collections::BTreeSet<(u8, u8)>> = BTreeMap::new();
+/// Per UDP source port of the requests in `pcap`: the (DSCP, ECN) classes seen, and how
+/// many requests.
+fn classes_by_sport(pcap: &std::path::Path) -> BTreeMap<u16, (std::collections::BTreeSet<(u8, u8)>, u64)> {
+    let mut m: BTreeMap<u16, (std::collections::BTreeSet<(u8, u8)>, u64)> = BTreeMap::new();
     for r in tshark_fields(
         pcap,
         &["udp.srcport", "ip.dsfield.dscp", "ip.dsfield.ecn", "udp.dstport"],
     ) {
         if r[3] == "4791" && r[0] != "4791" {
-            m.entry(r[0].parse().unwrap())
-                .or_default()
-                .insert((r[1].parse().unwrap(), r[2].parse().unwrap()));
+            let e = m.entry(r[0].parse().unwrap()).or_default();
+            e.0.insert((r[1].parse().unwrap(), r[2].parse().unwrap()));
+            e.1 += 1;
         }
     }
     m
 }
 
 /// h1 → h3 on 8 QPs for a second; the classes each source port arrived at h3 with
-/// (tcpdump on h3's port).
+/// (tcpdump on h3's port). Every QP's requests all arrived — a fault that drops instead
+/// of remarking, or a capture that saw nothing, fails here.
 fn classes_arriving_at_h3(
     l: &Lab,
     dir: &TempDir,
@@ -77,9 +80,28 @@ fn classes_arriving_at_h3(
         &pcap,
         "udp dst port 4791 and dst host 10.10.3.2",
     );
-    traffic(l, 1, 3, 8, "2mbit", "1s");
+    let (s, _) = traffic(l, 1, 3, 8, "2mbit", "1s");
     interrupt(dump);
-    classes_by_sport(&pcap)
+    let got = classes_by_sport(&pcap);
+    let sent: BTreeMap<u16, u64> = s["senders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| {
+            (
+                q["udp_sport"].as_u64().unwrap() as u16,
+                q["packets"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(sent.len(), 8, "{s}");
+    assert_eq!(
+        got.iter().map(|(p, (_, n))| (*p, *n)).collect::<BTreeMap<_, _>>(),
+        sent,
+        "{name}: every request of every QP arrived at h3 (port: requests)"
+    );
+    assert!(sent.values().all(|&n| n > 100), "{sent:?}");
+    got.into_iter().map(|(p, (c, _))| (p, c)).collect()
 }
 
 fn spines_by_sport(l: &Lab, src: u8, dst: u8, qps: u16) -> BTreeMap<u16, u8> {
