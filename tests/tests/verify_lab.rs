@@ -310,6 +310,18 @@ fn a_healthy_fabric_passes_and_each_fault_fails_exactly_its_checks() {
     let mut wrong = Vec::new();
     // VERIFY_SCENARIO=name runs one (and the healthy baseline when it needs it).
     let only = std::env::var("VERIFY_SCENARIO").ok();
+    // A name that matches nothing would run nothing and pass: refuse it.
+    if let Some(o) = &only {
+        assert!(
+            scenarios.iter().any(|s| &s.name == o),
+            "VERIFY_SCENARIO={o} is not a scenario: {:?}",
+            scenarios.iter().map(|s| s.name).collect::<Vec<_>>()
+        );
+        assert!(
+            std::env::var_os("CI").is_none_or(|v| v != "true"),
+            "VERIFY_SCENARIO={o} under CI=true would leave the other scenarios unrun"
+        );
+    }
     for s in &scenarios {
         if let Some(o) = &only
             && s.name != o
