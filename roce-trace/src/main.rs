@@ -323,6 +323,10 @@ struct GenArgs {
     /// long, go back to the oldest unacknowledged message (default: 4.096 µs × 2^14).
     #[arg(long, default_value = "67108864ns", value_parser = humantime::parse_duration)]
     ack_timeout: Duration,
+    /// Messages per QP: start this many, finish them, then stop (with --duration, at
+    /// whichever comes first).
+    #[arg(long)]
+    messages: Option<u64>,
     /// Timeouts in a row before the QP gives up (retry exceeded), 0..=7 as in RC.
     #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u32).range(0..=7))]
     retry_count: u32,
@@ -596,6 +600,7 @@ async fn run_gen(a: GenArgs) -> anyhow::Result<()> {
                 timeout: a.ack_timeout,
                 retries: a.retry_count,
             },
+            messages: a.messages,
             tx: match (a.tx, &a.iface, a.dst_mac) {
                 (TxArg::Packet, Some(iface), Some(dst_mac)) => TxMode::Packet {
                     iface: iface.clone(),

@@ -140,6 +140,9 @@ pub struct SenderOptions {
     pub tx: TxMode,
     /// Local ACK timeout and retry count of every QP.
     pub ack_timeout: AckTimeout,
+    /// Messages per QP: each QP starts this many, then drains; gen ends when all have
+    /// (or at --duration, whichever comes first). None: until --duration or Ctrl-C.
+    pub messages: Option<u64>,
 }
 
 /// How requests leave the host.
@@ -187,6 +190,9 @@ impl GenOptions {
             }
             if s.dscp > 63 || s.ecn > 3 {
                 return bad("DSCP must be 0..=63 and ECN 0..=3".into());
+            }
+            if s.messages == Some(0) {
+                return bad("--messages must be at least 1".into());
             }
             if s.ack_timeout.timeout.is_zero() || s.ack_timeout.retries > 7 {
                 return bad("--ack-timeout must be positive and --retry-count 0..=7 (RC's 3 bits)".into());
@@ -515,7 +521,15 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
         if stop.load(Ordering::Relaxed) {
             break;
         }
-        if drain_since.is_none() && opts.duration.is_some_and(|d| now >= d) {
+        let quota_done = |q: &SenderQp| {
+            sender
+                .as_ref()
+                .and_then(|s| s.messages)
+                .is_some_and(|m| q.req.stats.messages_sent >= m)
+        };
+        if drain_since.is_none()
+            && (opts.duration.is_some_and(|d| now >= d) || (!qps.is_empty() && qps.iter().all(quota_done)))
+        {
             drain_since = Some(now);
         }
         if let Some(since) = drain_since {
@@ -534,7 +548,7 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
                     handle(
                         &buf[..d.len],
                         d,
-                        now,
+                        started,
                         opts,
                         rx,
                         &mut responders,
@@ -567,7 +581,7 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
                 while k < bufs.len()
                     && (rate_bps == 0.0 || q.next_send <= now)
                     && q.req.usable()
-                    && (drain_since.is_none() || q.req.mid_message())
+                    && ((drain_since.is_none() && !quota_done(q)) || q.req.mid_message())
                 {
                     let plan = q.req.next_packet();
                     let ext = plan
@@ -764,7 +778,7 @@ fn poll_readable(rxs: &[Rx], wait: Duration) {
 fn handle(
     payload: &[u8],
     d: &net::Datagram,
-    now: Duration,
+    started: Instant,
     opts: &GenOptions,
     rx: &mut Rx,
     responders: &mut HashMap<(IpAddr, u32), ResponderQp>,
@@ -778,6 +792,9 @@ fn handle(
     let Some(b) = view.header::<Bth>(0) else {
         return Ok(()); // not RoCE: ignored
     };
+    // The time of this packet, not of the loop's start: a CNP interval is judged by when
+    // each CNP leaves, however long a batch of arrivals takes.
+    let now = started.elapsed();
     let opcode = b.opcode;
     let qpn = b.dest_qp();
     let peer = d.from.ip();

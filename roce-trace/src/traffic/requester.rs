@@ -1,7 +1,7 @@
 //! An RC requester's send side: messages split at the path MTU into PSN-numbered packets,
 //! go-back-N retransmission from a NAKed PSN, completion on ACK, and — as an RC QP does —
-//! a local ACK timeout: when nothing is acknowledged for the timeout while messages are
-//! outstanding, it goes back to the oldest unacknowledged message, up to a retry count,
+//! a local ACK timeout: when nothing is acknowledged for the timeout after a packet asked
+//! for an acknowledgement, it goes back to the oldest unacknowledged message, up to a retry count,
 //! after which the QP is in error and stops (a lost retransmission or a lost NAK never
 //! stalls it for good).
 
@@ -82,10 +82,12 @@ pub struct Requester {
     high: u32,
     /// Start PSNs of messages sent and not yet acknowledged, oldest first.
     outstanding: VecDeque<u32>,
-    /// When the requester last made progress (an ACK completed a message, or it had
-    /// nothing outstanding), and the timeouts in a row since.
-    last_progress: Duration,
-    progressed: bool,
+    /// The transport timer: started when a packet asking for an acknowledgement (AckReq)
+    /// leaves while it is stopped; stopped by progress (an ACK completing a message) and by
+    /// going back (it restarts with the retransmitted AckReq). `ack_req_sent`: one left
+    /// since the last check, which knows the time.
+    timer: Option<Duration>,
+    ack_req_sent: bool,
     retries_in_row: u32,
     pub stats: RequesterStats,
 }
@@ -102,8 +104,8 @@ impl Requester {
             idx: 0,
             high: first_psn & PSN_MASK,
             outstanding: VecDeque::new(),
-            last_progress: Duration::ZERO,
-            progressed: false,
+            timer: None,
+            ack_req_sent: false,
             retries_in_row: 0,
             stats: RequesterStats::default(),
         }
@@ -126,17 +128,27 @@ impl Requester {
     }
 
     /// The local ACK timeout at `now`: when messages are outstanding and nothing was
-    /// acknowledged for `t.timeout`, go back to the oldest unacknowledged message; after
-    /// `t.retries` timeouts in a row the QP is in error. Returns true when it timed out.
+    /// acknowledged for `t.timeout` since an AckReq packet left, go back to the oldest
+    /// unacknowledged message; after `t.retries` timeouts in a row the QP is in error.
+    /// (The timer runs from the AckReq, not the message's first packet: a paced sender's
+    /// long message is not a timeout.) Returns true when it timed out.
     pub fn check_timeout(&mut self, now: Duration, t: AckTimeout) -> bool {
-        if std::mem::take(&mut self.progressed) || self.outstanding.is_empty() || !self.usable() {
-            self.last_progress = now;
+        let sent = std::mem::take(&mut self.ack_req_sent);
+        if self.outstanding.is_empty() || !self.usable() {
+            self.timer = None;
             return false;
         }
-        if now.saturating_sub(self.last_progress) < t.timeout {
-            return false;
+        match self.timer {
+            None => {
+                if sent {
+                    self.timer = Some(now);
+                }
+                return false;
+            }
+            Some(started) if now.saturating_sub(started) < t.timeout => return false,
+            Some(_) => {}
         }
-        self.last_progress = now;
+        self.timer = None;
         if self.retries_in_row >= t.retries {
             self.stats.retry_exceeded = true;
             return true;
@@ -188,6 +200,7 @@ impl Requester {
         self.stats.retransmitted += retransmission as u64;
         self.idx += 1;
         if last {
+            self.ack_req_sent = true;
             self.idx = 0;
             self.msg_start = (self.msg_start + self.pkts) & PSN_MASK;
         }
@@ -234,13 +247,13 @@ impl Requester {
         };
         self.msg_start = start;
         self.idx = psn.wrapping_sub(start) & PSN_MASK;
+        self.timer = None;
     }
 
     /// An acknowledgement completed a message: the timer restarts, the retries reset.
     fn progress(&mut self) {
         self.retries_in_row = 0;
-        // The timer restarts at the next check, which knows the time.
-        self.progressed = true;
+        self.timer = None;
     }
 
     fn on_ack_silent(&mut self, psn: u32) {
@@ -325,8 +338,9 @@ mod tests {
     }
 
     /// A lost retransmission (or a lost NAK) leaves the responder silent: the local ACK
-    /// timeout goes back to the oldest unacknowledged message, and only a timeout with no
-    /// acknowledgement in between counts towards the retry limit.
+    /// timeout — running from the first AckReq sent after the last progress — goes back to
+    /// the oldest unacknowledged message; only timeouts with no acknowledgement in between
+    /// count towards the retry limit.
     #[test]
     fn ack_timeout_goes_back_to_the_oldest_unacked_message_then_gives_up() {
         let ms = Duration::from_millis;
@@ -336,29 +350,50 @@ mod tests {
         };
         let mut r = Requester::new(Verb::Write, 2 * 1024, 1024, 0);
         assert!(!r.check_timeout(ms(0), t), "nothing outstanding");
-        take(&mut r, 6); // messages at 0, 2, 4
-        assert!(!r.check_timeout(ms(5), t));
-        r.on_ack(1); // message 0 done: progress restarts the timer
-        assert!(!r.check_timeout(ms(9), t));
-        assert!(!r.check_timeout(ms(18), t), "9 ms since the progress");
-        assert!(r.check_timeout(ms(19), t), "10 ms without progress");
+        take(&mut r, 1);
+        assert!(!r.check_timeout(ms(1), t));
+        assert!(
+            !r.check_timeout(ms(50), t),
+            "a slow message is no timeout: no AckReq yet"
+        );
+        take(&mut r, 5); // AckReqs on PSNs 1, 3, 5: messages at 0, 2, 4
+        assert!(!r.check_timeout(ms(51), t), "the timer starts");
+        r.on_ack(1); // message 0 done: the timer stops
+        assert!(!r.check_timeout(ms(60), t));
+        assert!(
+            !r.check_timeout(ms(80), t),
+            "stopped until the next AckReq leaves"
+        );
+        take(&mut r, 2); // message 6
+        assert!(!r.check_timeout(ms(81), t));
+        assert!(!r.check_timeout(ms(90), t), "9 ms since the AckReq");
+        assert!(r.check_timeout(ms(91), t), "10 ms without progress");
         assert_eq!(r.stats.timeouts, 1);
         assert!(r.mid_message());
-        let p = take(&mut r, 5);
-        assert_eq!(p.iter().map(|x| x.psn).collect::<Vec<_>>(), [2, 3, 4, 5, 6]);
-        assert!(p[..4].iter().all(|x| x.retransmission) && !p[4].retransmission);
+        let p = take(&mut r, 7);
+        assert_eq!(p.iter().map(|x| x.psn).collect::<Vec<_>>(), [2, 3, 4, 5, 6, 7, 8]);
+        assert!(p[..6].iter().all(|x| x.retransmission) && !p[6].retransmission);
         assert_eq!(p[0].opcode, op::WRITE_FIRST);
-        assert_eq!(r.stats.messages_sent, 4);
+        assert_eq!(r.stats.messages_sent, 5);
         r.on_ack(3); // the retransmission got through: retries reset
-        assert!(!r.check_timeout(ms(25), t));
-        assert!(r.check_timeout(ms(35), t));
-        assert!(r.check_timeout(ms(45), t));
+        assert!(!r.check_timeout(ms(95), t), "no AckReq since the progress");
+        take(&mut r, 1); // PSN 9, AckReq
+        assert!(!r.check_timeout(ms(100), t));
+        assert!(r.check_timeout(ms(110), t));
+        take(&mut r, 2);
+        assert!(!r.check_timeout(ms(111), t));
+        assert!(r.check_timeout(ms(121), t));
         assert_eq!(r.stats.timeouts, 3);
         assert!(r.usable(), "two in a row is the limit, not past it");
-        assert!(r.check_timeout(ms(55), t), "the third in a row exceeds 2 retries");
+        take(&mut r, 2);
+        assert!(!r.check_timeout(ms(122), t));
+        assert!(
+            r.check_timeout(ms(132), t),
+            "the third in a row exceeds 2 retries"
+        );
         assert!(r.stats.retry_exceeded && !r.usable());
         assert_eq!(r.stats.timeouts, 3);
-        assert!(!r.check_timeout(ms(100), t), "an errored QP stays quiet");
-        assert_eq!(r.unacked(), 2);
+        assert!(!r.check_timeout(ms(200), t), "an errored QP stays quiet");
+        assert_eq!(r.unacked(), 3, "messages 4, 6 and 8");
     }
 }
