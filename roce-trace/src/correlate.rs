@@ -83,6 +83,12 @@ pub struct JoinStats {
     pub duplicates: u64,
     pub trajectories: u64,
     pub retransmissions: u64,
+    /// Trajectories that were only the tail of the flow's path (observations that came
+    /// after their packet's trajectory was complete): neither a path nor a loss.
+    pub fragments: u64,
+    /// Of those, the ones that showed a packet judged lost had arrived after all (the
+    /// loss was taken back).
+    pub late_arrivals: u64,
     /// Identities dropped unjoined because `max_pending` was reached.
     pub pending_dropped: u64,
     pub flows_expired: u64,
@@ -202,6 +208,12 @@ pub struct Joiner {
     nodes: Vec<String>,
     pending: HashMap<PacketId, Pending>,
     order: VecDeque<(u64, PacketId)>,
+    /// Packets just judged lost (the link they vanished on), kept for one more trajectory
+    /// timeout: when their late observations arrive after all, the loss is taken back.
+    recent_losses: HashMap<PacketId, (PointId, PointId)>,
+    recent_order: VecDeque<(u64, PacketId)>,
+    /// The collector's time at the last tick (arrival clock, not the agents').
+    now_ns: u64,
     flows: HashMap<FlowId, FlowState>,
     pub stats: JoinStats,
 }
@@ -215,6 +227,9 @@ impl Joiner {
             nodes: Vec::new(),
             pending: HashMap::new(),
             order: VecDeque::new(),
+            recent_losses: HashMap::new(),
+            recent_order: VecDeque::new(),
+            now_ns: 0,
             flows: HashMap::new(),
             stats: JoinStats::default(),
         }
@@ -336,9 +351,14 @@ impl Joiner {
 
     /// Splits one identity's observations into transmissions: in time order, a packet
     /// passes each node at most once each way, so seeing a (node, direction) again starts
-    /// the next transmission (a retransmission of the same PSN). This needs clocks that
-    /// agree to better than the retransmission interval.
-    fn transmissions(&self, mut obs: Vec<Obs>) -> Vec<Vec<Obs>> {
+    /// the next transmission (a retransmission of the same PSN). An observation that
+    /// continues an earlier transmission — one lacking that (node, direction) whose last
+    /// point is known (from this flow's trajectories) to lead to it — goes there first: a
+    /// packet held in a queue while its retransmission went ahead (go-back-N overtaking a
+    /// congested queue) arrives after the retransmission started, and must not end the
+    /// retransmission's trajectory early nor stand alone as a one-point path. This needs
+    /// clocks that agree to better than the retransmission interval.
+    fn transmissions(&self, flow: &FlowId, mut obs: Vec<Obs>) -> Vec<Vec<Obs>> {
         obs.sort_by_key(|o| o.time_ns);
         let key = |o: &Obs| {
             (
@@ -346,10 +366,20 @@ impl Joiner {
                 self.points[o.point as usize].direction == "ingress",
             )
         };
+        let hops = self.flows.get(flow).map(|f| &f.hops);
+        let leads_to = |a: PointId, b: PointId| hops.is_some_and(|h| h.contains_key(&(a, b)));
         let mut out: Vec<Vec<Obs>> = Vec::new();
         for o in obs {
+            let lacks = |cur: &Vec<Obs>| !cur.iter().any(|x| key(x) == key(&o));
+            if let Some(cur) = out
+                .iter_mut()
+                .find(|cur| lacks(cur) && cur.last().is_some_and(|l| leads_to(l.point, o.point)))
+            {
+                cur.push(o);
+                continue;
+            }
             match out.last_mut() {
-                Some(cur) if !cur.iter().any(|x| key(x) == key(&o)) => cur.push(o),
+                Some(cur) if lacks(cur) => cur.push(o),
                 _ => out.push(vec![o]),
             }
         }
@@ -357,10 +387,10 @@ impl Joiner {
     }
 
     fn complete(&mut self, id: PacketId, p: Pending) {
-        let instances = self.transmissions(p.obs);
+        let instances = self.transmissions(&id.flow, p.obs);
         self.stats.retransmissions += instances.len().saturating_sub(1) as u64;
         for inst in instances {
-            self.finish(id.flow, inst);
+            self.finish(id, inst);
         }
     }
 
@@ -404,6 +434,7 @@ impl Joiner {
 
     /// Completes trajectories whose time is up, forgets idle flows.
     pub fn tick(&mut self, now_ns: u64) {
+        self.now_ns = now_ns;
         while let Some(&(t, id)) = self.order.front() {
             if t + self.cfg.trajectory_timeout_ns > now_ns {
                 break;
@@ -412,6 +443,14 @@ impl Joiner {
             if let Some(p) = self.pending.remove(&id) {
                 self.complete(id, p);
             }
+        }
+        // A lost packet's late observations come within one more timeout, or never.
+        while let Some(&(t, id)) = self.recent_order.front() {
+            if t + 3 * self.cfg.trajectory_timeout_ns > now_ns {
+                break;
+            }
+            self.recent_order.pop_front();
+            self.recent_losses.remove(&id);
         }
         let idle = self.cfg.flow_idle_ns;
         let before = self.flows.len();
@@ -431,10 +470,27 @@ impl Joiner {
         }
     }
 
-    fn finish(&mut self, flow: FlowId, mut t: Vec<Obs>) {
-        // Upstream first: higher TTL; at equal TTL (a host's egress and its leaf's
-        // ingress) the earlier time, egress before ingress when clocks disagree.
+    fn finish(&mut self, id: PacketId, mut t: Vec<Obs>) {
+        let flow = id.flow;
+        // Upstream first: higher TTL; at equal TTL the earlier time — but two points of
+        // equal TTL on two nodes are one link's ends (a router's egress, the next node's
+        // ingress: routers decrement between their own ingress and egress), so the egress
+        // comes first whatever the clocks say (datapath timestamps are coarse: the two
+        // often tie); on one node (no decrement: a bridge) the ingress does.
         t.sort_by(|a, b| b.ttl.cmp(&a.ttl).then(a.time_ns.cmp(&b.time_ns)));
+        let mut i = 0;
+        while i < t.len() {
+            let run = t[i..].iter().take_while(|o| o.ttl == t[i].ttl).count();
+            if run == 2 {
+                let (a, b) = (&t[i], &t[i + 1]);
+                let ingress = |o: &Obs| self.points[o.point as usize].direction == "ingress";
+                let same_node = self.point_node[a.point as usize] == self.point_node[b.point as usize];
+                if ingress(a) != ingress(b) && ingress(a) != same_node {
+                    t.swap(i, i + 1);
+                }
+            }
+            i += run;
+        }
         self.stats.trajectories += 1;
         let synced: Vec<bool> = t
             .iter()
@@ -491,10 +547,28 @@ impl Joiner {
         }
         if path.len() < then.len() && then.starts_with(&path) {
             let last = *path.last().expect("non-empty");
-            f.lost
-                .entry((last, then[path.len()]))
-                .or_default()
-                .hit(first_time);
+            let next = then[path.len()];
+            f.lost.entry((last, next)).or_default().hit(first_time);
+            if self.recent_losses.len() < self.cfg.max_pending {
+                self.recent_losses.insert(id, (last, next));
+                self.recent_order.push_back((self.now_ns, id));
+            }
+        } else if path.len() < then.len() && then.ends_with(&path) {
+            // The tail of the path alone: observations that arrived after their packet's
+            // trajectory was complete (a slow agent, a retransmission straddling the
+            // timeout). Not a path; and if that packet was judged lost just where this
+            // tail begins, it was not.
+            self.stats.fragments += 1;
+            if let Some((a, b)) = self.recent_losses.remove(&id)
+                && b == path[0]
+                && let Some(span) = f.lost.get_mut(&(a, b))
+            {
+                self.stats.late_arrivals += 1;
+                span.packets -= 1;
+                if span.packets == 0 {
+                    f.lost.remove(&(a, b));
+                }
+            }
         } else if first_time >= f.path_since_ns {
             f.path = path;
             f.path_since_ns = first_time;
@@ -1042,6 +1116,50 @@ mod tests {
     }
 
     #[test]
+    fn at_equal_ttl_a_links_egress_comes_before_the_far_ingress_whatever_the_clocks() {
+        let (mut j, pts) = lab();
+        // h1's egress and l1's ingress see TTL 64: coarse datapath clocks tie them, or
+        // put l1's first; the link's egress end still comes first. Twice, in both orders
+        // of arrival, so no tie is broken by luck.
+        for (psn, (t0, t1)) in [(1u32, (10 * MS, 10 * MS)), (2, (20 * MS, 20 * MS - 100))] {
+            for &i in &[1usize, 0, 2, 3, 4] {
+                let t = match i {
+                    0 => t0,
+                    1 => t1,
+                    _ => t0 + 1000 * i as u64,
+                };
+                j.add(pts[i], &obs(psn, TTLS[i], t, 26, 2), 0);
+            }
+        }
+        // A bridge: its ingress and egress see the same TTL on one node; ingress first.
+        let br_in = j.point(PointInfo {
+            node: "br".into(),
+            iface: "a".into(),
+            direction: "ingress".into(),
+            clock_synced: true,
+        });
+        let br_out = j.point(PointInfo {
+            node: "br".into(),
+            iface: "b".into(),
+            direction: "egress".into(),
+            clock_synced: true,
+        });
+        j.tick(200 * MS);
+        let r = j.flow_report(&flow()).unwrap();
+        assert_eq!(r.path[..2], ["h1:eth0:egress", "l1:h1:ingress"]);
+        assert_eq!(r.path_history.len(), 1, "{:?}", r.path_history);
+        let mut f2 = flow();
+        f2.udp_sport = 1;
+        for (p, t) in [(br_out, 5 * MS), (br_in, 5 * MS)] {
+            let mut o = obs(1, 60, t, 26, 2);
+            o.id.flow = f2;
+            j.add(p, &o, 300 * MS);
+        }
+        j.tick(500 * MS);
+        assert_eq!(j.flow_report(&f2).unwrap().path, ["br:a:ingress", "br:b:egress"]);
+    }
+
+    #[test]
     fn duplicates_are_dropped_and_retransmissions_are_new_trajectories() {
         let (mut j, pts) = lab();
         send(&mut j, &pts, 7, 0, &[], |_| 26, 0);
@@ -1052,6 +1170,64 @@ mod tests {
         assert_eq!(j.stats.retransmissions, 1);
         assert_eq!(j.stats.trajectories, 2);
         assert!(j.flow_report(&flow()).unwrap().lost.is_empty());
+    }
+
+    #[test]
+    fn a_queued_packet_overtaken_by_its_retransmission_is_neither_lost_nor_a_path() {
+        let (mut j, pts) = lab();
+        // The flow's path is known from earlier packets.
+        send(&mut j, &pts, 1, 0, &[], |_| 26, 0);
+        j.tick(200 * MS);
+        // PSN 7 waits 300 ms in l2's queue to h3; meanwhile (go-back-N after a NAK for an
+        // earlier gap) it is sent again, 10 ms later, and also queued: the original
+        // arrives at h3 after the retransmission left h1.
+        let at = 300 * MS;
+        for (i, p) in pts.iter().enumerate().take(4) {
+            j.add(*p, &obs(7, TTLS[i], at + 1000 * i as u64, 26, 2), at);
+        }
+        for (i, p) in pts.iter().enumerate().take(4) {
+            j.add(*p, &obs(7, TTLS[i], at + 10 * MS + 1000 * i as u64, 26, 2), at);
+        }
+        j.add(pts[4], &obs(7, TTLS[4], at + 300 * MS, 26, 2), at);
+        j.add(pts[4], &obs(7, TTLS[4], at + 310 * MS, 26, 2), at);
+        j.tick(at + 1000 * MS);
+        let r = j.flow_report(&flow()).unwrap();
+        assert_eq!(r.path.len(), 5, "no one-point path: {:?}", r.path);
+        assert_eq!(r.path_history.len(), 1, "{:?}", r.path_history);
+        assert!(r.lost.is_empty(), "both copies arrived: {:?}", r.lost);
+        assert_eq!(j.stats.retransmissions, 1);
+        assert_eq!(j.stats.trajectories, 3);
+    }
+
+    #[test]
+    fn observations_after_their_trajectory_completed_are_a_late_arrival_not_a_path() {
+        let (mut j, pts) = lab();
+        send(&mut j, &pts, 1, 0, &[], |_| 26, 0);
+        j.tick(200 * MS);
+        // PSN 2's h3 observation comes after the 100 ms trajectory timeout: first judged
+        // lost between l2 and h3, then taken back when it arrives; the lone h3 point is
+        // no path.
+        send(&mut j, &pts, 2, 300 * MS, &[4], |_| 26, 300 * MS);
+        j.tick(450 * MS);
+        let r = j.flow_report(&flow()).unwrap();
+        assert_eq!(r.lost.len(), 1, "judged lost at first");
+        j.add(pts[4], &obs(2, TTLS[4], 300 * MS + 4000, 26, 2), 460 * MS);
+        j.tick(600 * MS);
+        let r = j.flow_report(&flow()).unwrap();
+        assert_eq!(r.path.len(), 5, "{:?}", r.path);
+        assert_eq!(r.path_history.len(), 1);
+        assert!(r.lost.is_empty(), "{:?}", r.lost);
+        assert_eq!((j.stats.fragments, j.stats.late_arrivals), (1, 1));
+        // A tail that no loss waits for (its packet was never judged lost) is only a
+        // fragment; a real loss stays.
+        send(&mut j, &pts, 3, 700 * MS, &[3, 4], |_| 26, 700 * MS);
+        j.tick(900 * MS);
+        j.add(pts[4], &obs(9, TTLS[4], 950 * MS, 26, 2), 950 * MS);
+        j.tick(1200 * MS);
+        let r = j.flow_report(&flow()).unwrap();
+        assert_eq!(r.lost.len(), 1);
+        assert_eq!(r.lost[0].between, ["s1:l1:ingress", "l2:s1:ingress"]);
+        assert_eq!((j.stats.fragments, j.stats.late_arrivals), (2, 1));
     }
 
     #[test]

@@ -446,6 +446,10 @@ fn hops(flows: &[FlowReport], rule: &HopRule) -> CheckResult {
             rule.count, rule.from, rule.to
         ),
     );
+    // A flow whose packets stop short of where the others to its destination arrive
+    // counts the hops to where they vanish, not to its destination: that is loss (the
+    // `loss` check names the place), not a hop count — unless probes reached the end.
+    let ends = terminals(flows);
     for f in flows {
         let (Some(s), Some(d)) = (ip(&f.src_ip), ip(&f.dst_ip)) else {
             continue;
@@ -455,6 +459,12 @@ fn hops(flows: &[FlowReport], rule: &HopRule) -> CheckResult {
         let Some((n, how)) = hop_count(f).filter(|_| between) else {
             continue;
         };
+        let short = ends
+            .get(f.dst_ip.as_str())
+            .is_some_and(|e| f.path.last().is_some_and(|l| node_of(l) != *e));
+        if how == "TTL" && short {
+            continue;
+        }
         r.checked += 1;
         if n != rule.count {
             r.evidence(
