@@ -263,17 +263,19 @@ fn drain(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, clock: &KernelClock,
 /// Connects, shakes hands, streams; on any failure waits (100 ms doubling to 5 s) and
 /// connects again. Never touches the datapath.
 async fn send_loop(opts: AgentOptions, sh: Arc<Shared>) {
-    let mut backoff = Duration::from_millis(100);
+    const FIRST: Duration = Duration::from_millis(100);
+    let mut backoff = FIRST;
     let mut last_error = String::new();
     loop {
-        match session(&opts, &sh).await {
-            Ok(()) => backoff = Duration::from_millis(100),
-            Err(e) => {
-                if e != last_error {
-                    tracing::warn!("collector {}: {e}; retrying", opts.collector);
-                    last_error = e;
-                }
-            }
+        let connections = sh.outbox.lock().expect("outbox").connections;
+        let e = session(&opts, &sh).await.err().unwrap_or_default();
+        if e != last_error {
+            tracing::warn!("collector {}: {e}; retrying", opts.collector);
+            last_error = e;
+        }
+        // A connection that got past the handshake starts the backoff afresh.
+        if sh.outbox.lock().expect("outbox").connections != connections {
+            backoff = FIRST;
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(5));

@@ -634,3 +634,103 @@ fn mirrored_copies_from_two_switches_join_into_a_two_hop_path() {
         "{points:?}"
     );
 }
+
+/// A collector of another protocol version would not acknowledge what it receives: the
+/// agent is refused by an older collector (BYE naming the versions) and itself refuses a
+/// WELCOME of another version; either way it sends nothing past its HELLO, keeps
+/// retrying, and its last line says everything went undelivered.
+#[test]
+fn an_agent_and_a_collector_of_another_version_part_cleanly() {
+    use roce_trace::frame::RoceFrame;
+    use roce_trace_tests::{Proc, TempDir, roce_trace_bin, write_pcap};
+    use std::net::TcpListener;
+    let dir = TempDir::new("version-agent");
+    let pcap = dir.path("few.pcap");
+    write_pcap(
+        &pcap,
+        &(0..5u32)
+            .map(|psn| {
+                RoceFrame {
+                    psn,
+                    ..Default::default()
+                }
+                .build()
+            })
+            .collect::<Vec<_>>(),
+    );
+    let old = VERSION - 1;
+    let answers = [
+        Frame::Bye {
+            reason: format!("protocol version {VERSION} is not supported (this side speaks {old})"),
+        },
+        Frame::Welcome {
+            version: old,
+            connection: 1,
+            previous: 0,
+            previous_frames: 0,
+        },
+    ];
+    let mut runs = Vec::new();
+    for answer in answers {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        // The fake collector: answers every HELLO, then reads until the agent hangs up.
+        let fake = std::thread::spawn(move || {
+            let mut connections = 0;
+            l.set_nonblocking(false).unwrap();
+            for s in l.incoming() {
+                let mut s = s.unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                let mut dec = roce_trace::protocol::Decoder::default();
+                let mut buf = bytes::BytesMut::new();
+                let mut frames = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    while let Some(f) = dec.decode(&mut buf).unwrap() {
+                        if frames.is_empty() {
+                            s.write_all(&Encoder::default().encode(&answer)).unwrap();
+                        }
+                        frames.push(f);
+                    }
+                    match s.read(&mut chunk) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                assert!(
+                    matches!(frames.as_slice(), [Frame::Hello { version: VERSION, .. }]),
+                    "only a HELLO: {frames:?}"
+                );
+                connections += 1;
+                if connections == 3 {
+                    return connections;
+                }
+            }
+            unreachable!()
+        });
+        let agent = Proc::spawn(
+            std::process::Command::new(roce_trace_bin())
+                .args(["agent", "-r"])
+                .arg(&pcap)
+                .args(["--collector", &addr.to_string()])
+                .args(["--node", "n", "--token", "t0ken", "--sample-rate", "1"])
+                .stderr(std::process::Stdio::piped()),
+        );
+        runs.push((agent, fake));
+    }
+    let wants = [
+        format!("refused: protocol version {VERSION} is not supported (this side speaks {old})"),
+        format!("the collector speaks protocol version {old}, this agent {VERSION}"),
+    ];
+    for ((agent, fake), want) in runs.into_iter().zip(wants) {
+        let out = agent.wait_with_output();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        assert!(err.contains(&want), "`{want}` in {err}");
+        assert!(
+            err.contains("observations 5 made, 0 sent, 0 resent, 0 acknowledged, 0 dropped, 5 undelivered"),
+            "{err}"
+        );
+        assert_eq!(fake.join().unwrap(), 3, "the agent kept trying");
+    }
+}
