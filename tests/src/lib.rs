@@ -747,3 +747,138 @@ impl Daemon {
         self.child.wait().unwrap();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs this test binary's test `name` alone (CI=`ci`, or unset), for what happens to a
+    /// test that fails or cannot run: whether it passed, its stdout and its stderr. Output
+    /// goes through files: a process the probe leaves behind cannot hold this up.
+    fn run_probe(name: &str, ci: Option<&str>) -> (bool, String, String) {
+        let dir = TempDir::new(&format!("probe-{}", name.replace(':', "-")));
+        let (out, err) = (dir.path("stdout"), dir.path("stderr"));
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args(["--exact", name, "--nocapture", "--test-threads=1"])
+            .env("ROCE_TRACE_PROBE", "1")
+            .env_remove("CI")
+            .stdout(std::fs::File::create(&out).unwrap())
+            .stderr(std::fs::File::create(&err).unwrap());
+        if let Some(v) = ci {
+            cmd.env("CI", v);
+        }
+        let ok = cmd.status().unwrap().success();
+        let read = |p: &Path| std::fs::read_to_string(p).unwrap();
+        (ok, read(&out), read(&err))
+    }
+
+    fn probing() -> bool {
+        std::env::var_os("ROCE_TRACE_PROBE").is_some()
+    }
+
+    #[test]
+    fn probe_cannot_run() {
+        if probing() {
+            cannot_run("the probe's reason");
+        }
+    }
+
+    #[test]
+    fn a_test_that_cannot_run_fails_under_ci_and_is_skipped_elsewhere() {
+        let (ok, out, err) = run_probe("tests::probe_cannot_run", Some("true"));
+        assert!(!ok, "CI=true: {out}{err}");
+        assert!(
+            (out.clone() + &err).contains("under CI=true that is a failure: the probe's reason"),
+            "{out}{err}"
+        );
+        let (ok, out, err) = run_probe("tests::probe_cannot_run", None);
+        assert!(ok, "{out}{err}");
+        assert!(err.contains("skipped: the probe's reason"), "{err}");
+    }
+
+    /// Whether process `pid` is gone (or a zombie nobody reaped: dead all the same).
+    fn dead(pid: u32) -> bool {
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Err(_) => true,
+            Ok(stat) => stat
+                .rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        }
+    }
+
+    fn wait_dead(pid: u32) -> bool {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !dead(pid) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        dead(pid)
+    }
+
+    /// A test that panics with processes running: a daemon through `ip netns exec`, a
+    /// shell pipeline in its own group. It prints their pids first.
+    #[test]
+    fn probe_panics_with_children() {
+        if !probing() {
+            return;
+        }
+        let ns = Netns::new("rtproc");
+        let daemon = Proc::spawn(Command::new("ip").args(["netns", "exec", &ns.name, "sleep", "1000"]));
+        let mut pipeline = Proc::spawn_group(
+            Command::new("sh")
+                .args(["-c", "sleep 1000 & echo $!; sleep 1000 | cat"])
+                .stdout(std::process::Stdio::piped()),
+        );
+        let mut line = String::new();
+        use std::io::BufRead;
+        std::io::BufReader::new(pipeline.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        // `ip netns exec` execs the program once in the namespace: the pid becomes sleep's.
+        let comm = || std::fs::read_to_string(format!("/proc/{}/comm", daemon.id())).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while comm().trim() != "sleep" && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        println!("comm {}", comm().trim());
+        println!("pids {} {} {}", daemon.id(), pipeline.id(), line.trim());
+        panic!("the probe fails with its children running");
+    }
+
+    #[test]
+    fn a_failing_test_leaves_no_process_behind() {
+        if !require_root() {
+            return;
+        }
+        let (ok, out, err) = run_probe("tests::probe_panics_with_children", None);
+        assert!(!ok, "the probe failed: {out}{err}");
+        assert!(
+            out.contains("comm sleep"),
+            "ip netns exec is the program: {out}{err}"
+        );
+        let pids: Vec<u32> = out
+            .lines()
+            .find_map(|l| l.strip_prefix("pids "))
+            .unwrap_or_else(|| panic!("no pids: {out}{err}"))
+            .split(' ')
+            .map(|p| p.parse().unwrap())
+            .collect();
+        assert_eq!(pids.len(), 3);
+        for pid in pids {
+            assert!(wait_dead(pid), "process {pid} outlived the failed test");
+        }
+    }
+
+    #[test]
+    fn a_process_waited_for_is_not_signalled_again() {
+        let mut p = Proc::spawn(&mut Command::new("true"));
+        assert!(p.wait().unwrap().success());
+        drop(p); // kills nothing: std knows it was reaped
+        let out = Proc::spawn(
+            Command::new("echo")
+                .arg("hi")
+                .stdout(std::process::Stdio::piped()),
+        )
+        .wait_with_output();
+        assert_eq!(out.stdout, b"hi\n");
+    }
+}
