@@ -439,7 +439,7 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
             }
             let frames: Vec<bytes::Bytes> = {
                 let mut ob = sh.outbox.lock().expect("outbox");
-                // One of each kind at most: the lock is not held for long.
+                // Two frames a round at most: the datapath waits on this lock.
                 [
                     ob.next_frame(&mut enc, unix_now()),
                     ob.next_frame(&mut enc, unix_now()),
