@@ -232,8 +232,20 @@ fn run_with_outage(queue: &str, tag: &str) -> Outage {
     let c2 = collector(&pair, "c2", &dir);
     gen_report(send);
     interrupt(resp);
-    std::thread::sleep(Duration::from_secs(2));
-    let m = Metrics::read(&pair);
+    std::thread::sleep(Duration::from_millis(1500)); // the last counter deltas
+    // The agent reconnects (its backoff may have grown to seconds) and delivers.
+    let settled = |m: &Metrics| {
+        ["samples", "counter_deltas"].iter().all(|k| {
+            let n = |s: &str| m.get(&format!("roce_trace_{k}_{s}total"));
+            n("acked_") + n("dropped_") == n("")
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let mut m = Metrics::read(&pair);
+    while !settled(&m) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+        m = Metrics::read(&pair);
+    }
     let iface = pair.a_if.clone();
     assert!(
         m.get(&format!(
