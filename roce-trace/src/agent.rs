@@ -24,7 +24,7 @@ use crate::{
     datapath::{Attachment, Datapath, DatapathOptions, IngressHook},
     http::{self, Response},
     observation::{CounterDelta, Observation, PointDecl, PointTable},
-    protocol::{Decoder, Encoder, Frame, MAX_BATCH, VERSION},
+    protocol::{Decoder, Encoder, Frame, VERSION},
     record::{ECN_NAMES, direction_name},
     sys::KernelClock,
 };
@@ -62,41 +62,29 @@ impl AgentOptions {
     }
 }
 
+mod outbox;
+
+pub use outbox::Delivery;
+use outbox::Outbox;
+
+/// What the agent did, for its last line and its metrics.
 #[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
 pub struct AgentStats {
-    pub observations: u64,
-    pub observations_sent: u64,
-    pub observations_dropped: u64,
-    pub counters_sent: u64,
-    pub counters_dropped: u64,
+    pub observations: Delivery,
+    pub counters: Delivery,
+    /// Handshakes that succeeded.
     pub connections: u64,
     pub ringbuf_drops: u64,
 }
 
-#[derive(Default)]
-struct Outbox {
-    obs: VecDeque<Observation>,
-    counters: VecDeque<CounterDelta>,
-    cap: usize,
-    stats: AgentStats,
-}
-
 impl Outbox {
-    fn push_obs(&mut self, o: Observation) {
-        self.stats.observations += 1;
-        if self.obs.len() >= self.cap {
-            // The oldest goes: the newest say most about now.
-            self.obs.pop_front();
-            self.stats.observations_dropped += 1;
+    fn stats(&self) -> AgentStats {
+        AgentStats {
+            observations: self.observations(),
+            counters: self.counters(),
+            connections: self.connections,
+            ringbuf_drops: self.ringbuf_drops,
         }
-        self.obs.push_back(o);
-    }
-    fn push_counter(&mut self, d: CounterDelta) {
-        if self.counters.len() >= self.cap {
-            self.counters.pop_front();
-            self.stats.counters_dropped += 1;
-        }
-        self.counters.push_back(d);
     }
 }
 
@@ -127,10 +115,7 @@ impl Shared {
     fn new(queue: usize, points: Vec<PointDecl>) -> Self {
         Self {
             points: Mutex::new(PointTable::new(points)),
-            outbox: Mutex::new(Outbox {
-                cap: queue,
-                ..Outbox::default()
-            }),
+            outbox: Mutex::new(Outbox::new(queue)),
             traces: Mutex::new(VecDeque::new()),
             notify: Notify::new(),
             metrics: Mutex::new((Vec::new(), GlobalTotals::default())),
@@ -232,7 +217,7 @@ pub async fn run(
                         m.nak[2] += c.nak_other;
                         m.psn_gaps += c.psn_gaps;
                     }
-                    ob.stats.ringbuf_drops = globals.total(GlobalCounter::RingbufFull);
+                    ob.ringbuf_drops = globals.total(GlobalCounter::RingbufFull);
                     table.decls().to_vec()
                 };
                 *shared.metrics.lock().expect("metrics") = (
@@ -252,14 +237,7 @@ pub async fn run(
     }
     // Whatever the kernel queued still goes, and the sender gets a moment to deliver.
     drain(ring.get_mut(), &clock, &shared);
-    shared.notify.notify_one();
-    let deadline = Instant::now() + Duration::from_secs(2);
-    while Instant::now() < deadline && !shared.outbox.lock().expect("outbox").obs.is_empty() {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    sender.abort();
-    let stats = shared.outbox.lock().expect("outbox").stats;
-    Ok(stats)
+    Ok(finish(&shared, sender, Duration::from_secs(2)).await)
 }
 
 fn drain(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, clock: &KernelClock, sh: &Shared) -> usize {
@@ -285,24 +263,57 @@ fn drain(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, clock: &KernelClock,
 /// Connects, shakes hands, streams; on any failure waits (100 ms doubling to 5 s) and
 /// connects again. Never touches the datapath.
 async fn send_loop(opts: AgentOptions, sh: Arc<Shared>) {
-    let mut backoff = Duration::from_millis(100);
+    const FIRST: Duration = Duration::from_millis(100);
+    let mut backoff = FIRST;
     let mut last_error = String::new();
     loop {
-        match session(&opts, &sh).await {
-            Ok(()) => backoff = Duration::from_millis(100),
-            Err(e) => {
-                if e != last_error {
-                    tracing::warn!("collector {}: {e}; retrying", opts.collector);
-                    last_error = e;
-                }
-            }
+        let connections = sh.outbox.lock().expect("outbox").connections;
+        let e = session(&opts, &sh).await.err().unwrap_or_default();
+        if e != last_error {
+            tracing::warn!("collector {}: {e}; retrying", opts.collector);
+            last_error = e;
+        }
+        // A connection that got past the handshake starts the backoff afresh.
+        if sh.outbox.lock().expect("outbox").connections != connections {
+            backoff = FIRST;
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(5));
     }
 }
 
-async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
+/// Waits (at most `patience`) until the collector has acknowledged everything made, then
+/// stops the sender; what became of everything.
+async fn finish(sh: &Shared, sender: tokio::task::JoinHandle<()>, patience: Duration) -> AgentStats {
+    sh.notify.notify_one();
+    let deadline = Instant::now() + patience;
+    while Instant::now() < deadline && !sh.outbox.lock().expect("outbox").is_empty() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sender.abort();
+    sh.outbox.lock().expect("outbox").stats()
+}
+
+/// WELCOME's fields.
+struct Welcome {
+    connection: u64,
+    previous: u64,
+    previous_frames: u64,
+}
+
+/// A connection past the handshake: its socket, its encoder and decoder, what was read
+/// beyond WELCOME, and WELCOME.
+struct Connected {
+    sock: TcpStream,
+    enc: Encoder,
+    dec: Decoder,
+    buf: BytesMut,
+    welcome: Welcome,
+}
+
+/// Connects and sends HELLO; refuses a collector that does not speak this version (one
+/// that would not acknowledge what it receives).
+async fn handshake(opts: &AgentOptions) -> Result<Connected, String> {
     let mut sock = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(&opts.collector))
         .await
         .map_err(|_| "connect timed out".to_owned())?
@@ -332,192 +343,225 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
     })
     .await
     .map_err(|_| "no answer to HELLO within 5 s".to_owned())??;
-    match reply {
-        Frame::Welcome { .. } => {}
+    let welcome = match reply {
+        Frame::Welcome {
+            version,
+            connection,
+            previous,
+            previous_frames,
+        } if version == VERSION => Welcome {
+            connection,
+            previous,
+            previous_frames,
+        },
+        Frame::Welcome { version, .. } => {
+            return Err(format!(
+                "the collector speaks protocol version {version}, this agent {VERSION}"
+            ));
+        }
         Frame::Bye { reason } => return Err(format!("refused: {reason}")),
-        other => return Err(format!("unexpected answer to HELLO: {other:?}")),
+        other => return Err(format!("unexpected answer to HELLO: {}", frame_name(&other))),
+    };
+    Ok(Connected {
+        sock,
+        enc,
+        dec,
+        buf,
+        welcome,
+    })
+}
+
+fn frame_name(f: &Frame) -> &'static str {
+    match f {
+        Frame::Hello { .. } => "HELLO",
+        Frame::Welcome { .. } => "WELCOME",
+        Frame::Points(_) => "POINTS",
+        Frame::Observations(_) => "OBSERVATIONS",
+        Frame::Counters { .. } => "COUNTERS",
+        Frame::Dropped { .. } => "DROPPED",
+        Frame::Heartbeat { .. } => "HEARTBEAT",
+        Frame::Bye { .. } => "BYE",
+        Frame::TraceRequest { .. } => "TRACE_REQUEST",
+        Frame::TraceResult(_) => "TRACE_RESULT",
+        Frame::Ack { .. } => "ACK",
     }
+}
+
+/// One connection: handshake, then everything queued, until the connection fails or the
+/// collector closes it. What was in flight stays for the next handshake to settle.
+async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
+    let Connected {
+        sock,
+        mut enc,
+        dec,
+        buf,
+        welcome,
+    } = handshake(opts).await?;
+    sh.outbox
+        .lock()
+        .expect("outbox")
+        .welcome(welcome.connection, welcome.previous, welcome.previous_frames);
     tracing::info!("connected to collector {}", opts.collector);
-    sh.outbox.lock().expect("outbox").stats.connections += 1;
     let points = sh.points.lock().expect("points").decls().to_vec();
     let mut declared = points.len();
+    let (rd, mut sock) = sock.into_split();
     sock.write_all(&enc.encode(&Frame::Points(points)))
         .await
         .map_err(|e| e.to_string())?;
-    // The collector may ask for traces: read its frames beside the sending below.
-    let (mut rd, mut sock) = sock.into_split();
-    let reader = {
-        let sh = sh.clone();
-        tokio::spawn(async move {
-            loop {
-                let f = match dec.decode(&mut buf) {
-                    Ok(Some(f)) => f,
-                    Ok(None) => match rd.read_buf(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(_) => continue,
-                    },
-                    Err(e) => {
-                        tracing::warn!("collector sent a bad frame: {e}");
-                        return;
-                    }
-                };
-                if let Frame::TraceRequest { id, flow, dscp, ecn } = f {
-                    let sh = sh.clone();
-                    tokio::task::spawn_blocking(move || {
-                        let opts = crate::trace::TraceOptions {
-                            dst: flow.dst_ip(),
-                            src: flow.src_ip(),
-                            sport: flow.udp_sport,
-                            dscp,
-                            ecn,
-                            max_hops: 16,
-                            probes: 2,
-                            timeout: Duration::from_millis(300),
-                            rate: 200,
-                        };
-                        match crate::trace::trace(&opts) {
-                            Ok(r) => {
-                                sh.traces
-                                    .lock()
-                                    .expect("traces")
-                                    .push_back(crate::protocol::ProbeResult {
-                                        id,
-                                        flow,
-                                        reached: r.reached,
-                                        class_changed_at: r.class_changed_at,
-                                        hops: r
-                                            .hops
-                                            .iter()
-                                            .map(|h| crate::protocol::ProbeHop {
-                                                ttl: h.ttl,
-                                                addr: h.addr,
-                                                dscp: h.dscp,
-                                                ecn: h.ecn,
-                                                rtt_avg_us: h.rtt_avg_us.map(|u| u as u32),
-                                            })
-                                            .collect(),
-                                    });
-                                sh.notify.notify_one();
-                            }
-                            Err(e) => {
-                                tracing::warn!("trace of {} asked by the collector: {e:#}", flow.label())
-                            }
-                        }
-                    });
-                }
-            }
-        })
-    };
-    struct AbortOnDrop(tokio::task::JoinHandle<()>);
+    // The collector's frames (ACKs, trace requests) are read beside the sending below.
+    struct AbortOnDrop(tokio::task::JoinHandle<String>);
     impl Drop for AbortOnDrop {
         fn drop(&mut self) {
             self.0.abort();
         }
     }
-    let _reader = AbortOnDrop(reader);
+    let mut reader = AbortOnDrop(tokio::spawn(read_collector(
+        rd,
+        dec,
+        buf,
+        sh.clone(),
+        welcome.connection,
+    )));
     let mut last_dropped = (u64::MAX, u64::MAX);
     let mut last_beat = Instant::now();
     loop {
-        let _ = tokio::time::timeout(Duration::from_millis(500), sh.notify.notified()).await;
+        tokio::select! {
+            why = &mut reader.0 => return Err(why.unwrap_or_else(|e| e.to_string())),
+            _ = tokio::time::timeout(Duration::from_millis(500), sh.notify.notified()) => {}
+        }
         loop {
-            // Take a batch; put it back at the front if it cannot be written.
-            let (obs, counters, dropped) = {
-                // Points first: what is queued may name a mirror session seen since.
-                let new_points = sh.points.lock().expect("points").decls()[declared..].to_vec();
-                if !new_points.is_empty() {
-                    declared += new_points.len();
-                    sock.write_all(&enc.encode(&Frame::Points(new_points)))
-                        .await
-                        .map_err(|e| format!("sending: {e}"))?;
-                }
+            let mut wrote = false;
+            // Points first: what is queued may name a mirror session seen since.
+            let new_points = sh.points.lock().expect("points").decls()[declared..].to_vec();
+            if !new_points.is_empty() {
+                declared += new_points.len();
+                write(&mut sock, &enc.encode(&Frame::Points(new_points))).await?;
+            }
+            let frames: Vec<bytes::Bytes> = {
                 let mut ob = sh.outbox.lock().expect("outbox");
-                let n = ob.obs.len().min(MAX_BATCH);
-                let obs: Vec<Observation> = ob.obs.drain(..n).collect();
-                let m = ob.counters.len().min(MAX_BATCH);
-                let counters: Vec<CounterDelta> = ob.counters.drain(..m).collect();
-                (
-                    obs,
-                    counters,
-                    (ob.stats.observations_dropped, ob.stats.counters_dropped),
-                )
+                // Two frames a round at most: the datapath waits on this lock.
+                [
+                    ob.next_frame(&mut enc, unix_now()),
+                    ob.next_frame(&mut enc, unix_now()),
+                ]
+                .into_iter()
+                .flatten()
+                .collect()
             };
-            if obs.is_empty()
-                && counters.is_empty()
-                && sh.traces.lock().expect("traces").is_empty()
-                && dropped == last_dropped
-                && last_beat.elapsed() < Duration::from_secs(5)
-            {
-                break;
+            for f in &frames {
+                write(&mut sock, f).await?;
+                wrote = true;
             }
-            let unix_now = || {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap_or_default()
-                    .as_nanos() as u64
-            };
-            // Each frame written or given back: what was written is not sent twice.
-            let mut obs_left = obs;
-            let mut counters_left = counters;
-            let mut result: Result<(), std::io::Error> = Ok(());
-            if !obs_left.is_empty() {
-                result = sock
-                    .write_all(&enc.encode(&Frame::Observations(obs_left.clone())))
-                    .await;
-                if result.is_ok() {
-                    sh.outbox.lock().expect("outbox").stats.observations_sent += obs_left.len() as u64;
-                    obs_left.clear();
-                }
-            }
-            if result.is_ok() && !counters_left.is_empty() {
-                let f = Frame::Counters {
-                    interval_end_ns: unix_now(),
-                    deltas: counters_left.clone(),
+            let dropped = sh.outbox.lock().expect("outbox").dropped();
+            if dropped != last_dropped {
+                let f = Frame::Dropped {
+                    observations: dropped.0,
+                    counters: dropped.1,
                 };
-                result = sock.write_all(&enc.encode(&f)).await;
-                if result.is_ok() {
-                    sh.outbox.lock().expect("outbox").stats.counters_sent += counters_left.len() as u64;
-                    counters_left.clear();
-                }
-            }
-            if result.is_ok() && dropped != last_dropped {
-                result = sock
-                    .write_all(&enc.encode(&Frame::Dropped {
-                        observations: dropped.0,
-                        counters: dropped.1,
-                    }))
-                    .await;
+                write(&mut sock, &enc.encode(&f)).await?;
                 last_dropped = dropped;
             }
             let traces: Vec<crate::protocol::ProbeResult> =
                 sh.traces.lock().expect("traces").drain(..).collect();
             for t in traces {
-                if result.is_ok() {
-                    result = sock.write_all(&enc.encode(&Frame::TraceResult(t))).await;
-                }
+                write(&mut sock, &enc.encode(&Frame::TraceResult(t))).await?;
             }
-            if result.is_ok() && last_beat.elapsed() >= Duration::from_secs(5) {
-                result = sock
-                    .write_all(&enc.encode(&Frame::Heartbeat { unix_ns: unix_now() }))
-                    .await;
+            if last_beat.elapsed() >= Duration::from_secs(5) {
+                write(&mut sock, &enc.encode(&Frame::Heartbeat { unix_ns: unix_now() })).await?;
                 last_beat = Instant::now();
             }
-            if let Err(e) = result {
-                let mut ob = sh.outbox.lock().expect("outbox");
-                for o in obs_left.into_iter().rev() {
-                    ob.obs.push_front(o);
-                }
-                for c in counters_left.into_iter().rev() {
-                    ob.counters.push_front(c);
-                }
-                return Err(format!("sending: {e}"));
+            if !wrote {
+                break;
             }
         }
     }
 }
 
+async fn write(sock: &mut tokio::net::tcp::OwnedWriteHalf, frame: &[u8]) -> Result<(), String> {
+    sock.write_all(frame).await.map_err(|e| format!("sending: {e}"))
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos() as u64
+}
+
+/// Reads the collector's frames on connection `connection` until it ends; why it ended.
+async fn read_collector(
+    mut rd: tokio::net::tcp::OwnedReadHalf,
+    mut dec: Decoder,
+    mut buf: BytesMut,
+    sh: Arc<Shared>,
+    connection: u64,
+) -> String {
+    loop {
+        let f = match dec.decode(&mut buf) {
+            Ok(Some(f)) => f,
+            Ok(None) => match rd.read_buf(&mut buf).await {
+                Ok(0) => return "the collector closed the connection".into(),
+                Ok(_) => continue,
+                Err(e) => return format!("receiving: {e}"),
+            },
+            Err(e) => return format!("the collector sent a bad frame: {e}"),
+        };
+        match f {
+            Frame::Ack { seq } => sh.outbox.lock().expect("outbox").ack(connection, seq),
+            Frame::TraceRequest { id, flow, dscp, ecn } => trace_for_collector(&sh, id, flow, dscp, ecn),
+            Frame::Bye { reason } => return format!("the collector closed the connection: {reason}"),
+            other => return format!("the collector sent {}, which it never should", frame_name(&other)),
+        }
+    }
+}
+
+/// Traces `flow` from this host (a blocking job) and queues the result for the collector.
+fn trace_for_collector(sh: &Arc<Shared>, id: u32, flow: crate::observation::FlowId, dscp: u8, ecn: u8) {
+    let sh = sh.clone();
+    tokio::task::spawn_blocking(move || {
+        let opts = crate::trace::TraceOptions {
+            dst: flow.dst_ip(),
+            src: flow.src_ip(),
+            sport: flow.udp_sport,
+            dscp,
+            ecn,
+            max_hops: 16,
+            probes: 2,
+            timeout: Duration::from_millis(300),
+            rate: 200,
+        };
+        match crate::trace::trace(&opts) {
+            Ok(r) => {
+                sh.traces
+                    .lock()
+                    .expect("traces")
+                    .push_back(crate::protocol::ProbeResult {
+                        id,
+                        flow,
+                        reached: r.reached,
+                        class_changed_at: r.class_changed_at,
+                        hops: r
+                            .hops
+                            .iter()
+                            .map(|h| crate::protocol::ProbeHop {
+                                ttl: h.ttl,
+                                addr: h.addr,
+                                dscp: h.dscp,
+                                ecn: h.ecn,
+                                rtt_avg_us: h.rtt_avg_us.map(|u| u as u32),
+                            })
+                            .collect(),
+                    });
+                sh.notify.notify_one();
+            }
+            Err(e) => tracing::warn!("trace of {} asked by the collector: {e:#}", flow.label()),
+        }
+    });
+}
+
 fn render_metrics(sh: &Shared) -> String {
     let (points, globals) = sh.metrics.lock().expect("metrics").clone();
-    let stats = sh.outbox.lock().expect("outbox").stats;
+    let stats = sh.outbox.lock().expect("outbox").stats();
     let mut m = String::new();
     let mut family = |name: &str, help: &str, kind: &str, rows: Vec<(String, u64)>| {
         m.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
@@ -594,18 +638,33 @@ fn render_metrics(sh: &Shared) -> String {
             })
             .collect(),
     );
-    family(
-        "roce_trace_samples_sent_total",
-        "Observations delivered to the collector.",
-        "counter",
-        vec![(String::new(), stats.observations_sent)],
-    );
-    family(
-        "roce_trace_samples_dropped_total",
-        "Observations dropped: queue full while the collector was away.",
-        "counter",
-        vec![(String::new(), stats.observations_dropped)],
-    );
+    for (kind, what, d) in [
+        ("samples", "Observations", stats.observations),
+        ("counter_deltas", "Counter deltas", stats.counters),
+    ] {
+        for (name, help, v) in [
+            ("total", "made", d.made),
+            ("sent_total", "written to a collector, re-sends included", d.sent),
+            (
+                "resent_total",
+                "written again after reconnecting: the collector had not processed them",
+                d.resent,
+            ),
+            ("acked_total", "acknowledged: processed by a collector", d.acked),
+            (
+                "dropped_total",
+                "dropped: the buffer was full (while the collector was away or slow)",
+                d.dropped,
+            ),
+        ] {
+            family(
+                &format!("roce_trace_{kind}_{name}"),
+                &format!("{what} {help}."),
+                "counter",
+                vec![(String::new(), v)],
+            );
+        }
+    }
     m.replace("{}", "")
 }
 
@@ -738,21 +797,7 @@ pub async fn run_pcap(
         _ = &mut shutdown => {}
     }
     // Deliver what is queued before stopping.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    shared.notify.notify_one();
-    while Instant::now() < deadline {
-        let empty = {
-            let ob = shared.outbox.lock().expect("outbox");
-            ob.obs.is_empty() && ob.counters.is_empty()
-        };
-        if empty {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    sender.abort();
-    let stats = shared.outbox.lock().expect("outbox").stats;
-    Ok(stats)
+    Ok(finish(&shared, sender, Duration::from_secs(5)).await)
 }
 
 #[cfg(test)]

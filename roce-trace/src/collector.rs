@@ -6,7 +6,10 @@ use std::{
     future::Future,
     net::SocketAddr,
     path::PathBuf,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -55,13 +58,38 @@ pub struct AgentInfo {
     pub last_disconnect: Option<String>,
 }
 
+/// A connection, as the node's next connection needs it: the next one's WELCOME says
+/// how much of it was processed.
+struct ConnRec {
+    id: u64,
+    /// Frames processed (the next sequence number): those below are in the join.
+    processed: AtomicU64,
+    /// The last connection before it that processed anything past its HELLO — the one its
+    /// agent may still hold frames of, when this one got no further than the handshake
+    /// (its agent may never have seen the WELCOME).
+    before: Mutex<Option<Arc<ConnRec>>>,
+}
+
+/// A node's latest connection, and how to end it when the node connects again (it must
+/// stop processing before the new one can say how much it processed).
+struct Conn {
+    rec: Arc<ConnRec>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    /// Resolves once that connection's task processes nothing more.
+    done: Option<tokio::sync::oneshot::Receiver<()>>,
+}
+
 #[derive(Default)]
 struct State {
     joiner: Option<Joiner>,
     agents: BTreeMap<String, AgentInfo>,
     refused: u64,
-    /// Per connected agent, where to send it requests.
-    requesters: HashMap<String, tokio::sync::mpsc::UnboundedSender<Frame>>,
+    /// Per node, its latest connection.
+    conns: HashMap<String, Conn>,
+    /// The last connection id given out (random start: ids differ across restarts).
+    last_conn: u64,
+    /// Per connected agent, where to send it requests (and the connection's id).
+    requesters: HashMap<String, (u64, tokio::sync::mpsc::UnboundedSender<Frame>)>,
     /// Probe results per flow, and the flows a trace was asked for.
     probes: HashMap<crate::observation::FlowId, crate::protocol::ProbeResult>,
     traced: std::collections::HashSet<crate::observation::FlowId>,
@@ -85,7 +113,7 @@ impl State {
     /// Asks the agent on the flow's source node to trace it; where it went.
     fn request_trace(&mut self, id: crate::observation::FlowId) -> Option<String> {
         let (node, dscp, ecn) = self.joiner.as_ref()?.trace_target(&id)?;
-        let tx = self.requesters.get(&node)?;
+        let (_, tx) = self.requesters.get(&node)?;
         self.next_trace += 1;
         tx.send(Frame::TraceRequest {
             id: self.next_trace,
@@ -143,6 +171,7 @@ pub async fn run(
     let start = Instant::now();
     let state: Shared = Arc::new(Mutex::new(State {
         joiner: Some(Joiner::new(opts.join)),
+        last_conn: std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), start),
         ..State::default()
     }));
     let listener = TcpListener::bind(opts.listen)
@@ -264,9 +293,17 @@ async fn serve_agent(
             .await;
         return Err(why);
     }
-    sock.write_all(&enc.encode(&Frame::Welcome { version: VERSION }))
-        .await
-        .map_err(|e| e.to_string())?;
+    let (conn, stop, done, previous) = take_over(st, &node, dec.next_seq()).await;
+    let welcome = Frame::Welcome {
+        version: VERSION,
+        connection: conn.id,
+        previous: previous.map_or(0, |p| p.0),
+        previous_frames: previous.map_or(0, |p| p.1),
+    };
+    if let Err(e) = sock.write_all(&enc.encode(&welcome)).await {
+        drop(done);
+        return Err(e.to_string());
+    }
     tracing::info!("agent `{node}` connected from {peer}");
     {
         let mut s = st.lock().expect("state");
@@ -277,39 +314,185 @@ async fn serve_agent(
         a.connections += 1;
         a.clock_synced = clock_synced;
     }
-    // Requests to this agent (traces) go through a writer task; reading stays here.
-    let (mut rd, mut wr) = sock.into_split();
-    let (req_tx, mut req_rx) = tokio::sync::mpsc::unbounded_channel::<Frame>();
-    st.lock().expect("state").requesters.insert(node.clone(), req_tx);
-    let writer = tokio::spawn(async move {
-        while let Some(f) = req_rx.recv().await {
-            if wr.write_all(&enc.encode(&f)).await.is_err() {
-                break;
-            }
+    // Frames to this agent (ACKs, traces, BYE) go through a writer task; reading stays
+    // here. ACKs go through a watch: only the latest counts, so an agent that does not
+    // read them costs no memory.
+    let (rd, wr) = sock.into_split();
+    let (req_tx, req_rx) = tokio::sync::mpsc::unbounded_channel::<Frame>();
+    let (ack_tx, ack_rx) = tokio::sync::watch::channel(0u64);
+    st.lock()
+        .expect("state")
+        .requesters
+        .insert(node.clone(), (conn.id, req_tx.clone()));
+    let writer = tokio::spawn(write_to_agent(wr, enc, req_rx, ack_rx));
+    let closed = serve_frames(rd, buf, dec, st, &node, clock_synced, start, &conn, stop, &ack_tx).await;
+    let (Closed::Protocol(reason) | Closed::Gone(reason)) = &closed;
+    {
+        let mut s = st.lock().expect("state");
+        if s.requesters.get(&node).is_some_and(|(id, _)| *id == conn.id) {
+            s.requesters.remove(&node);
         }
-    });
+        if let Some(a) = s.agents.get_mut(&node) {
+            a.connected = false;
+            a.last_disconnect = Some(reason.clone());
+        }
+    }
+    // Nothing more of this connection is processed: a new one from the node may go on.
+    drop(done);
+    // The agent is told why, when it is still there to hear it.
+    if let Closed::Protocol(r) = &closed {
+        let _ = req_tx.send(Frame::Bye { reason: r.clone() });
+    }
+    drop(req_tx);
+    let mut writer = writer;
+    if tokio::time::timeout(Duration::from_secs(1), &mut writer)
+        .await
+        .is_err()
+    {
+        writer.abort();
+    }
+    drop(ack_tx);
+    Err(reason.clone())
+}
+
+/// Why a connection ended: a protocol violation (the agent is told, with BYE) or the
+/// agent going away.
+enum Closed {
+    Protocol(String),
+    Gone(String),
+}
+
+/// Registers a new connection from `node` (`processed` frames so far: the HELLO) as its
+/// latest, after stopping the one before and waiting until it processes nothing more;
+/// returns the new connection's record, stop signal and done guard, and the id and frames
+/// processed of the node's previous connection that counts.
+async fn take_over(
+    st: &Shared,
+    node: &str,
+    processed: u64,
+) -> (
+    Arc<ConnRec>,
+    tokio::sync::oneshot::Receiver<()>,
+    tokio::sync::oneshot::Sender<()>,
+    Option<(u64, u64)>,
+) {
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    let (rec, old) = {
+        let mut s = st.lock().expect("state");
+        s.last_conn = s.last_conn.wrapping_add(1).max(1);
+        let rec = Arc::new(ConnRec {
+            id: s.last_conn,
+            processed: AtomicU64::new(processed),
+            before: Mutex::new(None),
+        });
+        let conn = Conn {
+            rec: rec.clone(),
+            stop: Some(stop_tx),
+            done: Some(done_rx),
+        };
+        (rec, s.conns.insert(node.to_owned(), conn))
+    };
+    let mut previous = None;
+    if let Some(mut old) = old {
+        if let Some(stop) = old.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(done) = old.done.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), done).await;
+        }
+        let older = old.rec.before.lock().expect("conn").take();
+        let last = if old.rec.processed.load(Ordering::SeqCst) > 1 {
+            Some(old.rec)
+        } else {
+            older
+        };
+        previous = last.as_ref().map(|r| (r.id, r.processed.load(Ordering::SeqCst)));
+        *rec.before.lock().expect("conn") = last;
+    }
+    (rec, stop_rx, done_tx, previous)
+}
+
+/// Writes requests, ACKs (the latest frame processed) and the closing BYE to the agent.
+async fn write_to_agent(
+    mut wr: tokio::net::tcp::OwnedWriteHalf,
+    mut enc: Encoder,
+    mut req_rx: tokio::sync::mpsc::UnboundedReceiver<Frame>,
+    mut ack_rx: tokio::sync::watch::Receiver<u64>,
+) {
+    let mut acks = true;
+    loop {
+        let f = tokio::select! {
+            biased;
+            f = req_rx.recv() => match f {
+                Some(f) => f,
+                None => break,
+            },
+            changed = ack_rx.changed(), if acks => match changed {
+                Ok(()) => Frame::Ack { seq: *ack_rx.borrow_and_update() },
+                Err(_) => {
+                    acks = false;
+                    continue;
+                }
+            },
+        };
+        if wr.write_all(&enc.encode(&f)).await.is_err() {
+            break;
+        }
+    }
+}
+
+/// The agent's frames into the join until the connection ends, `stop` fires (the node
+/// connected again) or a frame breaks the protocol. Each OBSERVATIONS or COUNTERS frame
+/// is acknowledged once processed.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "one connection's state, passed down once"
+)]
+async fn serve_frames(
+    mut rd: tokio::net::tcp::OwnedReadHalf,
+    mut buf: BytesMut,
+    mut dec: Decoder,
+    st: &Shared,
+    node: &str,
+    clock_synced: bool,
+    start: Instant,
+    conn: &ConnRec,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+    ack: &tokio::sync::watch::Sender<u64>,
+) -> Closed {
     let mut points: HashMap<u16, PointId> = HashMap::new();
-    let result = loop {
-        let f = match read_frame(&mut rd, &mut buf, &mut dec).await {
-            Ok(Some(f)) => f,
-            Ok(None) => break Err("the agent went away".to_owned()),
-            Err(e) => break Err(e),
+    loop {
+        let f = tokio::select! {
+            f = read_frame(&mut rd, &mut buf, &mut dec) => match f {
+                Ok(Some(f)) => f,
+                Ok(None) => return Closed::Gone("the agent went away".to_owned()),
+                Err(ReadError::Gone(e)) => return Closed::Gone(e),
+                Err(ReadError::Protocol(e)) => return Closed::Protocol(e),
+            },
+            _ = &mut stop => {
+                return Closed::Protocol(format!(
+                    "node `{node}` connected again: this connection is replaced"
+                ));
+            }
         };
         let now = now_ns(start);
         let mut s = st.lock().expect("state");
-        if let Frame::TraceResult(r) = f {
-            s.probes.insert(r.flow, r);
-            continue;
-        }
-        let State { joiner, agents, .. } = &mut *s;
-        let j = joiner.as_mut().expect("joiner");
-        let a = agents.get_mut(&node).expect("registered");
+        let mut data = false;
         match f {
+            Frame::TraceResult(r) => {
+                s.probes.insert(r.flow, r);
+            }
             Frame::Points(decls) => {
+                let j = s.joiner.as_mut().expect("joiner");
                 for d in decls {
                     let p = j.point(PointInfo {
                         // A mirror session is the switch's point, not the agent's.
-                        node: if d.node.is_empty() { node.clone() } else { d.node },
+                        node: if d.node.is_empty() {
+                            node.to_owned()
+                        } else {
+                            d.node
+                        },
                         iface: d.iface,
                         direction: direction_name(d.direction).into(),
                         clock_synced,
@@ -319,54 +502,62 @@ async fn serve_agent(
             }
             Frame::Observations(obs) => {
                 if let Some(o) = obs.iter().find(|o| !points.contains_key(&o.point)) {
-                    break Err(format!("observation from undeclared point {}", o.point));
+                    return Closed::Protocol(format!("observation from undeclared point {}", o.point));
                 }
+                let State { joiner, agents, .. } = &mut *s;
+                let j = joiner.as_mut().expect("joiner");
                 for o in &obs {
                     j.add(points[&o.point], o, now);
                 }
-                a.observations += obs.len() as u64;
+                agents.get_mut(node).expect("registered").observations += obs.len() as u64;
+                data = true;
             }
             Frame::Counters { deltas, .. } => {
                 if let Some(d) = deltas.iter().find(|d| !points.contains_key(&d.point)) {
-                    break Err(format!("counters from undeclared point {}", d.point));
+                    return Closed::Protocol(format!("counters from undeclared point {}", d.point));
                 }
+                let State { joiner, agents, .. } = &mut *s;
+                let j = joiner.as_mut().expect("joiner");
                 for d in &deltas {
                     j.add_counters(points[&d.point], d, now);
                 }
-                a.counter_deltas += deltas.len() as u64;
+                agents.get_mut(node).expect("registered").counter_deltas += deltas.len() as u64;
+                data = true;
             }
             Frame::Dropped {
                 observations,
                 counters,
             } => {
+                let a = s.agents.get_mut(node).expect("registered");
                 a.dropped_observations = observations;
                 a.dropped_counters = counters;
             }
             Frame::Heartbeat { .. } => {}
-            Frame::Bye { reason } => break Err(format!("agent said goodbye: {reason}")),
-            Frame::Hello { .. }
-            | Frame::Welcome { .. }
-            | Frame::TraceRequest { .. }
-            | Frame::TraceResult(_) => {
-                break Err("a frame an agent does not send".into());
+            Frame::Bye { reason } => return Closed::Gone(format!("agent said goodbye: {reason}")),
+            Frame::Hello { .. } | Frame::Welcome { .. } | Frame::TraceRequest { .. } | Frame::Ack { .. } => {
+                return Closed::Protocol("a frame an agent does not send".into());
             }
         }
-    };
-    writer.abort();
-    st.lock().expect("state").requesters.remove(&node);
-    match result {
-        Err(reason) => close(st, &node, reason),
-        Ok(()) => Ok(()),
+        drop(s);
+        conn.processed.store(dec.next_seq(), Ordering::SeqCst);
+        if data {
+            ack.send_replace(dec.next_seq() - 1);
+        }
     }
 }
 
-fn close(st: &Shared, node: &str, reason: String) -> Result<(), String> {
-    let mut s = st.lock().expect("state");
-    if let Some(a) = s.agents.get_mut(node) {
-        a.connected = false;
-        a.last_disconnect = Some(reason.clone());
+/// Why reading a frame failed: the peer broke the protocol, or the connection ended.
+enum ReadError {
+    Protocol(String),
+    Gone(String),
+}
+
+impl std::fmt::Display for ReadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Protocol(e) | Self::Gone(e) => f.write_str(e),
+        }
     }
-    Err(reason)
 }
 
 /// Reads until one whole frame is decoded; `Ok(None)` on a clean end of stream.
@@ -374,17 +565,23 @@ async fn read_frame(
     sock: &mut (impl tokio::io::AsyncRead + Unpin),
     buf: &mut BytesMut,
     dec: &mut Decoder,
-) -> Result<Option<Frame>, String> {
+) -> Result<Option<Frame>, ReadError> {
     loop {
-        if let Some(f) = dec.decode(buf).map_err(|e| e.to_string())? {
+        if let Some(f) = dec.decode(buf).map_err(|e| ReadError::Protocol(e.to_string()))? {
             return Ok(Some(f));
         }
-        let n = sock.read_buf(buf).await.map_err(|e| e.to_string())?;
+        let n = sock
+            .read_buf(buf)
+            .await
+            .map_err(|e| ReadError::Gone(e.to_string()))?;
         if n == 0 {
             return if buf.is_empty() {
                 Ok(None)
             } else {
-                Err(format!("stream ended inside a frame ({} bytes)", buf.len()))
+                Err(ReadError::Gone(format!(
+                    "stream ended inside a frame ({} bytes)",
+                    buf.len()
+                )))
             };
         }
     }

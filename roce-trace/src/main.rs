@@ -959,12 +959,21 @@ fn run_trace(a: TraceArgs) -> anyhow::Result<()> {
 
 /// The agent's last line (tests read it).
 fn log_agent_stats(stats: &roce_trace::agent::AgentStats) {
+    let d = |d: &roce_trace::agent::Delivery| {
+        format!(
+            "{} made, {} sent, {} resent, {} acknowledged, {} dropped, {} undelivered",
+            d.made,
+            d.sent,
+            d.resent,
+            d.acked,
+            d.dropped,
+            d.pending()
+        )
+    };
     tracing::info!(
-        "agent stopped: {} observations ({} sent, {} dropped while the collector was away), {} counter deltas sent, {} connections, {} ring-buffer drops",
-        stats.observations,
-        stats.observations_sent,
-        stats.observations_dropped,
-        stats.counters_sent,
+        "agent stopped: observations {}; counter deltas {}; {} connections, {} ring-buffer drops",
+        d(&stats.observations),
+        d(&stats.counters),
         stats.connections,
         stats.ringbuf_drops
     );

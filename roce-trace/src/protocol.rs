@@ -7,8 +7,10 @@ use thiserror::Error;
 
 use crate::observation::{CounterDelta, FlowId, Observation, PacketId, PointDecl};
 
-/// 2: points name their node (mirror sessions) and may be declared at any time.
-pub const VERSION: u16 = 2;
+/// 2: points name their node (mirror sessions) and may be declared at any time. 3: the
+/// collector acknowledges what it has processed (ACK) and says in WELCOME how much of the
+/// node's previous connection it processed, so the agent re-sends exactly the rest.
+pub const VERSION: u16 = 3;
 /// Largest frame either side accepts (length field included).
 pub const MAX_FRAME: usize = 4 << 20;
 /// Observations per OBSERVATIONS frame a sender should not exceed.
@@ -24,6 +26,12 @@ pub enum Frame {
     },
     Welcome {
         version: u16,
+        /// This connection's id (never 0).
+        connection: u64,
+        /// The id of the node's previous connection the collector knows of (0: none) and
+        /// how many of its frames it processed: those with a lower sequence number.
+        previous: u64,
+        previous_frames: u64,
     },
     Points(Vec<PointDecl>),
     Observations(Vec<Observation>),
@@ -50,6 +58,11 @@ pub enum Frame {
     },
     /// Agent → collector: the hops of a traced flow.
     TraceResult(ProbeResult),
+    /// Collector → agent: every frame of this connection up to sequence number `seq` has
+    /// been processed (its observations and counters are in the join).
+    Ack {
+        seq: u64,
+    },
 }
 
 /// What in-band probes found along one flow, as carried back to the collector.
@@ -87,6 +100,7 @@ impl Frame {
             Frame::Bye { .. } => 8,
             Frame::TraceRequest { .. } => 9,
             Frame::TraceResult(_) => 10,
+            Frame::Ack { .. } => 11,
         }
     }
 }
@@ -141,7 +155,17 @@ pub fn encode(f: &Frame, seq: u64) -> Bytes {
             put_str(&mut b, node);
             put_str(&mut b, token);
         }
-        Frame::Welcome { version } => b.put_u16(*version),
+        Frame::Welcome {
+            version,
+            connection,
+            previous,
+            previous_frames,
+        } => {
+            b.put_u16(*version);
+            b.put_u64(*connection);
+            b.put_u64(*previous);
+            b.put_u64(*previous_frames);
+        }
         Frame::Points(points) => {
             b.put_u16(points.len() as u16);
             for p in points {
@@ -236,6 +260,7 @@ pub fn encode(f: &Frame, seq: u64) -> Bytes {
                 b.put_u32(h.rtt_avg_us.unwrap_or(u32::MAX));
             }
         }
+        Frame::Ack { seq } => b.put_u64(*seq),
     }
     let len = (b.len() - 4) as u32;
     b[..4].copy_from_slice(&len.to_be_bytes());
@@ -278,6 +303,11 @@ fn get_flow(b: &mut Bytes) -> FlowId {
 }
 
 impl Decoder {
+    /// The sequence number the next frame must carry: how many frames were decoded.
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq
+    }
+
     /// The next whole frame in `buf`, if one is there; consumed from `buf`.
     pub fn decode(&mut self, buf: &mut BytesMut) -> Result<Option<Frame>, ProtoError> {
         if buf.len() < 4 {
@@ -320,8 +350,13 @@ impl Decoder {
                 }
             }
             2 => {
-                need(&b, 2)?;
-                Frame::Welcome { version: b.get_u16() }
+                need(&b, 2 + 3 * 8)?;
+                Frame::Welcome {
+                    version: b.get_u16(),
+                    connection: b.get_u64(),
+                    previous: b.get_u64(),
+                    previous_frames: b.get_u64(),
+                }
             }
             3 => {
                 need(&b, 2)?;
@@ -491,6 +526,10 @@ impl Decoder {
                     hops,
                 })
             }
+            11 => {
+                need(&b, 8)?;
+                Frame::Ack { seq: b.get_u64() }
+            }
             k => return Err(ProtoError::UnknownKind(k)),
         };
         if b.has_remaining() {
@@ -507,6 +546,11 @@ pub struct Encoder {
 }
 
 impl Encoder {
+    /// The sequence number the next frame encoded gets.
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq
+    }
+
     pub fn encode(&mut self, f: &Frame) -> Bytes {
         let b = encode(f, self.next_seq);
         self.next_seq += 1;
@@ -555,7 +599,12 @@ mod tests {
                 token: "s3cret".into(),
                 clock_synced: true,
             },
-            Frame::Welcome { version: VERSION },
+            Frame::Welcome {
+                version: VERSION,
+                connection: 0x1234_5678_9abc_def0,
+                previous: 7,
+                previous_frames: 12,
+            },
             Frame::Points(vec![
                 PointDecl {
                     index: 0,
@@ -632,6 +681,7 @@ mod tests {
                     },
                 ],
             }),
+            Frame::Ack { seq: u64::MAX - 1 },
         ]
     }
 

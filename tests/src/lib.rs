@@ -11,26 +11,132 @@ use std::{
 
 use aya::programs::{TestRun, TestRunOptions};
 use roce_trace::datapath::{Datapath, DatapathOptions, GlobalTotals};
-use roce_trace_common::datapath::{FlowCounters, FlowKey, MirrorInfo, PROG_TC, PROG_TC_INGRESS, Sample};
+use roce_trace_common::datapath::{
+    FlowCounters, FlowKey, FlowSlotChunk, MAP_FLOW_SLOTS, MAP_FLOWS, MirrorInfo, PROG_TC, PROG_TC_INGRESS,
+    SLOTS_PER_CHUNK, Sample,
+};
+
+/// Whether this is CI (`CI=true`, as GitHub Actions, GitLab and most others set it): there
+/// every test must run.
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v.eq_ignore_ascii_case("true") || v == "1")
+}
+
+/// A test that cannot run here, for `reason`: under CI (`CI=true`) that fails it (panics);
+/// elsewhere it prints `skipped: REASON` and returns true, and the caller returns:
+/// `let Some(x) = … else { cannot_run("…"); return; };`.
+pub fn cannot_run(reason: &str) -> bool {
+    assert!(
+        !in_ci(),
+        "this test cannot run here, and under CI=true that is a failure: {reason}"
+    );
+    eprintln!("skipped: {reason}");
+    true
+}
 
 /// Privileged tests need root (CAP_BPF, CAP_NET_ADMIN). They fail rather than pass
-/// silently without it, unless ROCE_TRACE_SKIP_PRIVILEGED=1 says to skip them.
+/// silently without it, unless ROCE_TRACE_SKIP_PRIVILEGED=1 says to skip them — and even
+/// then under CI (see [`cannot_run`]).
 pub fn require_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } == 0 {
         return true;
     }
     if std::env::var_os("ROCE_TRACE_SKIP_PRIVILEGED").is_some_and(|v| v == "1") {
-        eprintln!("skipped: not root and ROCE_TRACE_SKIP_PRIVILEGED=1");
+        cannot_run("not root and ROCE_TRACE_SKIP_PRIVILEGED=1");
         return false;
     }
     panic!("this test needs root (CAP_BPF + CAP_NET_ADMIN); set ROCE_TRACE_SKIP_PRIVILEGED=1 to skip");
+}
+
+/// A process a test started, killed (SIGKILL) and reaped when dropped unless it was waited
+/// for: a test that fails half-way leaves nothing running to disturb the next one. Derefs
+/// to its [`Child`](std::process::Child). Started through `ip netns exec`, the process is
+/// the program itself (`ip` execs it), so signals reach the program.
+pub struct Proc {
+    child: Option<std::process::Child>,
+    /// Spawned as the leader of its own process group, which the drop kills whole (a shell
+    /// pipeline).
+    group: bool,
+}
+
+impl Proc {
+    /// Spawns `cmd`, panicking with the program's name when it cannot.
+    pub fn spawn(cmd: &mut Command) -> Self {
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {:?}: {e}", cmd.get_program()));
+        Self {
+            child: Some(child),
+            group: false,
+        }
+    }
+
+    /// Spawns `cmd` in a process group of its own: the drop kills every process in it
+    /// (a shell and its pipeline), not only the shell.
+    pub fn spawn_group(cmd: &mut Command) -> Self {
+        use std::os::unix::process::CommandExt;
+        let mut p = Self::spawn(cmd.process_group(0));
+        p.group = true;
+        p
+    }
+
+    /// Waits for it, collecting what is left of its stdout and stderr.
+    pub fn wait_with_output(mut self) -> std::process::Output {
+        self.child
+            .take()
+            .expect("running")
+            .wait_with_output()
+            .expect("waiting for a child")
+    }
+
+    /// SIGINT (what Ctrl-C sends), then waits for it.
+    pub fn interrupt(mut self) -> std::process::ExitStatus {
+        self.signal(libc::SIGINT);
+        self.wait().expect("waiting for a child")
+    }
+
+    /// Sends `sig` to the process.
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: signalling our own child, not yet reaped (self holds it).
+        unsafe { libc::kill(self.id() as i32, sig) };
+    }
+}
+
+impl std::ops::Deref for Proc {
+    type Target = std::process::Child;
+    fn deref(&self) -> &Self::Target {
+        self.child.as_ref().expect("running")
+    }
+}
+
+impl std::ops::DerefMut for Proc {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.child.as_mut().expect("running")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let Some(mut c) = self.child.take() else { return };
+        if self.group {
+            // The group outlives its leader while any member lives: killed whole even
+            // when the leader has exited.
+            // SAFETY: signalling the process group we created.
+            unsafe { libc::kill(-(c.id() as i32), libc::SIGKILL) };
+        }
+        // No signal once reaped: std remembers the exit and never kills a reused pid.
+        let _ = c.kill();
+        let _ = c.wait();
+    }
 }
 
 /// The real datapath object, run on byte buffers.
 pub struct ProgTest {
     pub dp: Datapath,
     ring: aya::maps::RingBuf<aya::maps::MapData>,
+    /// The programs' maps, by kernel id (to read one map apart from the others).
+    map_ids: Vec<u32>,
 }
 
 pub const XDP_PASS: u32 = 2;
@@ -44,7 +150,58 @@ impl ProgTest {
         dp.tc(PROG_TC).expect("tc egress verifies");
         dp.tc(PROG_TC_INGRESS).expect("tc ingress verifies");
         let ring = dp.take_samples().expect("ring");
-        Self { dp, ring }
+        let map_ids = dp
+            .xdp()
+            .unwrap()
+            .info()
+            .expect("program info")
+            .map_ids()
+            .expect("map ids")
+            .expect("the kernel names a program's maps");
+        Self { dp, ring, map_ids }
+    }
+
+    /// One of the programs' maps, by name.
+    fn map(&self, name: &str) -> aya::maps::Map {
+        for &id in &self.map_ids {
+            let data = aya::maps::MapData::from_id(id).expect("map by id");
+            if data.info().expect("map info").name_as_str() == Some(name) {
+                return aya::maps::Map::from_map_data(data).expect("map");
+            }
+        }
+        panic!("the programs have no map {name}");
+    }
+
+    /// CPU `cpu`'s flow table (`FLOW_SLOTS`): each slot that holds a flow, with the flow's
+    /// counters there.
+    pub fn slot_table(&self, cpu: usize) -> Vec<(u32, FlowKey, FlowCounters)> {
+        let map: aya::maps::PerCpuArray<_, FlowSlotChunk> =
+            aya::maps::PerCpuArray::try_from(self.map(MAP_FLOW_SLOTS)).unwrap();
+        let mut v = Vec::new();
+        for chunk in 0..map.len() {
+            let per_cpu = map.get(&chunk, 0).unwrap();
+            for (i, slot) in per_cpu[cpu].iter().enumerate() {
+                if slot.counters.packets != 0 {
+                    v.push((chunk * SLOTS_PER_CHUNK + i as u32, slot.key, slot.counters));
+                }
+            }
+        }
+        v
+    }
+
+    /// CPU `cpu`'s copies in `FLOWS` (the LRU hash of flows without a slot), by key;
+    /// copies without packets left out.
+    pub fn flows_map(&self, cpu: usize) -> Vec<(FlowKey, FlowCounters)> {
+        let map: aya::maps::PerCpuHashMap<_, FlowKey, FlowCounters> =
+            aya::maps::PerCpuHashMap::try_from(self.map(MAP_FLOWS)).unwrap();
+        let mut v: Vec<_> = map
+            .iter()
+            .map(|r| r.unwrap())
+            .filter(|(_, c)| c[cpu].packets != 0)
+            .map(|(k, c)| (k, c[cpu]))
+            .collect();
+        v.sort_by_key(|(k, _)| *k);
+        v
     }
 
     /// Runs the XDP program once on `frame`; returns its verdict.
@@ -411,7 +568,7 @@ pub fn send_frames(ifname: &str, frames: &[Vec<u8>]) {
 
 /// A running `roce-trace capture`, its JSON Lines collected from stdout.
 pub struct CaptureProc {
-    pub child: std::process::Child,
+    pub child: Proc,
     stderr_lines: std::sync::mpsc::Receiver<String>,
     pub stderr: std::sync::Arc<std::sync::Mutex<String>>,
 }
@@ -420,15 +577,15 @@ impl CaptureProc {
     /// Starts `roce-trace capture ARGS` in `ns` and waits until its hooks are attached.
     pub fn start(ns: &Netns, args: &[&str]) -> Self {
         use std::io::BufRead;
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", &ns.name])
-            .arg(roce_trace_bin())
-            .arg("capture")
-            .args(args)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = Proc::spawn(
+            Command::new("ip")
+                .args(["netns", "exec", &ns.name])
+                .arg(roce_trace_bin())
+                .arg("capture")
+                .args(args)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped()),
+        );
         let (tx, rx) = std::sync::mpsc::channel();
         let all = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
         let all2 = all.clone();
@@ -478,22 +635,22 @@ impl CaptureProc {
 }
 
 /// Starts `roce-trace gen ARGS --json` in namespace `ns`.
-pub fn spawn_gen(ns: &str, args: &[&str]) -> std::process::Child {
-    Command::new("ip")
-        .args(["netns", "exec", ns])
-        .arg(roce_trace_bin())
-        .arg("gen")
-        .args(args)
-        .arg("--json")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap()
+pub fn spawn_gen(ns: &str, args: &[&str]) -> Proc {
+    Proc::spawn(
+        Command::new("ip")
+            .args(["netns", "exec", ns])
+            .arg(roce_trace_bin())
+            .arg("gen")
+            .args(args)
+            .arg("--json")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped()),
+    )
 }
 
 /// Waits for a `gen` and returns its JSON report.
-pub fn gen_report(c: std::process::Child) -> serde_json::Value {
-    let out = c.wait_with_output().unwrap();
+pub fn gen_report(c: Proc) -> serde_json::Value {
+    let out = c.wait_with_output();
     assert!(
         out.status.success(),
         "gen failed: {}",
@@ -504,25 +661,25 @@ pub fn gen_report(c: std::process::Child) -> serde_json::Value {
 
 /// Starts tcpdump in namespace `ns` (immediate mode, so stopping it loses little) and
 /// returns once it captures.
-pub fn start_tcpdump(ns: &str, ifname: &str, pcap: &Path, filter: &str) -> std::process::Child {
+pub fn start_tcpdump(ns: &str, ifname: &str, pcap: &Path, filter: &str) -> Proc {
     use std::io::{BufRead, BufReader};
-    let mut c = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            ns,
-            "tcpdump",
-            "-i",
-            ifname,
-            "--immediate-mode",
-            "-w",
-        ])
-        .arg(pcap)
-        .arg(filter)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut c = Proc::spawn(
+        Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                ns,
+                "tcpdump",
+                "-i",
+                ifname,
+                "--immediate-mode",
+                "-w",
+            ])
+            .arg(pcap)
+            .arg(filter)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped()),
+    );
     let mut err = BufReader::new(c.stderr.take().unwrap());
     let mut line = String::new();
     while err.read_line(&mut line).unwrap() > 0 && !line.contains("listening on") {
@@ -533,32 +690,30 @@ pub fn start_tcpdump(ns: &str, ifname: &str, pcap: &Path, filter: &str) -> std::
     c
 }
 
-/// SIGINT to a child (tcpdump, gen), then waits for it.
-pub fn interrupt(mut c: std::process::Child) {
+/// SIGINT to a child (tcpdump, gen) after a moment (the last packets), then waits for it.
+pub fn interrupt(c: Proc) {
     std::thread::sleep(std::time::Duration::from_millis(200));
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
-    c.wait().unwrap();
+    c.interrupt();
 }
 
 /// A roce-trace process in a namespace, started and waited for until its stderr says
 /// `ready`; the rest of its stderr is kept for failure messages.
 pub struct Daemon {
-    pub child: std::process::Child,
+    pub child: Proc,
     pub stderr: std::sync::Arc<std::sync::Mutex<String>>,
 }
 
 impl Daemon {
     pub fn start(ns: &str, args: &[&str], ready: &str) -> Self {
         use std::io::BufRead;
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", ns])
-            .arg(roce_trace_bin())
-            .args(args)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = Proc::spawn(
+            Command::new("ip")
+                .args(["netns", "exec", ns])
+                .arg(roce_trace_bin())
+                .args(args)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped()),
+        );
         let all = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
         let (tx, rx) = std::sync::mpsc::channel();
         let err = child.stderr.take().unwrap();
@@ -581,10 +736,8 @@ impl Daemon {
     }
 
     /// SIGINT, then waits; panics with its stderr when it failed.
-    pub fn stop(mut self) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
-        let st = self.child.wait().unwrap();
+    pub fn stop(self) {
+        let st = self.child.interrupt();
         assert!(st.success(), "exited with {st}: {}", self.stderr.lock().unwrap());
     }
 
@@ -592,5 +745,140 @@ impl Daemon {
     pub fn kill(mut self) {
         self.child.kill().unwrap();
         self.child.wait().unwrap();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs this test binary's test `name` alone (CI=`ci`, or unset), for what happens to a
+    /// test that fails or cannot run: whether it passed, its stdout and its stderr. Output
+    /// goes through files: a process the probe leaves behind cannot hold this up.
+    fn run_probe(name: &str, ci: Option<&str>) -> (bool, String, String) {
+        let dir = TempDir::new(&format!("probe-{}", name.replace(':', "-")));
+        let (out, err) = (dir.path("stdout"), dir.path("stderr"));
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args(["--exact", name, "--nocapture", "--test-threads=1"])
+            .env("ROCE_TRACE_PROBE", "1")
+            .env_remove("CI")
+            .stdout(std::fs::File::create(&out).unwrap())
+            .stderr(std::fs::File::create(&err).unwrap());
+        if let Some(v) = ci {
+            cmd.env("CI", v);
+        }
+        let ok = cmd.status().unwrap().success();
+        let read = |p: &Path| std::fs::read_to_string(p).unwrap();
+        (ok, read(&out), read(&err))
+    }
+
+    fn probing() -> bool {
+        std::env::var_os("ROCE_TRACE_PROBE").is_some()
+    }
+
+    #[test]
+    fn probe_cannot_run() {
+        if probing() {
+            cannot_run("the probe's reason");
+        }
+    }
+
+    #[test]
+    fn a_test_that_cannot_run_fails_under_ci_and_is_skipped_elsewhere() {
+        let (ok, out, err) = run_probe("tests::probe_cannot_run", Some("true"));
+        assert!(!ok, "CI=true: {out}{err}");
+        assert!(
+            (out.clone() + &err).contains("under CI=true that is a failure: the probe's reason"),
+            "{out}{err}"
+        );
+        let (ok, out, err) = run_probe("tests::probe_cannot_run", None);
+        assert!(ok, "{out}{err}");
+        assert!(err.contains("skipped: the probe's reason"), "{err}");
+    }
+
+    /// Whether process `pid` is gone (or a zombie nobody reaped: dead all the same).
+    fn dead(pid: u32) -> bool {
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Err(_) => true,
+            Ok(stat) => stat
+                .rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        }
+    }
+
+    fn wait_dead(pid: u32) -> bool {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !dead(pid) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        dead(pid)
+    }
+
+    /// A test that panics with processes running: a daemon through `ip netns exec`, a
+    /// shell pipeline in its own group. It prints their pids first.
+    #[test]
+    fn probe_panics_with_children() {
+        if !probing() {
+            return;
+        }
+        let ns = Netns::new("rtproc");
+        let daemon = Proc::spawn(Command::new("ip").args(["netns", "exec", &ns.name, "sleep", "1000"]));
+        let mut pipeline = Proc::spawn_group(
+            Command::new("sh")
+                .args(["-c", "sleep 1000 & echo $!; sleep 1000 | cat"])
+                .stdout(std::process::Stdio::piped()),
+        );
+        let mut line = String::new();
+        use std::io::BufRead;
+        std::io::BufReader::new(pipeline.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        // `ip netns exec` execs the program once in the namespace: the pid becomes sleep's.
+        let comm = || std::fs::read_to_string(format!("/proc/{}/comm", daemon.id())).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while comm().trim() != "sleep" && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        println!("comm {}", comm().trim());
+        println!("pids {} {} {}", daemon.id(), pipeline.id(), line.trim());
+        panic!("the probe fails with its children running");
+    }
+
+    #[test]
+    fn a_failing_test_leaves_no_process_behind() {
+        if !require_root() {
+            return;
+        }
+        let (ok, out, err) = run_probe("tests::probe_panics_with_children", None);
+        assert!(!ok, "the probe failed: {out}{err}");
+        assert!(
+            out.contains("comm sleep"),
+            "ip netns exec is the program: {out}{err}"
+        );
+        let pids: Vec<u32> = out
+            .lines()
+            .find_map(|l| l.strip_prefix("pids "))
+            .unwrap_or_else(|| panic!("no pids: {out}{err}"))
+            .split(' ')
+            .map(|p| p.parse().unwrap())
+            .collect();
+        assert_eq!(pids.len(), 3);
+        for pid in pids {
+            assert!(wait_dead(pid), "process {pid} outlived the failed test");
+        }
+    }
+
+    #[test]
+    fn a_process_waited_for_is_not_signalled_again() {
+        let mut p = Proc::spawn(&mut Command::new("true"));
+        assert!(p.wait().unwrap().success());
+        drop(p); // kills nothing: std knows it was reaped
+        let out = Proc::spawn(
+            Command::new("echo")
+                .arg("hi")
+                .stdout(std::process::Stdio::piped()),
+        )
+        .wait_with_output();
+        assert_eq!(out.stdout, b"hi\n");
     }
 }

@@ -1,6 +1,7 @@
 //! An agent under a collector that dies and comes back: it keeps sampling, buffers while
-//! the collector is away, reconnects with backoff, delivers what it buffered, and reports
-//! what a too-small buffer made it drop. Real processes across a veth pair.
+//! the collector is away, reconnects with backoff, sends again what the dead collector had
+//! not acknowledged, delivers what it buffered, and reports what a too-small buffer made it
+//! drop. Real processes across a veth pair; every count exact.
 
 use std::{io::Read, net::TcpStream, sync::Mutex, time::Duration};
 
@@ -9,33 +10,100 @@ use serde_json::Value;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
-/// GET /agents from the collector in namespace b.
-fn agents(pair: &VethPair) -> Value {
-    let body = pair.b.run(|| {
+/// GET `path` from `addr`, a thread in `ns`; the body.
+fn get(ns: &Netns, addr: &'static str, path: &'static str) -> String {
+    let body = ns.run(move || {
         use std::io::Write;
-        let mut s = TcpStream::connect("10.99.0.2:8080").unwrap();
-        write!(s, "GET /agents HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut s = TcpStream::connect(addr).unwrap();
+        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
         let mut body = String::new();
         s.read_to_string(&mut body).unwrap();
         body
     });
-    serde_json::from_str(body.split_once("\r\n\r\n").unwrap().1).unwrap()
+    body.split_once("\r\n\r\n").unwrap().1.to_owned()
 }
 
-/// From the agent's last line: (made, sent, dropped, connections).
-fn agent_totals(stderr: &str) -> (u64, u64, u64, u64) {
+/// The collector's view of the agent (GET /agents, the only agent).
+fn collector_view(pair: &VethPair) -> Value {
+    let v: Value = serde_json::from_str(&get(&pair.b, "10.99.0.2:8080", "/agents")).unwrap();
+    assert_eq!(v.as_array().map(Vec::len), Some(1), "{v}");
+    v[0].clone()
+}
+
+/// The agent's metrics (its Prometheus endpoint).
+struct Metrics(String);
+
+impl Metrics {
+    fn read(pair: &VethPair) -> Self {
+        Self(get(&pair.a, "10.99.0.1:9464", "/metrics"))
+    }
+    /// The value of the series `name` (with its labels, if any).
+    fn get(&self, name: &str) -> u64 {
+        self.0
+            .lines()
+            .find_map(|l| l.rsplit_once(' ').filter(|(n, _)| *n == name))
+            .and_then(|(_, v)| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing: {}", self.0))
+    }
+}
+
+/// What became of one kind of record, from the agent's last line.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Delivery {
+    made: u64,
+    sent: u64,
+    resent: u64,
+    acked: u64,
+    dropped: u64,
+    undelivered: u64,
+}
+
+/// The agent's last line: `agent stopped: observations N made, N sent, N resent, N
+/// acknowledged, N dropped, N undelivered; counter deltas …; N connections, N ring-buffer
+/// drops` — observations, counter deltas, connections.
+fn agent_totals(stderr: &str) -> (Delivery, Delivery, u64) {
     let line = stderr
         .lines()
-        .find(|l| l.contains("agent stopped:"))
+        .find_map(|l| l.split_once("agent stopped: ").map(|(_, s)| s))
         .unwrap_or_else(|| panic!("no summary: {stderr}"));
-    let summary = line.split("agent stopped:").nth(1).unwrap();
-    let n: Vec<u64> = summary
-        .split(|c: char| !c.is_ascii_digit())
-        .filter(|s| !s.is_empty())
-        .map(|s| s.parse().unwrap())
-        .collect();
-    // X observations (Y sent, Z dropped …), C counter deltas sent, N connections, R drops
-    (n[0], n[1], n[2], n[4])
+    // Each "N word" pair of a section, by word.
+    let pairs = |section: &str| -> Vec<(String, u64)> {
+        let words: Vec<&str> = section
+            .split(|c: char| c == ',' || c.is_whitespace())
+            .filter(|w| !w.is_empty())
+            .collect();
+        words
+            .windows(2)
+            .filter_map(|w| Some((w[1].to_owned(), w[0].parse().ok()?)))
+            .collect()
+    };
+    let delivery = |section: &str| {
+        let p = pairs(section);
+        let get = |k: &str| {
+            p.iter()
+                .find(|(w, _)| w == k)
+                .unwrap_or_else(|| panic!("no `{k}` in `{section}`"))
+                .1
+        };
+        Delivery {
+            made: get("made"),
+            sent: get("sent"),
+            resent: get("resent"),
+            acked: get("acknowledged"),
+            dropped: get("dropped"),
+            undelivered: get("undelivered"),
+        }
+    };
+    let sections: Vec<&str> = line.split(';').collect();
+    assert_eq!(sections.len(), 3, "{line}");
+    let obs = delivery(sections[0].strip_prefix("observations").expect(line));
+    let counters = delivery(sections[1].trim().strip_prefix("counter deltas").expect(line));
+    let connections = pairs(sections[2])
+        .iter()
+        .find(|(w, _)| w == "connections")
+        .expect(line)
+        .1;
+    (obs, counters, connections)
 }
 
 fn collector(pair: &VethPair, tag: &str, dir: &TempDir) -> Daemon {
@@ -92,7 +160,46 @@ fn stop_and_log(d: Daemon) -> String {
     log.lock().unwrap().clone()
 }
 
-fn run_with_outage(queue: &str, tag: &str) -> (u64, u64, u64, u64, u64, Value) {
+/// Cuts (or restores) the way from the agent to the collector: the collector's namespace
+/// drops what arrives for port 4792. The collector's own frames still reach the agent.
+fn cut(pair: &VethPair, on: bool) {
+    if on {
+        pair.b.exec(&["nft", "add", "table", "inet", "rtcut"]);
+        pair.b.exec(&[
+            "nft",
+            "add",
+            "chain",
+            "inet",
+            "rtcut",
+            "input",
+            "{ type filter hook input priority 0; policy accept; }",
+        ]);
+        pair.b.exec(&[
+            "nft", "add", "rule", "inet", "rtcut", "input", "tcp", "dport", "4792", "drop",
+        ]);
+    } else {
+        pair.b.exec(&["nft", "delete", "table", "inet", "rtcut"]);
+    }
+}
+
+/// One run: traffic for 8 s; 2 s in, the way to collector 1 is cut (so that what it
+/// processed can still be read off it), then it is killed (no goodbye) and the way
+/// restored; 3 s later collector 2 starts.
+#[derive(Debug)]
+struct Outage {
+    /// The agent's accounts at the end: observations, counter deltas.
+    obs: Delivery,
+    counters: Delivery,
+    connections: u64,
+    /// What collector 1 processed (observations, counter deltas), as it said itself.
+    at_c1: (u64, u64),
+    /// What the agent counted acknowledged while collector 1 was its collector.
+    acked_by_c1: (u64, u64),
+    /// Collector 2's report of the agent.
+    at_c2: Value,
+}
+
+fn run_with_outage(queue: &str, tag: &str) -> Outage {
     let pair = VethPair::new(tag);
     let dir = TempDir::new(tag);
     let c1 = collector(&pair, "c1", &dir);
@@ -104,88 +211,157 @@ fn run_with_outage(queue: &str, tag: &str) -> (u64, u64, u64, u64, u64, Value) {
         &["--to", "10.99.0.2", "--rate", "2mbit", "--duration", "8s"],
     );
     std::thread::sleep(Duration::from_secs(2));
-    let before = agents(&pair)[0]["observations"].as_u64().unwrap();
-    c1.kill(); // no goodbye: the agent finds out when it next writes
-    std::thread::sleep(Duration::from_secs(3));
+    cut(&pair, true);
+    // Collector 1 processes and acknowledges what reached it; the agent keeps writing.
+    std::thread::sleep(Duration::from_secs(1));
+    let v = collector_view(&pair);
+    let at_c1 = (
+        v["observations"].as_u64().unwrap(),
+        v["counter_deltas"].as_u64().unwrap(),
+    );
+    c1.kill();
+    cut(&pair, false);
+    std::thread::sleep(Duration::from_millis(500));
+    // No collector: the agent's acknowledged counts are collector 1's and stay put.
+    let m = Metrics::read(&pair);
+    let acked_by_c1 = (
+        m.get("roce_trace_samples_acked_total"),
+        m.get("roce_trace_counter_deltas_acked_total"),
+    );
+    std::thread::sleep(Duration::from_millis(2500));
     let c2 = collector(&pair, "c2", &dir);
     gen_report(send);
     interrupt(resp);
-    std::thread::sleep(Duration::from_secs(2));
-    let metrics = pair.a.run(|| {
-        use std::io::Write;
-        let mut s = TcpStream::connect("10.99.0.1:9464").unwrap();
-        write!(s, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-        let mut body = String::new();
-        s.read_to_string(&mut body).unwrap();
-        body
-    });
-    let metric = |name: &str| -> u64 {
-        metrics
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("{name} missing: {metrics}"))
+    std::thread::sleep(Duration::from_millis(1500)); // the last counter deltas
+    // The agent reconnects (its backoff may have grown to seconds) and delivers.
+    let settled = |m: &Metrics| {
+        ["samples", "counter_deltas"].iter().all(|k| {
+            let n = |s: &str| m.get(&format!("roce_trace_{k}_{s}total"));
+            n("acked_") + n("dropped_") == n("")
+        })
     };
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let mut m = Metrics::read(&pair);
+    while !settled(&m) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+        m = Metrics::read(&pair);
+    }
     let iface = pair.a_if.clone();
     assert!(
-        metric(&format!(
+        m.get(&format!(
             "roce_trace_packets_total{{interface=\"{iface}\",direction=\"egress\",dscp=\"26\"}}"
         )) > 1000
     );
     assert!(
-        metric(&format!(
+        m.get(&format!(
             "roce_trace_ecn_packets_total{{interface=\"{iface}\",direction=\"egress\",ecn=\"ect0\"}}"
         )) > 1000
     );
-    assert!(metric("roce_trace_samples_sent_total") > 0);
     let log = stop_and_log(a);
     c2.stop();
     let r2: Value = serde_json::from_str(&std::fs::read_to_string(dir.path("c2.json")).unwrap()).unwrap();
-    let (made, sent, dropped, connections) = agent_totals(&log);
-    assert_eq!(connections, 2, "reconnected once: {log}");
-    (
-        made,
-        sent,
-        dropped,
-        before,
-        r2["agents"][0]["observations"].as_u64().unwrap(),
-        r2,
-    )
+    let (obs, counters, connections) = agent_totals(&log);
+    assert_eq!(
+        m.get("roce_trace_samples_total"),
+        obs.made,
+        "the metrics say what the last line says"
+    );
+    assert_eq!(r2["agents"].as_array().map(Vec::len), Some(1));
+    Outage {
+        obs,
+        counters,
+        connections,
+        at_c1,
+        acked_by_c1,
+        at_c2: r2["agents"][0].clone(),
+    }
 }
 
+/// Every observation and counter delta the agent made is accounted for exactly: collector
+/// 1 acknowledged what it processed, and collector 2 got precisely the rest — what was
+/// buffered during the outage, and what was written to collector 1 but never processed
+/// (sent again) — with nothing dropped.
 #[test]
 fn collector_restart_loses_nothing_the_buffer_holds() {
     if !require_root() {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let (made, sent, dropped, at_c1, at_c2, _) = run_with_outage("100000", "arst");
-    assert!(made > 1000, "{made} observations");
-    assert_eq!(dropped, 0, "the buffer held the outage");
-    assert_eq!(sent, made, "everything made was sent");
-    // What reached the first collector before it died, plus everything the second got,
-    // is everything — but for what was still in flight when it was killed.
-    assert!(at_c1 + at_c2 <= made);
-    assert!(at_c1 + at_c2 + 600 >= made, "c1 {at_c1} + c2 {at_c2} of {made}");
+    let o = run_with_outage("100000", "arst");
+    eprintln!("{o:#?}");
+    let at_c2 = (
+        o.at_c2["observations"].as_u64().unwrap(),
+        o.at_c2["counter_deltas"].as_u64().unwrap(),
+    );
+    assert_eq!(o.connections, 2, "reconnected once");
+    assert!(o.obs.made > 1000, "{:?}", o.obs);
+    for (what, d, at_c1, acked_by_c1, at_c2) in [
+        ("observations", o.obs, o.at_c1.0, o.acked_by_c1.0, at_c2.0),
+        ("counter deltas", o.counters, o.at_c1.1, o.acked_by_c1.1, at_c2.1),
+    ] {
+        assert_eq!(d.dropped, 0, "{what}: the buffer held the outage: {d:?}");
+        assert_eq!(
+            (d.acked, d.undelivered),
+            (d.made, 0),
+            "{what}: everything made was acknowledged: {d:?}"
+        );
+        assert_eq!(
+            at_c1, acked_by_c1,
+            "{what}: collector 1 acknowledged exactly what it processed"
+        );
+        assert_eq!(
+            at_c2,
+            d.made - acked_by_c1,
+            "{what}: collector 2 got everything collector 1 did not acknowledge: {d:?}, c1 {at_c1}"
+        );
+        assert_eq!(d.sent, d.made + d.resent, "{what}: {d:?}");
+    }
     assert!(
-        at_c2 > made / 3,
+        o.obs.resent > 0,
+        "what was written while the way was cut was sent again: {:?}",
+        o.obs
+    );
+    assert!(
+        at_c2.0 > o.obs.made / 3,
         "the outage's observations reached the new collector"
     );
+    assert_eq!(o.at_c2["dropped_observations"], 0);
 }
 
+/// A 100-observation buffer overflows in the outage: the oldest are dropped, counted, and
+/// reported to the collector; every observation is still either acknowledged or dropped,
+/// and collector 2 got exactly the acknowledged ones collector 1 did not have.
 #[test]
 fn a_full_buffer_drops_the_oldest_and_says_so() {
     if !require_root() {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let (made, sent, dropped, _, _, r2) = run_with_outage("100", "afull");
-    assert!(dropped > 0, "a 100-observation queue overflows in a 3 s outage");
-    assert_eq!(sent + dropped, made);
+    let o = run_with_outage("100", "afull");
+    eprintln!("{o:#?}");
+    let d = o.obs;
+    assert_eq!(o.connections, 2, "reconnected once");
+    assert!(
+        d.dropped > 100,
+        "a 100-observation queue overflows in a 3 s outage: {d:?}"
+    );
     assert_eq!(
-        r2["agents"][0]["dropped_observations"].as_u64().unwrap(),
-        dropped,
+        (d.acked + d.dropped, d.undelivered),
+        (d.made, 0),
+        "each acknowledged or dropped: {d:?}"
+    );
+    assert_eq!(
+        o.at_c1.0, o.acked_by_c1.0,
+        "collector 1 acknowledged what it processed"
+    );
+    assert_eq!(
+        o.at_c2["observations"].as_u64().unwrap(),
+        d.made - d.dropped - o.acked_by_c1.0,
+        "collector 2 got the rest but what was dropped: {d:?}"
+    );
+    assert_eq!(
+        o.at_c2["dropped_observations"].as_u64().unwrap(),
+        d.dropped,
         "the collector was told"
     );
 }

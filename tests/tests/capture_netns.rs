@@ -328,15 +328,41 @@ fn capture_reports_exact_per_flow_counts_on_xdp_and_tc_both_ways() {
     }
 }
 
-/// Our programs loaded now, by name, sorted.
-fn roce_programs_loaded() -> Vec<String> {
-    let mut v: Vec<String> = aya::programs::loaded_programs()
+/// The roce-trace programs process `pid` holds (through its program and link fds): their
+/// ids, and their names sorted. Other roce-trace processes on the host (another test, a
+/// lab's agents) do not count.
+fn programs_of(pid: u32) -> (Vec<u32>, Vec<String>) {
+    let mut ids = std::collections::BTreeSet::new();
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fdinfo"))
+        .unwrap()
+        .flatten()
+    {
+        let Ok(info) = std::fs::read_to_string(fd.path()) else {
+            continue;
+        };
+        ids.extend(
+            info.lines()
+                .filter_map(|l| l.strip_prefix("prog_id:"))
+                .map(|v| v.trim().parse::<u32>().unwrap()),
+        );
+    }
+    let mut names: Vec<String> = aya::programs::loaded_programs()
         .filter_map(Result::ok)
+        .filter(|p| ids.contains(&p.id()))
         .filter_map(|p| p.name_as_str().map(str::to_owned))
         .filter(|n| PROGRAMS.contains(&n.as_str()))
         .collect();
-    v.sort();
-    v
+    names.sort();
+    (ids.into_iter().collect(), names)
+}
+
+/// Which of `ids` are still loaded.
+fn still_loaded(ids: &[u32]) -> Vec<u32> {
+    aya::programs::loaded_programs()
+        .filter_map(Result::ok)
+        .map(|p| p.id())
+        .filter(|id| ids.contains(id))
+        .collect()
 }
 
 /// Programs hang off BPF links owned by the process: SIGKILL must not leave them behind,
@@ -352,17 +378,14 @@ fn programs_detach_when_capture_is_killed() {
         (None, [PROG_TC, PROG_TC_INGRESS]),
         (Some("xdp"), [PROG_TC, PROG_XDP]),
     ] {
-        assert!(roce_programs_loaded().is_empty(), "nothing loaded before");
         let mut args = vec!["-i", &pair.b_if, "--json"];
         if let Some(h) = extra {
             args.extend(["--ingress-hook", h]);
         }
         let mut p = CaptureProc::start(&pair.b, &args);
-        assert_eq!(
-            roce_programs_loaded(),
-            loaded,
-            "loaded while capturing ({extra:?})"
-        );
+        // `ip netns exec` execs the capture: the child's pid is the capture's.
+        let (ids, names) = programs_of(p.child.id());
+        assert_eq!(names, loaded, "loaded while capturing ({extra:?})");
         let link = pair.b.exec(&["ip", "link", "show", "dev", &pair.b_if]);
         assert_eq!(
             link.contains("xdp"),
@@ -371,12 +394,16 @@ fn programs_detach_when_capture_is_killed() {
         );
         p.child.kill().unwrap(); // SIGKILL
         p.child.wait().unwrap();
-        // `ip netns exec` is the direct child; give the kernel a moment to release the links.
+        // Give the kernel a moment to release the links.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while !roce_programs_loaded().is_empty() && std::time::Instant::now() < deadline {
+        while !still_loaded(&ids).is_empty() && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(50));
         }
-        assert!(roce_programs_loaded().is_empty(), "programs gone after SIGKILL");
+        assert_eq!(
+            still_loaded(&ids),
+            Vec::<u32>::new(),
+            "programs gone after SIGKILL"
+        );
         let link = pair.b.exec(&["ip", "link", "show", "dev", &pair.b_if]);
         assert!(!link.contains("xdp"), "XDP detached: {link}");
     }

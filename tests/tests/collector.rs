@@ -11,7 +11,7 @@ use std::{
 use roce_trace::{
     collector::{self, CollectorOptions, CollectorReport},
     correlate::JoinConfig,
-    observation::{FlowId, Observation, PacketId, PointDecl},
+    observation::{CounterDelta, FlowId, Observation, PacketId, PointDecl},
     protocol::{Encoder, Frame, VERSION},
 };
 use roce_trace_common::datapath::REASON_HASH;
@@ -88,6 +88,15 @@ impl Running {
     }
 }
 
+/// A test that fails half-way stops its collector all the same.
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
 fn obs(point: u16, psn: u32, ttl: u8, dscp: u8) -> Observation {
     Observation {
         point,
@@ -113,51 +122,161 @@ fn obs(point: u16, psn: u32, ttl: u8, dscp: u8) -> Observation {
     }
 }
 
+/// What a read on a connection the peer should have closed must find: the end of the
+/// stream (or a reset: the peer closed with our bytes unread). A read timing out means
+/// the connection is still open, and fails.
+fn assert_closed(s: &mut TcpStream, what: &str) {
+    use std::io::ErrorKind::*;
+    let mut b = [0u8; 256];
+    match s.read(&mut b) {
+        Ok(0) => {}
+        Err(e) if matches!(e.kind(), ConnectionReset | BrokenPipe) => {}
+        Ok(n) => panic!("{what}: {n} more bytes where the connection should have ended"),
+        Err(e) if matches!(e.kind(), WouldBlock | TimedOut) => {
+            panic!("{what}: the connection is still open after 5 s")
+        }
+        Err(e) => panic!("{what}: {e}"),
+    }
+}
+
 /// An agent speaking the protocol by hand.
 struct FakeAgent {
     s: TcpStream,
     enc: Encoder,
+    dec: roce_trace::protocol::Decoder,
+    buf: bytes::BytesMut,
 }
 
 impl FakeAgent {
-    fn connect(c: &Running, node: &str, token: &str) -> (Self, Option<Frame>) {
+    /// Connects and sends HELLO (protocol `version`); the collector's answer.
+    fn hello(c: &Running, node: &str, token: &str, version: u16) -> (Self, Frame) {
         let s = TcpStream::connect(c.agents).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let mut a = Self {
             s,
             enc: Encoder::default(),
+            dec: Default::default(),
+            buf: Default::default(),
         };
         a.send(&Frame::Hello {
-            version: VERSION,
+            version,
             node: node.into(),
             token: token.into(),
             clock_synced: false,
         });
-        let reply = a.read_frame();
+        let reply = a
+            .read_frame()
+            .unwrap_or_else(|| panic!("{node}: the collector closed without answering HELLO"));
         (a, reply)
     }
+
+    fn connect(c: &Running, node: &str, token: &str) -> (Self, Frame) {
+        Self::hello(c, node, token, VERSION)
+    }
+
+    /// Connects; WELCOME's connection id, previous connection id and its frames processed.
+    fn welcomed(c: &Running, node: &str) -> (Self, (u64, u64, u64)) {
+        match Self::connect(c, node, "t0ken") {
+            (
+                a,
+                Frame::Welcome {
+                    version,
+                    connection,
+                    previous,
+                    previous_frames,
+                },
+            ) => {
+                assert_eq!(version, VERSION);
+                assert_ne!(connection, 0);
+                (a, (connection, previous, previous_frames))
+            }
+            (_, other) => panic!("{node}: expected WELCOME, got {other:?}"),
+        }
+    }
+
     fn send(&mut self, f: &Frame) {
         let b = self.enc.encode(f);
         self.s.write_all(&b).unwrap();
     }
+
+    /// The collector's next frame; `None` when it closed the connection. Fails when
+    /// nothing comes within 5 s.
     fn read_frame(&mut self) -> Option<Frame> {
-        let mut dec = roce_trace::protocol::Decoder::default();
-        let mut buf = bytes::BytesMut::new();
+        use std::io::ErrorKind::*;
         let mut chunk = [0u8; 4096];
         loop {
-            if let Ok(Some(f)) = dec.decode(&mut buf) {
+            if let Some(f) = self
+                .dec
+                .decode(&mut self.buf)
+                .expect("the collector's frames decode")
+            {
                 return Some(f);
             }
             match self.s.read(&mut chunk) {
-                Ok(0) | Err(_) => return None,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                Ok(0) => return None,
+                Err(e) if matches!(e.kind(), ConnectionReset | BrokenPipe) => return None,
+                Err(e) if matches!(e.kind(), WouldBlock | TimedOut) => {
+                    panic!("nothing from the collector within 5 s")
+                }
+                Err(e) => panic!("reading from the collector: {e}"),
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
             }
         }
     }
-    /// True once the collector has closed the connection.
-    fn closed(&mut self) -> bool {
-        let mut b = [0u8; 1];
-        matches!(self.s.read(&mut b), Ok(0) | Err(_))
+
+    /// The collector's next ACK (frames processed up to it), whatever ACKs came before.
+    fn read_ack(&mut self) -> u64 {
+        match self.read_frame() {
+            Some(Frame::Ack { seq }) => seq,
+            other => panic!("expected ACK, got {other:?}"),
+        }
+    }
+
+    /// Reads ACKs until one acknowledges frame `seq`: they only go up and never past it.
+    fn acked_up_to(&mut self, seq: u64) -> usize {
+        let (mut last, mut n) = (0, 0);
+        while last < seq {
+            let a = self.read_ack();
+            assert!(
+                a > last && a <= seq,
+                "ACK {a} after {last}, last frame sent {seq}"
+            );
+            last = a;
+            n += 1;
+        }
+        n
+    }
+
+    /// The collector says goodbye with a reason containing `why` (ACKs may come first),
+    /// then closes the connection.
+    fn assert_bye(&mut self, why: &str) {
+        loop {
+            match self.read_frame() {
+                Some(Frame::Ack { .. }) => {}
+                Some(Frame::Bye { reason }) => {
+                    assert!(reason.contains(why), "BYE `{reason}`, expected `{why}`");
+                    break;
+                }
+                other => panic!("expected BYE ({why}), got {other:?}"),
+            }
+        }
+        assert!(self.buf.is_empty(), "bytes after BYE");
+        assert_closed(&mut self.s, why);
+    }
+
+    /// The next frame the encoder numbers.
+    fn next_seq(&self) -> u64 {
+        self.enc.next_seq()
+    }
+}
+
+fn point(index: u16, iface: &str) -> PointDecl {
+    PointDecl {
+        index,
+        node: String::new(),
+        iface: iface.into(),
+        ifindex: 2,
+        direction: 0,
     }
 }
 
@@ -175,42 +294,47 @@ fn wait_for(c: &Running, path: &str, pred: impl Fn(&Value) -> bool) -> Value {
 #[test]
 fn bad_peers_are_cut_off_and_good_ones_keep_being_served() {
     let c = Running::start();
-    let (mut good, reply) = FakeAgent::connect(&c, "good", "t0ken");
-    assert_eq!(reply, Some(Frame::Welcome { version: VERSION }));
-    good.send(&Frame::Points(vec![PointDecl {
-        index: 0,
-        node: String::new(),
-        iface: "eth0".into(),
-        ifindex: 2,
-        direction: 0,
-    }]));
+    let (mut good, (_, previous, _)) = FakeAgent::welcomed(&c, "good");
+    assert_eq!(previous, 0, "a node's first connection has none before it");
+    good.send(&Frame::Points(vec![point(0, "eth0")]));
     good.send(&Frame::Observations((0..10).map(|p| obs(0, p, 64, 26)).collect()));
 
     // Wrong token: refused, told why, closed.
     let (mut bad, reply) = FakeAgent::connect(&c, "intruder", "guess");
     match reply {
-        Some(Frame::Bye { reason }) => assert!(reason.contains("wrong token"), "{reason}"),
+        Frame::Bye { reason } => assert!(
+            reason.contains("node `intruder` presented a wrong token"),
+            "{reason}"
+        ),
         other => panic!("expected BYE, got {other:?}"),
     }
-    assert!(bad.closed());
+    assert_closed(&mut bad.s, "wrong token");
+
+    // An agent of the previous protocol version (it would not expect ACKs): refused.
+    let (mut old, reply) = FakeAgent::hello(&c, "old", "t0ken", VERSION - 1);
+    let want = format!(
+        "protocol version {} is not supported (this side speaks {VERSION})",
+        VERSION - 1
+    );
+    assert_eq!(reply, Frame::Bye { reason: want });
+    assert_closed(&mut old.s, "old version");
 
     // Garbage instead of a HELLO.
     let mut g = TcpStream::connect(c.agents).unwrap();
     g.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     g.write_all(b"GET / HTTP/1.1\r\nHost: collector\r\n\r\n").unwrap();
-    let mut b = [0u8; 1];
-    assert!(matches!(g.read(&mut b), Ok(0) | Err(_)), "garbage is cut off");
+    assert_closed(&mut g, "garbage is cut off");
 
     // A frame out of order, after a good handshake.
     let (mut ooo, _) = FakeAgent::connect(&c, "skipper", "t0ken");
     ooo.enc = Encoder::default(); // restarts at sequence 0: a replayed frame
     ooo.send(&Frame::Heartbeat { unix_ns: 1 });
-    assert!(ooo.closed());
+    ooo.assert_bye("frame out of order: sequence 0, expected 1");
 
     // Observations from a point never declared.
     let (mut undeclared, _) = FakeAgent::connect(&c, "sloppy", "t0ken");
     undeclared.send(&Frame::Observations(vec![obs(7, 1, 64, 26)]));
-    assert!(undeclared.closed());
+    undeclared.assert_bye("observation from undeclared point 7");
 
     // An agent vanishing in the middle of a frame.
     let (mut vanish, _) = FakeAgent::connect(&c, "vanisher", "t0ken");
@@ -269,7 +393,98 @@ fn bad_peers_are_cut_off_and_good_ones_keep_being_served() {
     let stats = c.json("/stats");
     assert_eq!(stats["observations"], 20);
     let r = c.finish();
-    assert_eq!(r.refused_connections, 2, "wrong token and garbage");
+    assert_eq!(r.refused_connections, 3, "wrong token, old version and garbage");
+}
+
+/// Each OBSERVATIONS and COUNTERS frame is acknowledged once it is in the join — the ACK
+/// never runs ahead of what the collector holds — and a burst may be acknowledged at once.
+#[test]
+fn data_frames_are_acknowledged_once_they_are_in_the_join() {
+    let c = Running::start();
+    let (mut a, _) = FakeAgent::welcomed(&c, "acker");
+    a.send(&Frame::Points(vec![point(0, "eth0")]));
+    a.send(&Frame::Observations((0..10).map(|p| obs(0, p, 64, 26)).collect()));
+    assert_eq!(a.read_ack(), 2, "HELLO 0, POINTS 1, OBSERVATIONS 2");
+    // Acknowledged means in the join: no waiting.
+    assert_eq!(c.json("/stats")["observations"], 10);
+    a.send(&Frame::Counters {
+        interval_end_ns: 1,
+        deltas: vec![CounterDelta {
+            point: 0,
+            packets: 5,
+            ..Default::default()
+        }],
+    });
+    assert_eq!(a.read_ack(), 3, "counters too");
+    let agents = c.json("/agents");
+    assert_eq!(agents[0]["counter_deltas"], 1);
+    // A burst: ACKs only go up, and the last one covers the last frame.
+    for i in 0..200 {
+        a.send(&Frame::Observations(vec![obs(0, 100 + i, 64, 26)]));
+    }
+    let last = a.next_seq() - 1;
+    let acks = a.acked_up_to(last);
+    assert!((1..=200).contains(&acks), "{acks} ACKs");
+    assert_eq!(c.json("/stats")["observations"], 210);
+    // A frame that breaks the protocol is not acknowledged: BYE instead.
+    a.send(&Frame::Observations(vec![obs(3, 1, 64, 26)]));
+    a.assert_bye("observation from undeclared point 3");
+    assert_eq!(c.json("/stats")["observations"], 210);
+    c.finish();
+}
+
+/// A node connecting again while its previous connection is still open (the agent gave up
+/// on it): the old one is told and closed, and WELCOME says how many of its frames were
+/// processed, so the agent sends again exactly the rest. A connection that got no further
+/// than its handshake does not count; another node's connections are not this node's.
+#[test]
+fn a_node_connecting_again_learns_how_much_of_its_previous_connection_counts() {
+    let c = Running::start();
+    let (mut a1, (id1, prev, _)) = FakeAgent::welcomed(&c, "again");
+    assert_eq!(prev, 0);
+    a1.send(&Frame::Points(vec![point(0, "eth0")]));
+    a1.send(&Frame::Observations(vec![obs(0, 1, 64, 26)]));
+    a1.send(&Frame::Observations(vec![obs(0, 2, 64, 26)]));
+    a1.acked_up_to(3);
+
+    let (mut a2, (id2, prev, frames)) = FakeAgent::welcomed(&c, "again");
+    assert_ne!(id2, id1);
+    assert_eq!(
+        (prev, frames),
+        (id1, 4),
+        "HELLO, POINTS and two OBSERVATIONS processed"
+    );
+    a1.assert_bye("node `again` connected again");
+    a2.send(&Frame::Points(vec![point(0, "eth0")]));
+    a2.send(&Frame::Observations(vec![obs(0, 3, 64, 26)]));
+    assert_eq!(a2.read_ack(), 2);
+    drop(a2); // gone without a word
+
+    // Handshake only, then gone: it does not replace a2 as the one to resume from.
+    let (a3, (id3, prev, frames)) = FakeAgent::welcomed(&c, "again");
+    assert_eq!((prev, frames), (id2, 3));
+    drop(a3);
+    let (mut a4, (id4, prev, frames)) = FakeAgent::welcomed(&c, "again");
+    assert!(id4 != id3 && id4 != id2);
+    assert_eq!((prev, frames), (id2, 3), "a3 processed nothing past its HELLO");
+
+    let (_, (_, prev, _)) = FakeAgent::welcomed(&c, "other");
+    assert_eq!(prev, 0, "another node's connections are not its own");
+
+    a4.send(&Frame::Points(vec![point(0, "eth0")]));
+    a4.send(&Frame::Observations(vec![obs(0, 4, 64, 26)]));
+    assert_eq!(a4.read_ack(), 2);
+    let agents = c.json("/agents");
+    let again = agents
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["node"] == "again")
+        .unwrap();
+    assert_eq!(again["connections"], 4);
+    assert_eq!(again["connected"], true, "{again}");
+    assert_eq!(again["observations"], 4);
+    c.finish();
 }
 
 #[test]
@@ -418,4 +633,104 @@ fn mirrored_copies_from_two_switches_join_into_a_two_hop_path() {
             && points.contains(&"198.51.100.8:erspan-2:mirror".to_owned()),
         "{points:?}"
     );
+}
+
+/// A collector of another protocol version would not acknowledge what it receives: the
+/// agent is refused by an older collector (BYE naming the versions) and itself refuses a
+/// WELCOME of another version; either way it sends nothing past its HELLO, keeps
+/// retrying, and its last line says everything went undelivered.
+#[test]
+fn an_agent_and_a_collector_of_another_version_part_cleanly() {
+    use roce_trace::frame::RoceFrame;
+    use roce_trace_tests::{Proc, TempDir, roce_trace_bin, write_pcap};
+    use std::net::TcpListener;
+    let dir = TempDir::new("version-agent");
+    let pcap = dir.path("few.pcap");
+    write_pcap(
+        &pcap,
+        &(0..5u32)
+            .map(|psn| {
+                RoceFrame {
+                    psn,
+                    ..Default::default()
+                }
+                .build()
+            })
+            .collect::<Vec<_>>(),
+    );
+    let old = VERSION - 1;
+    let answers = [
+        Frame::Bye {
+            reason: format!("protocol version {VERSION} is not supported (this side speaks {old})"),
+        },
+        Frame::Welcome {
+            version: old,
+            connection: 1,
+            previous: 0,
+            previous_frames: 0,
+        },
+    ];
+    let mut runs = Vec::new();
+    for answer in answers {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        // The fake collector: answers every HELLO, then reads until the agent hangs up.
+        let fake = std::thread::spawn(move || {
+            let mut connections = 0;
+            l.set_nonblocking(false).unwrap();
+            for s in l.incoming() {
+                let mut s = s.unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                let mut dec = roce_trace::protocol::Decoder::default();
+                let mut buf = bytes::BytesMut::new();
+                let mut frames = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    while let Some(f) = dec.decode(&mut buf).unwrap() {
+                        if frames.is_empty() {
+                            s.write_all(&Encoder::default().encode(&answer)).unwrap();
+                        }
+                        frames.push(f);
+                    }
+                    match s.read(&mut chunk) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                assert!(
+                    matches!(frames.as_slice(), [Frame::Hello { version: VERSION, .. }]),
+                    "only a HELLO: {frames:?}"
+                );
+                connections += 1;
+                if connections == 3 {
+                    return connections;
+                }
+            }
+            unreachable!()
+        });
+        let agent = Proc::spawn(
+            std::process::Command::new(roce_trace_bin())
+                .args(["agent", "-r"])
+                .arg(&pcap)
+                .args(["--collector", &addr.to_string()])
+                .args(["--node", "n", "--token", "t0ken", "--sample-rate", "1"])
+                .stderr(std::process::Stdio::piped()),
+        );
+        runs.push((agent, fake));
+    }
+    let wants = [
+        format!("refused: protocol version {VERSION} is not supported (this side speaks {old})"),
+        format!("the collector speaks protocol version {old}, this agent {VERSION}"),
+    ];
+    for ((agent, fake), want) in runs.into_iter().zip(wants) {
+        let out = agent.wait_with_output();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        assert!(err.contains(&want), "`{want}` in {err}");
+        assert!(
+            err.contains("observations 5 made, 0 sent, 0 resent, 0 acknowledged, 0 dropped, 5 undelivered"),
+            "{err}"
+        );
+        assert_eq!(fake.join().unwrap(), 3, "the agent kept trying");
+    }
 }

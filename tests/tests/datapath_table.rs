@@ -984,7 +984,8 @@ fn a_flow_moving_between_cpus_keeps_its_psn_sequence() {
         return;
     }
     if !pin_to_cpu(0) || !pin_to_cpu(1) {
-        eprintln!("skipped: needs two CPUs to move a flow between");
+        pin_to_cpu_any();
+        cannot_run("needs two CPUs to move a flow between (cannot pin the thread to CPUs 0 and 1)");
         return;
     }
     // The flow in its flow-table slot on each CPU; then in FLOWS, its slot taken by a
@@ -1118,9 +1119,29 @@ fn flows_beyond_the_flow_table_are_counted_exactly() {
     assert_eq!(per_qp(&t), (want, 0, 0));
 }
 
+/// Where CPU 0 counts each flow: the flow holding its only flow-table slot, and the flows
+/// in `FLOWS`, each as (QP, packets, PSN gaps). Nothing is counted on another CPU.
+type Placement = (Option<(u32, u64, u64)>, Vec<(u32, u64, u64)>);
+
+fn placement(t: &ProgTest) -> Placement {
+    let counts = |k: &FlowKey, c: &FlowCounters| (k.dest_qp, c.packets, c.psn_gaps);
+    let slots = t.slot_table(0);
+    assert!(slots.len() <= 1, "one slot: {slots:?}");
+    let mut flows: Vec<_> = t.flows_map(0).iter().map(|(k, c)| counts(k, c)).collect();
+    flows.sort();
+    for cpu in 1..aya::util::nr_cpus().unwrap() {
+        assert!(t.slot_table(cpu).is_empty(), "CPU {cpu} has a slot in use");
+        assert!(t.flows_map(cpu).is_empty(), "CPU {cpu} counts in FLOWS");
+    }
+    (slots.first().map(|(_, k, c)| counts(k, c)), flows)
+}
+
 /// A slot whose flow went idle goes to the next flow that hashes to it; the idle flow's
 /// counters move to `FLOWS` and it carries on there, in sequence, when it comes back. A
-/// flow counted in `FLOWS` on a CPU does not take a slot there (one copy per CPU).
+/// flow counted in `FLOWS` on a CPU does not take a slot there (one copy per CPU). Checked
+/// where each flow is counted after every step — the slot or `FLOWS`, with exactly its
+/// packets — so a datapath that never hands a slot over, or loses the idle flow's
+/// counters in the move, fails.
 #[test]
 fn an_idle_flows_slot_goes_to_a_new_flow_and_nothing_is_lost() {
     if !require_root() {
@@ -1128,12 +1149,15 @@ fn an_idle_flows_slot_goes_to_a_new_flow_and_nothing_is_lost() {
     }
     // The slot and FLOWS are per CPU: all on one.
     if !pin_to_cpu(0) {
-        eprintln!("skipped: cannot pin to CPU 0");
+        pin_to_cpu_any();
+        cannot_run("cannot pin the thread to CPU 0");
         return;
     }
+    // Idle means 250 ms without a packet: far longer than a pause between two packets of
+    // a step, even on a busy host, so only the sleeps below make a slot idle.
     let mut t = ProgTest::new(&DatapathOptions {
         flow_slots: 1,
-        slot_idle_ms: 20,
+        slot_idle_ms: 250,
         ..Default::default()
     });
     let send = |t: &mut ProgTest, qp, psns| {
@@ -1142,23 +1166,45 @@ fn an_idle_flows_slot_goes_to_a_new_flow_and_nothing_is_lost() {
         }
     };
     // Longer than the idle time, in coarse-clock ticks (up to 10 ms each) to spare.
-    let idle = || std::thread::sleep(std::time::Duration::from_millis(60));
-    send(&mut t, 0xa, 0..10); // A takes the slot
-    send(&mut t, 0xb, 0..5); // B: slot busy, FLOWS
+    let idle = || std::thread::sleep(std::time::Duration::from_millis(600));
+    let (a, b, c, d) = (0xa, 0xb, 0xc, 0xd);
+    send(&mut t, a, 0..10); // A takes the slot
+    send(&mut t, b, 0..5); // B: slot busy, FLOWS
+    assert_eq!(placement(&t), (Some((a, 10, 0)), vec![(b, 5, 0)]));
     idle();
-    send(&mut t, 0xc, 0..5); // C takes the idle slot, A moves to FLOWS
-    send(&mut t, 0xa, 10..20); // A carries on in FLOWS
-    send(&mut t, 0xb, 5..10);
+    send(&mut t, c, 0..5); // C takes the idle slot, A moves to FLOWS
+    assert_eq!(
+        placement(&t),
+        (Some((c, 5, 0)), vec![(a, 10, 0), (b, 5, 0)]),
+        "the slot handed over, A's counters in FLOWS"
+    );
+    send(&mut t, a, 10..20); // A carries on in FLOWS
+    send(&mut t, b, 5..10);
+    assert_eq!(placement(&t), (Some((c, 5, 0)), vec![(a, 20, 0), (b, 10, 0)]));
     idle();
-    send(&mut t, 0xa, 20..25); // slot idle, but A has its copy in FLOWS: stays there
-    send(&mut t, 0xd, 0..5); // D takes the slot, C moves
-    send(&mut t, 0xc, 5..10); // C carries on in FLOWS
-    send(&mut t, 0xd, 5..10);
+    send(&mut t, a, 20..25); // slot idle, but A has its copy in FLOWS: stays there
+    assert_eq!(
+        placement(&t),
+        (Some((c, 5, 0)), vec![(a, 25, 0), (b, 10, 0)]),
+        "a flow in FLOWS does not take the slot"
+    );
+    send(&mut t, d, 0..5); // D takes the slot, C moves
+    assert_eq!(
+        placement(&t),
+        (Some((d, 5, 0)), vec![(a, 25, 0), (b, 10, 0), (c, 5, 0)]),
+        "the slot handed over again, C's counters in FLOWS"
+    );
+    send(&mut t, c, 5..10); // C carries on in FLOWS
+    send(&mut t, d, 5..10);
     pin_to_cpu_any();
+    assert_eq!(
+        placement(&t),
+        (Some((d, 10, 0)), vec![(a, 25, 0), (b, 10, 0), (c, 10, 0)])
+    );
     assert_eq!(
         per_qp(&t),
         (
-            vec![(0xa, 25, 0, 0), (0xb, 10, 0, 0), (0xc, 10, 0, 0), (0xd, 10, 0, 0)],
+            vec![(a, 25, 0, 0), (b, 10, 0, 0), (c, 10, 0, 0), (d, 10, 0, 0)],
             0,
             0
         )

@@ -54,11 +54,12 @@ fn a_pcap_fed_point_joins_an_ebpf_fed_one() {
         pair.a_if,
         roce_trace_bin().display()
     );
-    let mut sniffer = Command::new("ip")
-        .args(["netns", "exec", &pair.a.name, "sh", "-c", &pipeline])
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    // Its own process group: a failing test kills the shell, tcpdump and the agent alike.
+    let mut sniffer = Proc::spawn_group(
+        Command::new("ip")
+            .args(["netns", "exec", &pair.a.name, "sh", "-c", &pipeline])
+            .stderr(std::process::Stdio::piped()),
+    );
     std::thread::sleep(Duration::from_secs(1));
     let resp = spawn_gen(&pair.b.name, &["--bind", "10.99.0.2", "--duration", "4s"]);
     std::thread::sleep(Duration::from_millis(300));

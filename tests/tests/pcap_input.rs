@@ -13,21 +13,21 @@ use roce_trace_tests::*;
 use serde_json::Value;
 
 fn capture_r(input: &str, stdin: Option<&[u8]>) -> (i32, Vec<Value>, String) {
-    let mut c = Command::new(roce_trace_bin())
-        .args(["capture", "-r", input, "--json", "--sample-rate", "1"])
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut c = Proc::spawn(
+        Command::new(roce_trace_bin())
+            .args(["capture", "-r", input, "--json", "--sample-rate", "1"])
+            .stdin(if stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
     if let Some(b) = stdin {
         c.stdin.take().unwrap().write_all(b).unwrap();
     }
-    let out = c.wait_with_output().unwrap();
+    let out = c.wait_with_output();
     let recs = String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -42,7 +42,7 @@ fn capture_r(input: &str, stdin: Option<&[u8]>) -> (i32, Vec<Value>, String) {
 #[test]
 fn the_huawei_capture_yields_what_tshark_decodes_with_every_icrc_valid() {
     let Some(shared) = shared_dir() else {
-        eprintln!("skipped: ../shared is absent");
+        cannot_run("../shared is absent, so captures/huawei-rc-send.pcap is not available");
         return;
     };
     let pcap = shared.join("captures/huawei-rc-send.pcap");

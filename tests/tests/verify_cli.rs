@@ -121,23 +121,23 @@ fn no_traffic_is_could_not_check() {
     std::fs::write(dir.path("r.json"), EMPTY).unwrap();
     let junit = dir.path("j.xml");
     // The report arrives on stdin, as from `curl …/report | roce-trace verify --report -`.
-    let mut child = Command::new(roce_trace_bin())
-        .args([
-            "verify",
-            "--policy",
-            dir.path("p.toml").to_str().unwrap(),
-            "--report",
-            "-",
-        ])
-        .args(["--junit", junit.to_str().unwrap()])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = Proc::spawn(
+        Command::new(roce_trace_bin())
+            .args([
+                "verify",
+                "--policy",
+                dir.path("p.toml").to_str().unwrap(),
+                "--report",
+                "-",
+            ])
+            .args(["--junit", junit.to_str().unwrap()])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped()),
+    );
     use std::io::Write;
     child.stdin.take().unwrap().write_all(EMPTY.as_bytes()).unwrap();
-    let o = child.wait_with_output().unwrap();
+    let o = child.wait_with_output();
     let (code, out, err) = (
         o.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&o.stdout).into_owned(),
@@ -158,28 +158,28 @@ fn local_window(dscp: u8) -> (i32, Value) {
     let dir = TempDir::new(&format!("verify-local-{dscp}"));
     std::fs::write(dir.path("p.toml"), CLASS_POLICY).unwrap();
     let json = dir.path("v.json");
-    let verify = Command::new("ip")
-        .args(["netns", "exec", &pair.a.name])
-        .arg(roce_trace_bin())
-        .args([
-            "verify",
-            "--policy",
-            dir.path("p.toml").to_str().unwrap(),
-            "-i",
-            &pair.a_if,
-        ])
-        .args([
-            "--window",
-            "3s",
-            "--sample-rate",
-            "2",
-            "--json",
-            json.to_str().unwrap(),
-        ])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let verify = Proc::spawn(
+        Command::new("ip")
+            .args(["netns", "exec", &pair.a.name])
+            .arg(roce_trace_bin())
+            .args([
+                "verify",
+                "--policy",
+                dir.path("p.toml").to_str().unwrap(),
+                "-i",
+                &pair.a_if,
+            ])
+            .args([
+                "--window",
+                "3s",
+                "--sample-rate",
+                "2",
+                "--json",
+                json.to_str().unwrap(),
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped()),
+    );
     std::thread::sleep(Duration::from_millis(800));
     let resp = spawn_gen(&pair.b.name, &["--bind", "10.99.0.2", "--duration", "3s"]);
     std::thread::sleep(Duration::from_millis(200));
@@ -200,7 +200,7 @@ fn local_window(dscp: u8) -> (i32, Value) {
         ],
     );
     gen_report(send);
-    let out = verify.wait_with_output().unwrap();
+    let out = verify.wait_with_output();
     interrupt(resp);
     let code = out.status.code().unwrap_or(-1);
     let v: Value = serde_json::from_str(

@@ -252,7 +252,7 @@ fn our_icrc_matches_scapy() {
 #[test]
 fn huawei_capture_matches_tshark() {
     let Some(shared) = shared_dir() else {
-        eprintln!("skipped: ../shared is absent, so captures/huawei-rc-send.pcap is not available");
+        cannot_run("../shared is absent, so captures/huawei-rc-send.pcap is not available");
         return;
     };
     if !require_root() {
