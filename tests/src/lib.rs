@@ -673,6 +673,8 @@ pub fn start_tcpdump(ns: &str, ifname: &str, pcap: &Path, filter: &str) -> Proc 
                 "-i",
                 ifname,
                 "--immediate-mode",
+                "-B",
+                "65536",
                 "-w",
             ])
             .arg(pcap)

@@ -86,6 +86,10 @@ fn traffic(lab: &Lab, secs: u64, cnp_dscp: u8) {
         ],
     );
     std::thread::sleep(Duration::from_millis(200));
+    // h1's generator answers h2 only while it runs itself: h2's QPs stop a second
+    // earlier, with messages short enough (16 KiB: 0.14 s at 1 Mbit/s) that their last
+    // one is finished and acknowledged while h1 still answers.
+    let near_dur = format!("{}s", secs - 1);
     let near = spawn_gen(
         &lab.ns("h2"),
         &[
@@ -95,8 +99,10 @@ fn traffic(lab: &Lab, secs: u64, cnp_dscp: u8) {
             "2",
             "--rate",
             "1mbit",
+            "--msg-size",
+            "16KiB",
             "--duration",
-            &dur,
+            &near_dur,
             "--sport-base",
             "50000",
             "--qp-base",
