@@ -587,11 +587,9 @@ fn cnps_are_rate_limited_per_qp() {
             seen <= cnps && seen + 2 >= cnps,
             "QP {qp:#x}: {seen} of {cnps} CNPs on the wire"
         );
-        // Timestamps taken as each CNP leaves the responder (its send call), which judges
-        // the interval by the time it read at the start of its loop: no two closer than
-        // half the interval, and any 11 at least 9 intervals apart.
-        let closest = t.windows(2).map(|w| w[1] - w[0]).fold(f64::MAX, f64::min);
-        assert!(closest > 0.0005, "QP {qp:#x}: two CNPs {closest} s apart");
+        // Timestamps taken as each CNP leaves the responder: a preempted send can land
+        // late, so single gaps jitter by the scheduler's whims; any 11 CNPs still span at
+        // least 9 intervals.
         let tightest = t.windows(11).map(|w| w[10] - w[0]).fold(f64::MAX, f64::min);
         assert!(tightest > 0.009, "QP {qp:#x}: 11 CNPs within {tightest} s");
     }
