@@ -24,7 +24,7 @@ use crate::{
     datapath::{Attachment, Datapath, DatapathOptions, IngressHook},
     http::{self, Response},
     observation::{CounterDelta, Observation, PointDecl, PointTable},
-    protocol::{Decoder, Encoder, Frame, MAX_BATCH, VERSION},
+    protocol::{Decoder, Encoder, Frame, MAX_BATCH, VERSION, points_frames},
     record::{ECN_NAMES, direction_name},
     sys::KernelClock,
 };
@@ -55,6 +55,11 @@ impl AgentOptions {
         anyhow::ensure!(
             !self.token.is_empty(),
             "a token is required (--token or --token-file)"
+        );
+        // HELLO carries both as u16-long strings: one longer could never be sent.
+        anyhow::ensure!(
+            self.token.len() <= u16::MAX as usize && self.node.len() <= u16::MAX as usize,
+            "the token and the node name must be at most 65,535 bytes"
         );
         anyhow::ensure!(self.queue > 0, "--queue must be at least 1");
         anyhow::ensure!(!self.interval.is_zero(), "--interval must be longer than zero");
@@ -315,7 +320,8 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
         token: opts.token.clone(),
         clock_synced: opts.clock_synced,
     };
-    sock.write_all(&enc.encode(&hello))
+    let hello = enc.encode(&hello).map_err(|e| format!("handshake: {e}"))?;
+    sock.write_all(&hello)
         .await
         .map_err(|e| format!("handshake: {e}"))?;
     let mut buf = BytesMut::new();
@@ -341,9 +347,13 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
     sh.outbox.lock().expect("outbox").stats.connections += 1;
     let points = sh.points.lock().expect("points").decls().to_vec();
     let mut declared = points.len();
-    sock.write_all(&enc.encode(&Frame::Points(points)))
-        .await
-        .map_err(|e| e.to_string())?;
+    // As many POINTS frames as the format needs: one too big for its count or the frame
+    // limit would close the connection, again after every reconnection.
+    for f in points_frames(&points) {
+        sock.write_all(&encoded(&mut enc, &f))
+            .await
+            .map_err(|e| e.to_string())?;
+    }
     // The collector may ask for traces: read its frames beside the sending below.
     let (mut rd, mut sock) = sock.into_split();
     let reader = {
@@ -426,9 +436,11 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
                 let new_points = sh.points.lock().expect("points").decls()[declared..].to_vec();
                 if !new_points.is_empty() {
                     declared += new_points.len();
-                    sock.write_all(&enc.encode(&Frame::Points(new_points)))
-                        .await
-                        .map_err(|e| format!("sending: {e}"))?;
+                    for f in points_frames(&new_points) {
+                        sock.write_all(&encoded(&mut enc, &f))
+                            .await
+                            .map_err(|e| format!("sending: {e}"))?;
+                    }
                 }
                 let mut ob = sh.outbox.lock().expect("outbox");
                 let n = ob.obs.len().min(MAX_BATCH);
@@ -461,7 +473,7 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
             let mut result: Result<(), std::io::Error> = Ok(());
             if !obs_left.is_empty() {
                 result = sock
-                    .write_all(&enc.encode(&Frame::Observations(obs_left.clone())))
+                    .write_all(&encoded(&mut enc, &Frame::Observations(obs_left.clone())))
                     .await;
                 if result.is_ok() {
                     sh.outbox.lock().expect("outbox").stats.observations_sent += obs_left.len() as u64;
@@ -473,7 +485,7 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
                     interval_end_ns: unix_now(),
                     deltas: counters_left.clone(),
                 };
-                result = sock.write_all(&enc.encode(&f)).await;
+                result = sock.write_all(&encoded(&mut enc, &f)).await;
                 if result.is_ok() {
                     sh.outbox.lock().expect("outbox").stats.counters_sent += counters_left.len() as u64;
                     counters_left.clear();
@@ -481,10 +493,13 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
             }
             if result.is_ok() && dropped != last_dropped {
                 result = sock
-                    .write_all(&enc.encode(&Frame::Dropped {
-                        observations: dropped.0,
-                        counters: dropped.1,
-                    }))
+                    .write_all(&encoded(
+                        &mut enc,
+                        &Frame::Dropped {
+                            observations: dropped.0,
+                            counters: dropped.1,
+                        },
+                    ))
                     .await;
                 last_dropped = dropped;
             }
@@ -492,12 +507,12 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
                 sh.traces.lock().expect("traces").drain(..).collect();
             for t in traces {
                 if result.is_ok() {
-                    result = sock.write_all(&enc.encode(&Frame::TraceResult(t))).await;
+                    result = sock.write_all(&encoded(&mut enc, &Frame::TraceResult(t))).await;
                 }
             }
             if result.is_ok() && last_beat.elapsed() >= Duration::from_secs(5) {
                 result = sock
-                    .write_all(&enc.encode(&Frame::Heartbeat { unix_ns: unix_now() }))
+                    .write_all(&encoded(&mut enc, &Frame::Heartbeat { unix_ns: unix_now() }))
                     .await;
                 last_beat = Instant::now();
             }
@@ -513,6 +528,16 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
             }
         }
     }
+}
+
+/// `f` on the wire; nothing (logged) when the format cannot carry it. Sending it anyway
+/// would make the collector close the connection, and the frame would come back after
+/// every reconnection: leaving it out is what keeps the agent going.
+fn encoded(enc: &mut Encoder, f: &Frame) -> bytes::Bytes {
+    enc.encode(f).unwrap_or_else(|e| {
+        tracing::warn!("left out a frame the collector could not take: {e}");
+        bytes::Bytes::new()
+    })
 }
 
 fn render_metrics(sh: &Shared) -> String {
@@ -633,9 +658,13 @@ impl AgentConfig {
     /// Reads and validates a config file; errors name the file, and the line and column.
     pub fn load(path: &std::path::Path) -> anyhow::Result<Self> {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let c: Self = toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        c.validate()
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        Self::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+    }
+
+    /// Parses and validates config text; the error names the line and column, or the key.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let c: Self = toml::from_str(text).map_err(|e| e.to_string().trim_end().to_owned())?;
+        c.validate()?;
         Ok(c)
     }
 

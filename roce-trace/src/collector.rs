@@ -259,14 +259,15 @@ async fn serve_agent(
     };
     if let Some(why) = refusal {
         st.lock().expect("state").refused += 1;
-        let _ = sock
-            .write_all(&Encoder::default().encode(&Frame::Bye { reason: why.clone() }))
-            .await;
+        if let Ok(bye) = Encoder::default().encode(&Frame::bye(why.clone())) {
+            let _ = sock.write_all(&bye).await;
+        }
         return Err(why);
     }
-    sock.write_all(&enc.encode(&Frame::Welcome { version: VERSION }))
-        .await
+    let welcome = enc
+        .encode(&Frame::Welcome { version: VERSION })
         .map_err(|e| e.to_string())?;
+    sock.write_all(&welcome).await.map_err(|e| e.to_string())?;
     tracing::info!("agent `{node}` connected from {peer}");
     {
         let mut s = st.lock().expect("state");
@@ -283,7 +284,10 @@ async fn serve_agent(
     st.lock().expect("state").requesters.insert(node.clone(), req_tx);
     let writer = tokio::spawn(async move {
         while let Some(f) = req_rx.recv().await {
-            if wr.write_all(&enc.encode(&f)).await.is_err() {
+            let Ok(wire) = enc.encode(&f) else {
+                continue;
+            };
+            if wr.write_all(&wire).await.is_err() {
                 break;
             }
         }

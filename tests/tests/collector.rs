@@ -137,7 +137,7 @@ impl FakeAgent {
         (a, reply)
     }
     fn send(&mut self, f: &Frame) {
-        let b = self.enc.encode(f);
+        let b = self.enc.encode(f).unwrap();
         self.s.write_all(&b).unwrap();
     }
     fn read_frame(&mut self) -> Option<Frame> {
@@ -214,7 +214,10 @@ fn bad_peers_are_cut_off_and_good_ones_keep_being_served() {
 
     // An agent vanishing in the middle of a frame.
     let (mut vanish, _) = FakeAgent::connect(&c, "vanisher", "t0ken");
-    let half = vanish.enc.encode(&Frame::Observations(vec![obs(0, 1, 64, 26)]));
+    let half = vanish
+        .enc
+        .encode(&Frame::Observations(vec![obs(0, 1, 64, 26)]))
+        .unwrap();
     vanish.s.write_all(&half[..half.len() / 2]).unwrap();
     drop(vanish);
 
