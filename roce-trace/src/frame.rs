@@ -533,7 +533,8 @@ mod tests {
             assert_eq!(icrc(&b), None, "IHL {ihl}");
             assert_eq!(check_icrc(&b, 0, Some([0; 4])), None, "IHL {ihl}");
         }
-        // The fuzzer's input: version 4, IHL 0, a UDP length of 24 at bytes 4..6.
+        // The shape of the fuzzer's input (fuzz/corpus/packet/crash-icrc-ipv4-ihl0):
+        // version 4, IHL 0, and at bytes 4..6 a UDP length the slice holds.
         let mut short = vec![0x40, 0, 0, 0, 0, 24];
         short.resize(24, 0);
         assert_eq!(icrc(&short), None);
