@@ -126,10 +126,12 @@ const OBS_LEN: usize = 2 + 8 + 16 + 16 + 1 + 2 + 4 + 4 + 1 + 4 + 2 + 1 + 1 + 1 +
 const FLOW_LEN: usize = 16 + 16 + 1 + 2 + 4;
 const DELTA_LEN: usize = 2 + FLOW_LEN + 8 * 13 + 3;
 // A full batch of either fits one frame.
-const _: () = assert!(13 + 4 + MAX_BATCH * OBS_LEN <= MAX_FRAME && 13 + 12 + MAX_BATCH * DELTA_LEN <= MAX_FRAME);
+const _: () =
+    assert!(13 + 4 + MAX_BATCH * OBS_LEN <= MAX_FRAME && 13 + 12 + MAX_BATCH * DELTA_LEN <= MAX_FRAME);
 
 fn put_str(b: &mut BytesMut, s: &str) -> Result<(), ProtoError> {
-    let n = u16::try_from(s.len()).map_err(|_| ProtoError::Unrepresentable("string longer than 65,535 bytes"))?;
+    let n =
+        u16::try_from(s.len()).map_err(|_| ProtoError::Unrepresentable("string longer than 65,535 bytes"))?;
     b.put_u16(n);
     b.put_slice(s.as_bytes());
     Ok(())
@@ -714,7 +716,10 @@ mod tests {
     fn every_frame_round_trips_even_split_into_single_bytes() {
         let frames = all_frames();
         let mut enc = Encoder::default();
-        let wire: Vec<u8> = frames.iter().flat_map(|f| enc.encode(f).unwrap().to_vec()).collect();
+        let wire: Vec<u8> = frames
+            .iter()
+            .flat_map(|f| enc.encode(f).unwrap().to_vec())
+            .collect();
         let mut dec = Decoder::default();
         let mut buf = BytesMut::new();
         let mut got = Vec::new();
@@ -804,7 +809,9 @@ mod tests {
         let points = mirror_points(65_536);
         assert_eq!(
             encode(&Frame::Points(points), 0),
-            Err(ProtoError::Unrepresentable("more than 65,535 points in one frame"))
+            Err(ProtoError::Unrepresentable(
+                "more than 65,535 points in one frame"
+            ))
         );
         let mut enc = Encoder::default();
         assert!(enc.encode(&Frame::Points(mirror_points(65_536))).is_err());
@@ -906,7 +913,13 @@ mod tests {
         };
         assert_eq!(reason.len(), 65_534);
         assert!(long.starts_with(&reason));
-        let wire = encode(&Frame::Bye { reason: reason.clone() }, 0).unwrap();
+        let wire = encode(
+            &Frame::Bye {
+                reason: reason.clone(),
+            },
+            0,
+        )
+        .unwrap();
         assert_eq!(
             Decoder::default().decode(&mut BytesMut::from(&wire[..])),
             Ok(Some(Frame::Bye { reason }))
