@@ -796,6 +796,36 @@ mod tests {
         assert_eq!(c.expect_dscp, Some(vec![26, 48]));
     }
 
+    /// HELLO carries the node and the token as u16-long strings: an agent with a longer
+    /// one could never connect, and would retry for ever; it is refused at the start.
+    #[test]
+    fn a_token_or_node_hello_cannot_carry_is_refused_at_the_start() {
+        let opts = AgentOptions {
+            collector: "127.0.0.1:4792".into(),
+            ifaces: Vec::new(),
+            ingress: None,
+            egress: false,
+            node: "h1".into(),
+            token: "t".into(),
+            datapath: DatapathOptions::default(),
+            interval: Duration::from_secs(1),
+            queue: 1,
+            clock_synced: false,
+            metrics: None,
+        };
+        assert!(opts.check().is_ok());
+        for (node, token) in [("h1", "t".repeat(65_536)), (&*"n".repeat(65_536), "t".into())] {
+            let e = AgentOptions {
+                node: node.into(),
+                token,
+                ..opts.clone()
+            }
+            .check()
+            .unwrap_err();
+            assert!(e.to_string().contains("65,535 bytes"), "{e}");
+        }
+    }
+
     #[test]
     fn unknown_keys_and_bad_values_are_refused_with_the_line() {
         let e = toml::from_str::<AgentConfig>("collector = \"x:1\"\nsampel_rate = 5\n")
