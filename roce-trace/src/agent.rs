@@ -24,7 +24,7 @@ use crate::{
     datapath::{Attachment, Datapath, DatapathOptions, IngressHook},
     http::{self, Response},
     observation::{CounterDelta, Observation, PointDecl, PointTable},
-    protocol::{Decoder, Encoder, Frame, VERSION},
+    protocol::{Decoder, Encoder, Frame, ProtoError, VERSION, points_frames},
     record::{ECN_NAMES, direction_name},
     sys::KernelClock,
 };
@@ -55,6 +55,11 @@ impl AgentOptions {
         anyhow::ensure!(
             !self.token.is_empty(),
             "a token is required (--token or --token-file)"
+        );
+        // HELLO carries both as u16-long strings: one longer could never be sent.
+        anyhow::ensure!(
+            self.token.len() <= u16::MAX as usize && self.node.len() <= u16::MAX as usize,
+            "the token and the node name must be at most 65,535 bytes"
         );
         anyhow::ensure!(self.queue > 0, "--queue must be at least 1");
         anyhow::ensure!(!self.interval.is_zero(), "--interval must be longer than zero");
@@ -326,7 +331,8 @@ async fn handshake(opts: &AgentOptions) -> Result<Connected, String> {
         token: opts.token.clone(),
         clock_synced: opts.clock_synced,
     };
-    sock.write_all(&enc.encode(&hello))
+    let hello = enc.encode(&hello).map_err(|e| format!("handshake: {e}"))?;
+    sock.write_all(&hello)
         .await
         .map_err(|e| format!("handshake: {e}"))?;
     let mut buf = BytesMut::new();
@@ -405,9 +411,11 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
     let points = sh.points.lock().expect("points").decls().to_vec();
     let mut declared = points.len();
     let (rd, mut sock) = sock.into_split();
-    sock.write_all(&enc.encode(&Frame::Points(points)))
-        .await
-        .map_err(|e| e.to_string())?;
+    // As many POINTS frames as the format needs: one too big for its count or the frame
+    // limit would close the connection, again after every reconnection.
+    for f in points_frames(&points) {
+        send(&mut sock, &mut enc, &f).await?;
+    }
     // The collector's frames (ACKs, trace requests) are read beside the sending below.
     struct AbortOnDrop(tokio::task::JoinHandle<String>);
     impl Drop for AbortOnDrop {
@@ -435,9 +443,11 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
             let new_points = sh.points.lock().expect("points").decls()[declared..].to_vec();
             if !new_points.is_empty() {
                 declared += new_points.len();
-                write(&mut sock, &enc.encode(&Frame::Points(new_points))).await?;
+                for f in points_frames(&new_points) {
+                    send(&mut sock, &mut enc, &f).await?;
+                }
             }
-            let frames: Vec<bytes::Bytes> = {
+            let frames: Vec<Result<bytes::Bytes, ProtoError>> = {
                 let mut ob = sh.outbox.lock().expect("outbox");
                 // Two frames a round at most: the datapath waits on this lock.
                 [
@@ -448,8 +458,13 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
                 .flatten()
                 .collect()
             };
-            for f in &frames {
-                write(&mut sock, f).await?;
+            for f in frames {
+                // A batch the format cannot carry (none of at most MAX_BATCH records is)
+                // takes no sequence number and is counted as dropped by the outbox.
+                match f {
+                    Ok(f) => write(&mut sock, &f).await?,
+                    Err(e) => tracing::warn!("dropped a batch the collector could not take: {e}"),
+                }
                 wrote = true;
             }
             let dropped = sh.outbox.lock().expect("outbox").dropped();
@@ -458,16 +473,16 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
                     observations: dropped.0,
                     counters: dropped.1,
                 };
-                write(&mut sock, &enc.encode(&f)).await?;
+                send(&mut sock, &mut enc, &f).await?;
                 last_dropped = dropped;
             }
             let traces: Vec<crate::protocol::ProbeResult> =
                 sh.traces.lock().expect("traces").drain(..).collect();
             for t in traces {
-                write(&mut sock, &enc.encode(&Frame::TraceResult(t))).await?;
+                send(&mut sock, &mut enc, &Frame::TraceResult(t)).await?;
             }
             if last_beat.elapsed() >= Duration::from_secs(5) {
-                write(&mut sock, &enc.encode(&Frame::Heartbeat { unix_ns: unix_now() })).await?;
+                send(&mut sock, &mut enc, &Frame::Heartbeat { unix_ns: unix_now() }).await?;
                 last_beat = Instant::now();
             }
             if !wrote {
@@ -479,6 +494,27 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
 
 async fn write(sock: &mut tokio::net::tcp::OwnedWriteHalf, frame: &[u8]) -> Result<(), String> {
     sock.write_all(frame).await.map_err(|e| format!("sending: {e}"))
+}
+
+/// Encodes `f` and writes it; a frame the format cannot carry is left out (logged) and
+/// takes no sequence number. Sending it anyway would make the collector close the
+/// connection, and the frame would come back after every reconnection: leaving it out is
+/// what keeps the agent going.
+async fn send(
+    sock: &mut tokio::net::tcp::OwnedWriteHalf,
+    enc: &mut Encoder,
+    f: &Frame,
+) -> Result<(), String> {
+    match enc.encode(f) {
+        Ok(b) => write(sock, &b).await,
+        Err(e) => {
+            tracing::warn!(
+                "left out a {} frame the collector could not take: {e}",
+                frame_name(f)
+            );
+            Ok(())
+        }
+    }
 }
 
 fn unix_now() -> u64 {
@@ -692,9 +728,13 @@ impl AgentConfig {
     /// Reads and validates a config file; errors name the file, and the line and column.
     pub fn load(path: &std::path::Path) -> anyhow::Result<Self> {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let c: Self = toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        c.validate()
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        Self::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+    }
+
+    /// Parses and validates config text; the error names the line and column, or the key.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let c: Self = toml::from_str(text).map_err(|e| e.to_string().trim_end().to_owned())?;
+        c.validate()?;
         Ok(c)
     }
 
@@ -810,6 +850,36 @@ mod tests {
         let c = AgentConfig::load(p).unwrap();
         assert_eq!(c.collector.as_deref(), Some("collector.example.net:4792"));
         assert_eq!(c.expect_dscp, Some(vec![26, 48]));
+    }
+
+    /// HELLO carries the node and the token as u16-long strings: an agent with a longer
+    /// one could never connect, and would retry for ever; it is refused at the start.
+    #[test]
+    fn a_token_or_node_hello_cannot_carry_is_refused_at_the_start() {
+        let opts = AgentOptions {
+            collector: "127.0.0.1:4792".into(),
+            ifaces: Vec::new(),
+            ingress: None,
+            egress: false,
+            node: "h1".into(),
+            token: "t".into(),
+            datapath: DatapathOptions::default(),
+            interval: Duration::from_secs(1),
+            queue: 1,
+            clock_synced: false,
+            metrics: None,
+        };
+        assert!(opts.check().is_ok());
+        for (node, token) in [("h1", "t".repeat(65_536)), (&*"n".repeat(65_536), "t".into())] {
+            let e = AgentOptions {
+                node: node.into(),
+                token,
+                ..opts.clone()
+            }
+            .check()
+            .unwrap_err();
+            assert!(e.to_string().contains("65,535 bytes"), "{e}");
+        }
     }
 
     #[test]

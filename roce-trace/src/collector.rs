@@ -288,9 +288,9 @@ async fn serve_agent(
     };
     if let Some(why) = refusal {
         st.lock().expect("state").refused += 1;
-        let _ = sock
-            .write_all(&Encoder::default().encode(&Frame::Bye { reason: why.clone() }))
-            .await;
+        if let Ok(bye) = Encoder::default().encode(&Frame::bye(why.clone())) {
+            let _ = sock.write_all(&bye).await;
+        }
         return Err(why);
     }
     let (conn, stop, done, previous) = take_over(st, &node, dec.next_seq()).await;
@@ -300,9 +300,13 @@ async fn serve_agent(
         previous: previous.map_or(0, |p| p.0),
         previous_frames: previous.map_or(0, |p| p.1),
     };
-    if let Err(e) = sock.write_all(&enc.encode(&welcome)).await {
+    let written = match enc.encode(&welcome) {
+        Ok(wire) => sock.write_all(&wire).await.map_err(|e| e.to_string()),
+        Err(e) => Err(format!("handshake: {e}")),
+    };
+    if let Err(e) = written {
         drop(done);
-        return Err(e.to_string());
+        return Err(e);
     }
     tracing::info!("agent `{node}` connected from {peer}");
     {
@@ -341,7 +345,8 @@ async fn serve_agent(
     drop(done);
     // The agent is told why, when it is still there to hear it.
     if let Closed::Protocol(r) = &closed {
-        let _ = req_tx.send(Frame::Bye { reason: r.clone() });
+        // Cut to fit its u16-long string (a reason may quote a long node name).
+        let _ = req_tx.send(Frame::bye(r.clone()));
     }
     drop(req_tx);
     let mut writer = writer;
@@ -436,7 +441,16 @@ async fn write_to_agent(
                 }
             },
         };
-        if wr.write_all(&enc.encode(&f)).await.is_err() {
+        // Nothing sent here is past what the format carries (a BYE is cut to fit); a
+        // refused frame takes no sequence number and is left out, logged.
+        let wire = match enc.encode(&f) {
+            Ok(wire) => wire,
+            Err(e) => {
+                tracing::warn!("left out a frame the agent could not take: {e}");
+                continue;
+            }
+        };
+        if wr.write_all(&wire).await.is_err() {
             break;
         }
     }

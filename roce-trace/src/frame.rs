@@ -8,10 +8,15 @@ use roce_trace_common::wire::*;
 /// CRC-32 (IEEE) of the invariant fields; see `shared/ROCE_WIRE.md` § ICRC.
 ///
 /// `l3` runs from the IP header to the end of the UDP datagram, the 4 ICRC bytes
-/// included (they are not covered). Returns the wire bytes (`crc.to_le_bytes()`).
+/// included (they are not covered). Returns the wire bytes (`crc.to_le_bytes()`); `None`
+/// when `l3` is not such a packet (an IPv4 IHL below 5, lengths past the bytes given).
 pub fn icrc(l3: &[u8]) -> Option<[u8; 4]> {
     let udp_off = match l3.first()? >> 4 {
-        4 => ((l3[0] & 0x0f) as usize) * 4,
+        // An IHL below 5 is no IPv4 header: the masked fields would lie past it.
+        4 => match ((l3[0] & 0x0f) as usize) * 4 {
+            ihl if ihl < Ipv4Hdr::LEN => return None,
+            ihl => ihl,
+        },
         6 => Ipv6Hdr::LEN,
         _ => return None,
     };
@@ -35,6 +40,10 @@ pub fn check_icrc(frame: &[u8], l3_off: usize, stored: Option<[u8; 4]>) -> Optio
 /// The ICRC's running CRC over the 8 0xFF bytes and the IP and UDP headers (`headers`,
 /// IPv4 with its options), their variant fields masked. Packets of one flow and one
 /// length share it, so a sender computes it once per length.
+///
+/// # Panics
+/// When `headers` is shorter than an IP header (20 or 40 bytes) and a UDP header: the
+/// callers build them ([`icrc`] checks what it is given first).
 pub fn icrc_prefix(headers: &[u8]) -> crc32fast::Hasher {
     let mut buf = headers.to_vec();
     let udp_off = buf.len() - UdpHdr::LEN;
@@ -511,6 +520,25 @@ mod tests {
         let mut c = a.clone();
         c[20 + 8 + 7] ^= 1;
         assert_ne!(icrc(&a), icrc(&c));
+    }
+
+    /// Found by the `packet` fuzz harness: an IPv4 IHL of 0 put the UDP header at the
+    /// IP header's start and `icrc_prefix` indexed past the 8 bytes it was given.
+    #[test]
+    fn icrc_of_an_ipv4_header_shorter_than_20_bytes_is_none() {
+        let a = RoceFrame::default().ip_packet();
+        for ihl in 0..5u8 {
+            let mut b = a.clone();
+            b[0] = 0x40 | ihl;
+            assert_eq!(icrc(&b), None, "IHL {ihl}");
+            assert_eq!(check_icrc(&b, 0, Some([0; 4])), None, "IHL {ihl}");
+        }
+        // The shape of the fuzzer's input (fuzz/corpus/packet/crash-icrc-ipv4-ihl0):
+        // version 4, IHL 0, and at bytes 4..6 a UDP length the slice holds.
+        let mut short = vec![0x40, 0, 0, 0, 0, 24];
+        short.resize(24, 0);
+        assert_eq!(icrc(&short), None);
+        assert!(icrc(&a).is_some());
     }
 
     #[test]

@@ -54,29 +54,41 @@ pub fn percent_encode(s: &str) -> String {
         .collect()
 }
 
-/// Decodes `%XX` escapes and `+` in a query value.
+/// Decodes `%XX` escapes (two hex digits; a `%` before anything else stays) and `+` in
+/// a query value.
 pub fn percent_decode(s: &str) -> String {
+    let hex = |c: u8| (c as char).to_digit(16);
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        match b[i] {
-            b'%' if i + 2 < b.len() => {
-                match u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16) {
-                    Ok(v) => {
-                        out.push(v);
-                        i += 3;
-                        continue;
-                    }
-                    Err(_) => out.push(b'%'),
-                }
+        match (
+            b[i],
+            b.get(i + 1).copied().and_then(hex),
+            b.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(hi), Some(lo)) => {
+                out.push((hi * 16 + lo) as u8);
+                i += 3;
+                continue;
             }
-            b'+' => out.push(b' '),
-            c => out.push(c),
+            (b'+', ..) => out.push(b' '),
+            (c, ..) => out.push(c),
         }
         i += 1;
     }
     String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The path and query of a GET request's head (`GET /flow?id=x HTTP/1.1…`), or the
+/// answer to any other request: 405 for another method, 400 for no target.
+pub fn request_target(head: &str) -> Result<(&str, &str), Response> {
+    let mut parts = head.split_whitespace();
+    match (parts.next(), parts.next()) {
+        (Some("GET"), Some(target)) => Ok(target.split_once('?').unwrap_or((target, ""))),
+        (Some(_), Some(_)) => Err(Response::text(405, "only GET\n".into())),
+        _ => Err(Response::text(400, "bad request\n".into())),
+    }
 }
 
 /// Binds `addr`; returns the bound address and a future serving `handler(path, query)`.
@@ -109,14 +121,9 @@ where
                     }
                 }
                 let head = String::from_utf8_lossy(&buf[..n]);
-                let mut parts = head.split_whitespace();
-                let resp = match (parts.next(), parts.next()) {
-                    (Some("GET"), Some(target)) => {
-                        let (path, query) = target.split_once('?').unwrap_or((target, ""));
-                        handler(path, query)
-                    }
-                    (Some(_), Some(_)) => Response::text(405, "only GET\n".into()),
-                    _ => Response::text(400, "bad request\n".into()),
+                let resp = match request_target(&head) {
+                    Ok((path, query)) => handler(path, query),
+                    Err(refusal) => refusal,
                 };
                 let reason = match resp.status {
                     200 => "OK",
@@ -176,5 +183,16 @@ mod tests {
         );
         assert_eq!(percent_decode("a+b%"), "a b%");
         assert_eq!(percent_decode("%zz"), "%zz");
+        assert_eq!(percent_decode("%41%4"), "A%4");
+    }
+
+    /// Found by the `http` fuzz harness (fuzz/corpus/http/crash-percent-sign-digit): the
+    /// two characters after `%` went to `u8::from_str_radix`, which takes a sign, so `%+1`
+    /// decoded to byte 1 instead of staying as written.
+    #[test]
+    fn a_percent_before_a_sign_is_not_an_escape() {
+        assert_eq!(percent_decode("a+b%+1%zz%4%"), "a b% 1%zz%4%");
+        assert_eq!(percent_decode("%+f"), "% f");
+        assert_eq!(percent_decode("%-1"), "%-1");
     }
 }

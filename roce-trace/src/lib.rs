@@ -10,6 +10,8 @@ pub mod collector;
 pub mod correlate;
 pub mod datapath;
 pub mod frame;
+#[doc(hidden)]
+pub mod fuzz_api;
 pub mod http;
 pub mod observation;
 pub mod pcap;

@@ -88,6 +88,18 @@ pub struct ProbeHop {
 }
 
 impl Frame {
+    /// BYE with `reason`, cut at a character boundary to fit its u16-long string (a
+    /// reason quoting a long node name, say).
+    pub fn bye(reason: impl Into<String>) -> Self {
+        let mut reason = reason.into();
+        let mut n = reason.len().min(u16::MAX as usize);
+        while !reason.is_char_boundary(n) {
+            n -= 1;
+        }
+        reason.truncate(n);
+        Frame::Bye { reason }
+    }
+
     fn kind(&self) -> u8 {
         match self {
             Frame::Hello { .. } => 1,
@@ -117,16 +129,62 @@ pub enum ProtoError {
     OutOfOrder { got: u64, want: u64 },
     #[error("protocol version {0} is not supported (this side speaks {VERSION})")]
     Version(u16),
+    /// The encoder's refusal: a value the wire format cannot carry (a count or string
+    /// past its u16 field, a frame past [`MAX_FRAME`], a value that is the field's
+    /// "none" marker). Wrapping or truncating it would send something else.
+    #[error("cannot encode: {0}")]
+    Unrepresentable(&'static str),
 }
 
 const OBS_LEN: usize = 2 + 8 + 16 + 16 + 1 + 2 + 4 + 4 + 1 + 4 + 2 + 1 + 1 + 1 + 1 + 2 + 1 + 1 + 1;
 const FLOW_LEN: usize = 16 + 16 + 1 + 2 + 4;
 const DELTA_LEN: usize = 2 + FLOW_LEN + 8 * 13 + 3;
+// A full batch of either fits one frame.
+const _: () =
+    assert!(13 + 4 + MAX_BATCH * OBS_LEN <= MAX_FRAME && 13 + 12 + MAX_BATCH * DELTA_LEN <= MAX_FRAME);
 
-fn put_str(b: &mut BytesMut, s: &str) {
-    let s = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
-    b.put_u16(s.len() as u16);
-    b.put_slice(s);
+fn put_str(b: &mut BytesMut, s: &str) -> Result<(), ProtoError> {
+    let n =
+        u16::try_from(s.len()).map_err(|_| ProtoError::Unrepresentable("string longer than 65,535 bytes"))?;
+    b.put_u16(n);
+    b.put_slice(s.as_bytes());
+    Ok(())
+}
+
+/// `n` as a u16 count field.
+fn count16(n: usize, what: &'static str) -> Result<u16, ProtoError> {
+    u16::try_from(n).map_err(|_| ProtoError::Unrepresentable(what))
+}
+
+/// Bytes a point takes in a POINTS frame.
+fn point_len(p: &PointDecl) -> usize {
+    2 + 1 + 4 + 2 + p.iface.len() + 2 + p.node.len()
+}
+
+/// Points in a POINTS frame at most (its count is a u16).
+pub const MAX_POINTS: usize = u16::MAX as usize;
+
+/// `points` as POINTS frames that each fit the format: at most [`MAX_POINTS`] and
+/// [`MAX_FRAME`] bytes a frame, in order. A point that cannot fit any frame (a string
+/// past 65,535 bytes) is left to [`encode`] to refuse, in a frame of its own.
+pub fn points_frames(points: &[PointDecl]) -> Vec<Frame> {
+    const ROOM: usize = MAX_FRAME - 4 - 9 - 2;
+    let mut frames = Vec::new();
+    let mut chunk: Vec<PointDecl> = Vec::new();
+    let mut size = 0;
+    for p in points {
+        let n = point_len(p);
+        if !chunk.is_empty() && (chunk.len() == MAX_POINTS || size + n > ROOM) {
+            frames.push(Frame::Points(std::mem::take(&mut chunk)));
+            size = 0;
+        }
+        chunk.push(p.clone());
+        size += n;
+    }
+    if !chunk.is_empty() || frames.is_empty() {
+        frames.push(Frame::Points(chunk));
+    }
+    frames
 }
 
 fn put_flow(b: &mut BytesMut, f: &FlowId) {
@@ -137,8 +195,9 @@ fn put_flow(b: &mut BytesMut, f: &FlowId) {
     b.put_u32(f.dest_qp);
 }
 
-/// Encodes `f` as frame number `seq`.
-pub fn encode(f: &Frame, seq: u64) -> Bytes {
+/// Encodes `f` as frame number `seq`; refuses what the format cannot carry (see
+/// [`ProtoError::Unrepresentable`]) rather than sending something else.
+pub fn encode(f: &Frame, seq: u64) -> Result<Bytes, ProtoError> {
     let mut b = BytesMut::with_capacity(64);
     b.put_u32(0); // length, filled in below
     b.put_u8(f.kind());
@@ -152,8 +211,8 @@ pub fn encode(f: &Frame, seq: u64) -> Bytes {
         } => {
             b.put_u16(*version);
             b.put_u8(*clock_synced as u8);
-            put_str(&mut b, node);
-            put_str(&mut b, token);
+            put_str(&mut b, node)?;
+            put_str(&mut b, token)?;
         }
         Frame::Welcome {
             version,
@@ -161,22 +220,29 @@ pub fn encode(f: &Frame, seq: u64) -> Bytes {
             previous,
             previous_frames,
         } => {
+            // 0 says "none" in `previous`: a connection with id 0 could never be named there.
+            if *connection == 0 {
+                return Err(ProtoError::Unrepresentable("connection id 0"));
+            }
             b.put_u16(*version);
             b.put_u64(*connection);
             b.put_u64(*previous);
             b.put_u64(*previous_frames);
         }
         Frame::Points(points) => {
-            b.put_u16(points.len() as u16);
+            b.put_u16(count16(points.len(), "more than 65,535 points in one frame")?);
             for p in points {
                 b.put_u16(p.index);
                 b.put_u8(p.direction);
                 b.put_u32(p.ifindex);
-                put_str(&mut b, &p.iface);
-                put_str(&mut b, &p.node);
+                put_str(&mut b, &p.iface)?;
+                put_str(&mut b, &p.node)?;
             }
         }
         Frame::Observations(obs) => {
+            if obs.len() > (MAX_FRAME - 4 - 9 - 4) / OBS_LEN {
+                return Err(ProtoError::Unrepresentable("observations past the frame limit"));
+            }
             b.reserve(4 + obs.len() * OBS_LEN);
             b.put_u32(obs.len() as u32);
             for o in obs {
@@ -201,6 +267,9 @@ pub fn encode(f: &Frame, seq: u64) -> Bytes {
             interval_end_ns,
             deltas,
         } => {
+            if deltas.len() > (MAX_FRAME - 4 - 9 - 12) / DELTA_LEN {
+                return Err(ProtoError::Unrepresentable("counter deltas past the frame limit"));
+            }
             b.reserve(12 + deltas.len() * DELTA_LEN);
             b.put_u64(*interval_end_ns);
             b.put_u32(deltas.len() as u32);
@@ -233,7 +302,7 @@ pub fn encode(f: &Frame, seq: u64) -> Bytes {
             b.put_u64(*counters);
         }
         Frame::Heartbeat { unix_ns } => b.put_u64(*unix_ns),
-        Frame::Bye { reason } => put_str(&mut b, reason),
+        Frame::Bye { reason } => put_str(&mut b, reason)?,
         Frame::TraceRequest { id, flow, dscp, ecn } => {
             b.put_u32(*id);
             put_flow(&mut b, flow);
@@ -244,8 +313,13 @@ pub fn encode(f: &Frame, seq: u64) -> Bytes {
             b.put_u32(r.id);
             put_flow(&mut b, &r.flow);
             b.put_u8(r.reached as u8);
-            b.put_u8(r.class_changed_at.unwrap_or(0));
-            b.put_u16(r.hops.len() as u16);
+            // 0 and 255 (u32::MAX for the RTT) say "none": a value equal to one cannot be sent.
+            let some = |v: Option<u8>, none: u8, what| match v {
+                Some(x) if x == none => Err(ProtoError::Unrepresentable(what)),
+                v => Ok(v.unwrap_or(none)),
+            };
+            b.put_u8(some(r.class_changed_at, 0, "class change at hop 0")?);
+            b.put_u16(count16(r.hops.len(), "more than 65,535 hops")?);
             for h in &r.hops {
                 b.put_u8(h.ttl);
                 let (has, addr) = match h.addr {
@@ -255,16 +329,22 @@ pub fn encode(f: &Frame, seq: u64) -> Bytes {
                 };
                 b.put_u8(has);
                 b.put_slice(&addr);
-                b.put_u8(h.dscp.unwrap_or(0xff));
-                b.put_u8(h.ecn.unwrap_or(0xff));
+                b.put_u8(some(h.dscp, 0xff, "DSCP 255")?);
+                b.put_u8(some(h.ecn, 0xff, "ECN 255")?);
+                if h.rtt_avg_us == Some(u32::MAX) {
+                    return Err(ProtoError::Unrepresentable("RTT of u32::MAX µs"));
+                }
                 b.put_u32(h.rtt_avg_us.unwrap_or(u32::MAX));
             }
         }
         Frame::Ack { seq } => b.put_u64(*seq),
     }
+    if b.len() > MAX_FRAME {
+        return Err(ProtoError::Unrepresentable("frame longer than the 4 MiB limit"));
+    }
     let len = (b.len() - 4) as u32;
     b[..4].copy_from_slice(&len.to_be_bytes());
-    b.freeze()
+    Ok(b.freeze())
 }
 
 /// Reads frames from a byte stream and enforces their order.
@@ -351,9 +431,14 @@ impl Decoder {
             }
             2 => {
                 need(&b, 2 + 3 * 8)?;
+                let version = b.get_u16();
+                let connection = b.get_u64();
+                if connection == 0 {
+                    return Err(ProtoError::Malformed("WELCOME with connection id 0"));
+                }
                 Frame::Welcome {
-                    version: b.get_u16(),
-                    connection: b.get_u64(),
+                    version,
+                    connection,
                     previous: b.get_u64(),
                     previous_frames: b.get_u64(),
                 }
@@ -551,10 +636,11 @@ impl Encoder {
         self.next_seq
     }
 
-    pub fn encode(&mut self, f: &Frame) -> Bytes {
-        let b = encode(f, self.next_seq);
+    /// The next frame; a refused one takes no sequence number.
+    pub fn encode(&mut self, f: &Frame) -> Result<Bytes, ProtoError> {
+        let b = encode(f, self.next_seq)?;
         self.next_seq += 1;
-        b
+        Ok(b)
     }
 }
 
@@ -689,7 +775,10 @@ mod tests {
     fn every_frame_round_trips_even_split_into_single_bytes() {
         let frames = all_frames();
         let mut enc = Encoder::default();
-        let wire: Vec<u8> = frames.iter().flat_map(|f| enc.encode(f).to_vec()).collect();
+        let wire: Vec<u8> = frames
+            .iter()
+            .flat_map(|f| enc.encode(f).unwrap().to_vec())
+            .collect();
         let mut dec = Decoder::default();
         let mut buf = BytesMut::new();
         let mut got = Vec::new();
@@ -709,14 +798,16 @@ mod tests {
         assert!(matches!(dec.decode(&mut b), Err(ProtoError::Oversized(_))));
 
         let mut dec = Decoder::default();
-        let mut b = BytesMut::from(&encode(&Frame::Heartbeat { unix_ns: 1 }, 5)[..]);
+        let mut b = BytesMut::from(&encode(&Frame::Heartbeat { unix_ns: 1 }, 5).unwrap()[..]);
         assert_eq!(
             dec.decode(&mut b),
             Err(ProtoError::OutOfOrder { got: 5, want: 0 })
         );
 
         let mut dec = Decoder::default();
-        let mut f = encode(&Frame::Observations(vec![obs(1), obs(2)]), 0).to_vec();
+        let mut f = encode(&Frame::Observations(vec![obs(1), obs(2)]), 0)
+            .unwrap()
+            .to_vec();
         f[13] = 3; // claims 3 observations, carries 2
         assert!(matches!(
             dec.decode(&mut BytesMut::from(&f[..])),
@@ -724,7 +815,7 @@ mod tests {
         ));
 
         let mut dec = Decoder::default();
-        let mut f = encode(&Frame::Heartbeat { unix_ns: 1 }, 0).to_vec();
+        let mut f = encode(&Frame::Heartbeat { unix_ns: 1 }, 0).unwrap().to_vec();
         f[4] = 99;
         assert_eq!(
             dec.decode(&mut BytesMut::from(&f[..])),
@@ -740,7 +831,8 @@ mod tests {
                 clock_synced: false,
             },
             0,
-        );
+        )
+        .unwrap();
         let mut cut = f.to_vec();
         cut.truncate(cut.len() - 1);
         let l = (cut.len() - 4) as u32;
@@ -752,7 +844,203 @@ mod tests {
 
         // A partial frame is not an error: more bytes may come.
         let mut dec = Decoder::default();
-        let f = encode(&Frame::Heartbeat { unix_ns: 1 }, 0);
+        let f = encode(&Frame::Heartbeat { unix_ns: 1 }, 0).unwrap();
         assert_eq!(dec.decode(&mut BytesMut::from(&f[..6])), Ok(None));
+    }
+
+    fn mirror_points(n: usize) -> Vec<PointDecl> {
+        (0..n)
+            .map(|i| PointDecl {
+                index: i as u16,
+                node: format!("fd00::{:x}", i >> 4),
+                iface: format!("erspan-{i}"),
+                ifindex: 2,
+                direction: DIR_MIRROR,
+            })
+            .collect()
+    }
+
+    /// Found by the `protocol` fuzz harness: 65,536 points (as many as an agent can
+    /// declare) wrapped the u16 count to 0, and the collector closed every reconnection
+    /// at the trailing bytes.
+    #[test]
+    fn a_points_frame_of_65536_points_is_refused_not_wrapped() {
+        let points = mirror_points(65_536);
+        assert_eq!(
+            encode(&Frame::Points(points), 0),
+            Err(ProtoError::Unrepresentable(
+                "more than 65,535 points in one frame"
+            ))
+        );
+        let mut enc = Encoder::default();
+        assert!(enc.encode(&Frame::Points(mirror_points(65_536))).is_err());
+        // A refused frame takes no sequence number.
+        let f = enc.encode(&Frame::Heartbeat { unix_ns: 1 }).unwrap();
+        assert_eq!(
+            Decoder::default().decode(&mut BytesMut::from(&f[..])),
+            Ok(Some(Frame::Heartbeat { unix_ns: 1 }))
+        );
+    }
+
+    #[test]
+    fn points_frames_split_every_point_into_frames_the_collector_takes() {
+        let points = mirror_points(65_536);
+        let frames = points_frames(&points);
+        assert!(frames.len() >= 2, "65,536 points need two frames at least");
+        let mut enc = Encoder::default();
+        let mut dec = Decoder::default();
+        let mut got = Vec::new();
+        for f in &frames {
+            let wire = enc.encode(f).expect("every frame encodes");
+            assert!(wire.len() <= MAX_FRAME);
+            match dec.decode(&mut BytesMut::from(&wire[..])) {
+                Ok(Some(Frame::Points(p))) => got.extend(p),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(got, points, "every point, in order");
+        // Big names: the 4 MiB limit splits before the count does.
+        let long: Vec<PointDecl> = mirror_points(300)
+            .into_iter()
+            .map(|p| PointDecl {
+                node: "n".repeat(30_000),
+                ..p
+            })
+            .collect();
+        let frames = points_frames(&long);
+        assert_eq!(frames.len(), 3);
+        for f in &frames {
+            assert!(encode(f, 0).unwrap().len() <= MAX_FRAME);
+        }
+        assert_eq!(points_frames(&[]), vec![Frame::Points(Vec::new())]);
+    }
+
+    #[test]
+    fn values_the_format_cannot_carry_are_refused() {
+        let long = "é".repeat(40_000);
+        for f in [
+            Frame::Bye { reason: long.clone() },
+            Frame::Hello {
+                version: VERSION,
+                node: long.clone(),
+                token: "t".into(),
+                clock_synced: false,
+            },
+            Frame::Observations((0..61_000).map(obs).collect()),
+            // 0 is "none" where WELCOME names the previous connection.
+            Frame::Welcome {
+                version: VERSION,
+                connection: 0,
+                previous: 0,
+                previous_frames: 0,
+            },
+        ] {
+            assert!(matches!(encode(&f, 0), Err(ProtoError::Unrepresentable(_))));
+        }
+        let r = ProbeResult {
+            id: 1,
+            flow: FlowId::default(),
+            reached: false,
+            class_changed_at: None,
+            hops: Vec::new(),
+        };
+        let hop = ProbeHop {
+            ttl: 1,
+            addr: None,
+            dscp: None,
+            ecn: None,
+            rtt_avg_us: None,
+        };
+        for bad in [
+            ProbeResult {
+                class_changed_at: Some(0),
+                ..r.clone()
+            },
+            ProbeResult {
+                hops: vec![ProbeHop {
+                    dscp: Some(255),
+                    ..hop.clone()
+                }],
+                ..r.clone()
+            },
+            ProbeResult {
+                hops: vec![ProbeHop {
+                    rtt_avg_us: Some(u32::MAX),
+                    ..hop.clone()
+                }],
+                ..r.clone()
+            },
+        ] {
+            assert!(encode(&Frame::TraceResult(bad), 0).is_err());
+        }
+        // BYE cuts its reason instead, at a character boundary.
+        let Frame::Bye { reason } = Frame::bye(long.clone()) else {
+            unreachable!()
+        };
+        assert_eq!(reason.len(), 65_534);
+        assert!(long.starts_with(&reason));
+        let wire = encode(
+            &Frame::Bye {
+                reason: reason.clone(),
+            },
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            Decoder::default().decode(&mut BytesMut::from(&wire[..])),
+            Ok(Some(Frame::Bye { reason }))
+        );
+    }
+
+    /// Version 3's frames under the encoder's checks: ACK and WELCOME carry any value but
+    /// a connection id of 0 (the "none" of `previous`), which the decoder refuses too; a
+    /// refused WELCOME takes no sequence number.
+    #[test]
+    fn welcome_and_ack_round_trip_and_connection_0_is_refused_both_ways() {
+        let mut enc = Encoder::default();
+        let zero = Frame::Welcome {
+            version: VERSION,
+            connection: 0,
+            previous: 3,
+            previous_frames: 9,
+        };
+        assert_eq!(
+            enc.encode(&zero),
+            Err(ProtoError::Unrepresentable("connection id 0"))
+        );
+        assert_eq!(enc.next_seq(), 0);
+        let frames = [
+            Frame::Welcome {
+                version: VERSION,
+                connection: u64::MAX,
+                previous: 0,
+                previous_frames: 0,
+            },
+            Frame::Ack { seq: 0 },
+            Frame::Ack { seq: u64::MAX },
+        ];
+        let mut dec = Decoder::default();
+        for f in &frames {
+            let wire = enc.encode(f).unwrap();
+            assert_eq!(dec.decode(&mut BytesMut::from(&wire[..])), Ok(Some(f.clone())));
+        }
+        assert_eq!((enc.next_seq(), dec.next_seq()), (3, 3));
+        // WELCOME naming connection 0, as a peer could send it.
+        let mut wire = encode(
+            &Frame::Welcome {
+                version: VERSION,
+                connection: 1,
+                previous: 0,
+                previous_frames: 0,
+            },
+            0,
+        )
+        .unwrap()
+        .to_vec();
+        wire[13 + 2 + 7] = 0;
+        assert_eq!(
+            Decoder::default().decode(&mut BytesMut::from(&wire[..])),
+            Err(ProtoError::Malformed("WELCOME with connection id 0"))
+        );
     }
 }

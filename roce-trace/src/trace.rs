@@ -93,12 +93,12 @@ pub struct TraceReport {
 }
 
 /// One answer: who, what it quoted, which probe.
-struct Answer {
-    from: IpAddr,
-    kind: String,
-    final_hop: bool,
-    tos: u8,
-    psn: u32,
+pub(crate) struct Answer {
+    pub(crate) from: IpAddr,
+    pub(crate) kind: String,
+    pub(crate) final_hop: bool,
+    pub(crate) tos: u8,
+    pub(crate) psn: u32,
 }
 
 fn raw_icmp(v6: bool) -> io::Result<OwnedFd> {
@@ -128,7 +128,7 @@ fn set_int(fd: i32, level: i32, name: i32, v: i32) -> io::Result<()> {
 
 /// Parses an ICMP(v6) error addressed to a probe of (`sport` → `dst`:4791). `msg` starts
 /// at the ICMP header; `from` is its source.
-fn parse_answer(msg: &[u8], from: IpAddr, v6: bool, sport: u16, dst: IpAddr) -> Option<Answer> {
+pub(crate) fn parse_answer(msg: &[u8], from: IpAddr, v6: bool, sport: u16, dst: IpAddr) -> Option<Answer> {
     let (ty, code) = (*msg.first()?, *msg.get(1)?);
     let (kind, final_hop) = match (v6, ty, code) {
         (false, 11, _) | (true, 3, _) => ("time-exceeded", false),
@@ -155,6 +155,9 @@ fn parse_answer(msg: &[u8], from: IpAddr, v6: bool, sport: u16, dst: IpAddr) -> 
             return None;
         }
         let ihl = ((inner[0] & 0x0f) as usize) * 4;
+        if ihl < 20 {
+            return None;
+        }
         let d: [u8; 4] = inner[16..20].try_into().ok()?;
         if IpAddr::from(d) != dst {
             return None;
@@ -567,5 +570,20 @@ mod tests {
                 .unwrap()
                 .final_hop
         );
+    }
+
+    /// A quoted IPv4 header with an IHL below 5 is no header: with IHL 0 the quote's own
+    /// IP header was read as the probe's UDP header and BTH.
+    #[test]
+    fn a_quote_with_an_ihl_below_5_is_not_an_answer() {
+        let dst: IpAddr = "10.0.0.2".parse().unwrap();
+        // Read from offset 0: source port 0x4000 (version 4, IHL 0, TOS 0), destination
+        // port 4791 (the total length), DestQP 0xFFFFFF (the source address' last three
+        // bytes), PSN 0x000002 (the destination's).
+        let mut quote = vec![0x40, 0, 0x12, 0xb7, 0, 0, 0, 0, 64, 17, 0, 0];
+        quote.extend_from_slice(&[10, 0xff, 0xff, 0xff, 10, 0, 0, 2]);
+        let mut icmp = vec![11, 0, 0, 0, 0, 0, 0, 0];
+        icmp.extend_from_slice(&quote);
+        assert!(parse_answer(&icmp, "10.1.1.1".parse().unwrap(), false, 0x4000, dst).is_none());
     }
 }

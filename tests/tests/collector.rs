@@ -195,7 +195,7 @@ impl FakeAgent {
     }
 
     fn send(&mut self, f: &Frame) {
-        let b = self.enc.encode(f);
+        let b = self.enc.encode(f).unwrap();
         self.s.write_all(&b).unwrap();
     }
 
@@ -338,7 +338,10 @@ fn bad_peers_are_cut_off_and_good_ones_keep_being_served() {
 
     // An agent vanishing in the middle of a frame.
     let (mut vanish, _) = FakeAgent::connect(&c, "vanisher", "t0ken");
-    let half = vanish.enc.encode(&Frame::Observations(vec![obs(0, 1, 64, 26)]));
+    let half = vanish
+        .enc
+        .encode(&Frame::Observations(vec![obs(0, 1, 64, 26)]))
+        .unwrap();
     vanish.s.write_all(&half[..half.len() / 2]).unwrap();
     drop(vanish);
 
@@ -688,7 +691,7 @@ fn an_agent_and_a_collector_of_another_version_part_cleanly() {
                 loop {
                     while let Some(f) = dec.decode(&mut buf).unwrap() {
                         if frames.is_empty() {
-                            s.write_all(&Encoder::default().encode(&answer)).unwrap();
+                            s.write_all(&Encoder::default().encode(&answer).unwrap()).unwrap();
                         }
                         frames.push(f);
                     }

@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use crate::{
     observation::{CounterDelta, Observation},
-    protocol::{Encoder, Frame, MAX_BATCH},
+    protocol::{Encoder, Frame, MAX_BATCH, ProtoError},
 };
 
 /// What became of one kind of record. Every record made is, at any moment, acknowledged,
@@ -96,27 +96,36 @@ impl<T> Lane<T> {
         }
     }
 
-    /// Up to `max` queued records, oldest first, counted as sent; `None` when none is.
-    fn take(&mut self, max: usize) -> Option<Vec<T>> {
+    /// Up to `max` queued records, oldest first, and how many of them were written on an
+    /// earlier connection; `None` when none is. [`Lane::written`] or [`Lane::refused`]
+    /// says what became of them.
+    fn take(&mut self, max: usize) -> Option<(Vec<T>, usize)> {
         let n = self.queued.len().min(max);
         if n == 0 {
             return None;
         }
         let again = n.min(self.requeued);
         self.requeued -= again;
-        self.stats.sent += n as u64;
-        self.stats.resent += again as u64;
-        Some(self.queued.drain(..n).collect())
+        Some((self.queued.drain(..n).collect(), again))
     }
 
-    /// `records` were written as frame `seq`: held until it is acknowledged.
-    fn in_flight(&mut self, seq: u64, records: Vec<T>) {
+    /// `records` (`again` of them sent before) were written as frame `seq`: counted as
+    /// sent and held until it is acknowledged.
+    fn written(&mut self, seq: u64, records: Vec<T>, again: usize) {
+        self.stats.sent += records.len() as u64;
+        self.stats.resent += again as u64;
         self.held += records.len();
         self.in_flight.push_back(InFlight {
             seq,
             records: records.into(),
             released: 0,
         });
+    }
+
+    /// The encoder refused the frame of `n` records (the format cannot carry it): they
+    /// could never be sent, and are dropped. The frame took no sequence number.
+    fn refused(&mut self, n: usize) {
+        self.stats.dropped += n as u64;
     }
 
     /// Every frame up to `seq` was processed.
@@ -202,25 +211,45 @@ impl Outbox {
     }
 
     /// The next data frame to write, stamped by `enc`, its records in flight from now on;
-    /// `None` when nothing is queued. Observations go first.
-    pub(super) fn next_frame(&mut self, enc: &mut Encoder, now_ns: u64) -> Option<Bytes> {
+    /// `None` when nothing is queued. Observations go first, at most [`MAX_BATCH`] a
+    /// frame (which always fits one). A frame the encoder refuses takes no sequence number
+    /// and its records are dropped: the error says why.
+    pub(super) fn next_frame(&mut self, enc: &mut Encoder, now_ns: u64) -> Option<Result<Bytes, ProtoError>> {
+        self.next_frame_of(enc, now_ns, MAX_BATCH)
+    }
+
+    fn next_frame_of(
+        &mut self,
+        enc: &mut Encoder,
+        now_ns: u64,
+        max: usize,
+    ) -> Option<Result<Bytes, ProtoError>> {
+        // The sequence number the frame gets if it is encoded (a refused one takes none).
         let seq = enc.next_seq();
-        if let Some(obs) = self.obs.take(MAX_BATCH) {
+        if let Some((obs, again)) = self.obs.take(max) {
             let f = Frame::Observations(obs);
             let bytes = enc.encode(&f);
             if let Frame::Observations(obs) = f {
-                self.obs.in_flight(seq, obs);
+                if bytes.is_ok() {
+                    self.obs.written(seq, obs, again);
+                } else {
+                    self.obs.refused(obs.len());
+                }
             }
             return Some(bytes);
         }
-        let deltas = self.counters.take(MAX_BATCH)?;
+        let (deltas, again) = self.counters.take(max)?;
         let f = Frame::Counters {
             interval_end_ns: now_ns,
             deltas,
         };
         let bytes = enc.encode(&f);
         if let Frame::Counters { deltas, .. } = f {
-            self.counters.in_flight(seq, deltas);
+            if bytes.is_ok() {
+                self.counters.written(seq, deltas, again);
+            } else {
+                self.counters.refused(deltas.len());
+            }
         }
         Some(bytes)
     }
@@ -269,7 +298,7 @@ mod tests {
                 enc: Encoder::default(),
                 dec: Decoder::default(),
             };
-            let hello = w.enc.encode(&Frame::Heartbeat { unix_ns: 0 });
+            let hello = w.enc.encode(&Frame::Heartbeat { unix_ns: 0 }).unwrap();
             w.dec.decode(&mut BytesMut::from(&hello[..])).unwrap();
             w
         }
@@ -279,6 +308,7 @@ mod tests {
         fn write_all(&mut self, ob: &mut Outbox) -> Vec<(u64, Vec<u32>)> {
             let mut out = Vec::new();
             while let Some(b) = ob.next_frame(&mut self.enc, 0) {
+                let b = b.unwrap();
                 let seq = self.dec.next_seq();
                 match self.dec.decode(&mut BytesMut::from(&b[..])).unwrap() {
                     Some(Frame::Observations(v)) => out.push((seq, v.iter().map(|o| o.id.psn).collect())),
@@ -423,5 +453,52 @@ mod tests {
         ob.ack(41, 2);
         assert_eq!(ob.counters().acked, 3);
         assert!(ob.is_empty());
+    }
+
+    /// A frame the encoder refuses takes no sequence number: its records are dropped (not
+    /// held in flight under the next frame's number, where that frame's ACK would count
+    /// them as processed), and the frames after it are numbered and acknowledged as ever.
+    #[test]
+    fn a_refused_frame_takes_no_sequence_number_and_its_records_are_dropped() {
+        let mut ob = Outbox::new(100_000);
+        ob.welcome(51, 0, 0);
+        let mut w = Wire::new();
+        // More observations than a frame can carry, in one batch: refused.
+        (0..61_000).for_each(|p| ob.push_obs(obs(p)));
+        let seq = w.enc.next_seq();
+        let r = ob.next_frame_of(&mut w.enc, 0, usize::MAX).expect("a batch");
+        assert!(
+            matches!(r, Err(crate::protocol::ProtoError::Unrepresentable(_))),
+            "{r:?}"
+        );
+        assert_eq!(w.enc.next_seq(), seq, "the refused frame took no number");
+        let d = ob.observations();
+        assert_eq!((d.made, d.sent, d.dropped, d.pending()), (61_000, 0, 61_000, 0));
+        // A refused frame of another kind between two data frames shifts nothing either.
+        ob.push_obs(obs(1));
+        assert_eq!(w.write_all(&mut ob), vec![(seq, vec![1])]);
+        let point = crate::observation::PointDecl {
+            index: 0,
+            direction: 0,
+            ifindex: 1,
+            iface: "eth0".into(),
+            node: String::new(),
+        };
+        assert!(w.enc.encode(&Frame::Points(vec![point; 65_536])).is_err());
+        ob.push_obs(obs(2));
+        assert_eq!(w.write_all(&mut ob), vec![(seq + 1, vec![2])]);
+        ob.ack(51, seq);
+        assert_eq!(ob.observations().acked, 1);
+        ob.ack(51, seq + 1);
+        let d = ob.observations();
+        assert_eq!((d.made, d.sent, d.acked, d.dropped), (61_002, 2, 2, 61_000));
+        assert!(ob.is_empty());
+        invariant(&ob);
+        // The normal path never refuses: at most MAX_BATCH a frame, which always fits.
+        (0..61_000).for_each(|p| ob.push_obs(obs(p)));
+        let frames = w.write_all(&mut ob);
+        assert_eq!(frames.len(), 61_000usize.div_ceil(MAX_BATCH));
+        let d = ob.observations();
+        assert_eq!((d.sent, d.dropped), (61_002, 61_000));
     }
 }
