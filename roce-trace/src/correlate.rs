@@ -84,10 +84,13 @@ pub struct JoinStats {
     pub trajectories: u64,
     pub retransmissions: u64,
     /// Trajectories that were only the tail of the flow's path (observations that came
-    /// after their packet's trajectory was complete): neither a path nor a loss.
+    /// after their packet's trajectory was complete): neither a path nor a loss. (Absent
+    /// from reports of older collectors: read as 0.)
+    #[serde(default)]
     pub fragments: u64,
     /// Of those, the ones that showed a packet judged lost had arrived after all (the
     /// loss was taken back).
+    #[serde(default)]
     pub late_arrivals: u64,
     /// Identities dropped unjoined because `max_pending` was reached.
     pub pending_dropped: u64,
