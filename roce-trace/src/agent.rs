@@ -584,7 +584,8 @@ fn trace_for_collector(sh: &Arc<Shared>, id: u32, flow: crate::observation::Flow
                                 addr: h.addr,
                                 dscp: h.dscp,
                                 ecn: h.ecn,
-                                rtt_avg_us: h.rtt_avg_us.map(|u| u as u32),
+                                // u32::MAX µs (71 min) says "none" on the wire.
+                                rtt_avg_us: h.rtt_avg_us.map(|u| (u as u32).min(u32::MAX - 1)),
                             })
                             .collect(),
                     });
