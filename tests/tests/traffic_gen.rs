@@ -13,6 +13,40 @@ fn n(v: &Value) -> u64 {
     v.as_u64().unwrap_or_else(|| panic!("not a count: {v}"))
 }
 
+/// B's firewall drops every `n`th request arriving on UDP 4791 (deterministic: nth mode).
+fn drop_every_nth_request(pair: &VethPair, n: u32) {
+    let n = n.to_string();
+    pair.b.exec(&[
+        "iptables",
+        "-A",
+        "INPUT",
+        "-p",
+        "udp",
+        "--dport",
+        "4791",
+        "-m",
+        "statistic",
+        "--mode",
+        "nth",
+        "--every",
+        &n,
+        "--packet",
+        "0",
+        "-j",
+        "DROP",
+    ]);
+}
+
+/// The responder QP of sender QP `q` in a responder's report.
+fn responder_of<'a>(r: &'a Value, q: &Value) -> &'a Value {
+    r["responders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|rq| rq["qp"] == q["dest_qp"])
+        .unwrap_or_else(|| panic!("no responder QP for {q}"))
+}
+
 /// Requests and ACKs on the wire: opcodes, PSNs, QPs as tshark decodes them, and every
 /// ICRC as scapy recomputes it — IPv4 and IPv6.
 #[test]
@@ -156,25 +190,7 @@ fn losses_are_naked_and_retransmitted() {
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let pair = VethPair::new("gnak");
-    pair.b.exec(&[
-        "iptables",
-        "-A",
-        "INPUT",
-        "-p",
-        "udp",
-        "--dport",
-        "4791",
-        "-m",
-        "statistic",
-        "--mode",
-        "nth",
-        "--every",
-        "200",
-        "--packet",
-        "0",
-        "-j",
-        "DROP",
-    ]);
+    drop_every_nth_request(&pair, 200);
     let resp = spawn_gen(&pair.b.name, &["--bind", "10.99.0.2", "--duration", "5s"]);
     std::thread::sleep(Duration::from_millis(300));
     let send = spawn_gen(
@@ -208,12 +224,7 @@ fn losses_are_naked_and_retransmitted() {
     assert!(drops > 10, "the rule dropped {drops} requests");
     let mut naks = 0;
     for q in senders {
-        let rq = r["responders"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|rq| rq["qp"] == q["dest_qp"])
-            .unwrap_or_else(|| panic!("no responder QP for {q}"));
+        let rq = responder_of(&r, q);
         let sent = n(&q["messages_sent"]);
         // 20 Mbit/s for 2 s of 16 KiB messages (16 frames of 1098 bytes): ~140 each.
         assert!(sent > 100, "{sent} messages sent: {q}");
@@ -246,25 +257,7 @@ fn lost_naks_are_recovered_by_the_ack_timeout_and_a_dead_peer_exceeds_the_retrie
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let pair = VethPair::new("gto");
-    pair.b.exec(&[
-        "iptables",
-        "-A",
-        "INPUT",
-        "-p",
-        "udp",
-        "--dport",
-        "4791",
-        "-m",
-        "statistic",
-        "--mode",
-        "nth",
-        "--every",
-        "100",
-        "--packet",
-        "0",
-        "-j",
-        "DROP",
-    ]);
+    drop_every_nth_request(&pair, 100);
     // A PSN-sequence-error NAK: BTH opcode 0x11 (UDP payload byte 0) with AETH syndrome
     // 0x60 (byte 12).
     pair.a.exec(&["nft", "add", "table", "inet", "gto"]);
@@ -562,12 +555,7 @@ fn cnps_are_rate_limited_per_qp() {
     })
     .collect();
     for q in s["senders"].as_array().unwrap() {
-        let rq = r["responders"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|rq| rq["qp"] == q["dest_qp"])
-            .unwrap();
+        let rq = responder_of(&r, q);
         let (ce, cnps) = (n(&rq["ce_marked"]), n(&rq["cnps_sent"]));
         assert_eq!(ce, n(&rq["packets"]), "every request CE-marked: {rq}");
         assert!(ce > 5_000, "{rq}");
