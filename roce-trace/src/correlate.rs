@@ -62,6 +62,10 @@ pub struct JoinConfig {
     pub max_flows: usize,
     /// Packet identities waiting for their trajectory to complete.
     pub max_pending: usize,
+    /// Counts from one point are compared with the next point's only once they are this
+    /// old (by arrival): every agent has reported what crossed it by then (agents report
+    /// every second by default), so packets in flight between two reports are no loss.
+    pub counter_settle_ns: u64,
 }
 
 impl Default for JoinConfig {
@@ -71,6 +75,7 @@ impl Default for JoinConfig {
             flow_idle_ns: 300_000_000_000,
             max_flows: 100_000,
             max_pending: 1_000_000,
+            counter_settle_ns: 3_000_000_000,
         }
     }
 }
@@ -180,6 +185,9 @@ pub struct FlowState {
     carries_cnp: bool,
     /// Class of the CNPs at each point (CNPs are always reported, so this is exact).
     cnp_class_at: BTreeMap<PointId, (u8, u8, u8)>,
+    /// Each point's running CNP count after each counter delta, by arrival time (the last
+    /// [`SETTLE_SAMPLES`]): what a point had counted long enough ago to compare.
+    cnp_counts: BTreeMap<PointId, VecDeque<(u64, u64)>>,
     /// Largest frame seen at each point.
     max_frame: BTreeMap<PointId, u16>,
     /// Bytes delivered at the flow's most downstream point per counter delta, by arrival
@@ -191,6 +199,9 @@ pub struct FlowState {
 
 /// Counter deltas kept per flow for its delivery over time (a minute at 1 s intervals).
 const DELIVERY_SAMPLES: usize = 64;
+
+/// Running CNP counts kept per point (16 s of 1 s intervals; the settle time is 3 s).
+const SETTLE_SAMPLES: usize = 16;
 
 fn push_recent<T>(q: &mut VecDeque<T>, v: T) {
     push_bounded(q, v, RECENT);
@@ -217,6 +228,11 @@ pub struct Joiner {
     recent_order: VecDeque<(u64, PacketId)>,
     /// The collector's time at the last tick (arrival clock, not the agents').
     now_ns: u64,
+    /// Set by [`Joiner::flush`]: the agents are gone, every count is final.
+    flushed: bool,
+    /// The node each source address sends from: the node of the most upstream egress
+    /// point where a flow from it was counted (its host, when watched). Bounded like flows.
+    host_of: HashMap<[u8; 16], (u32, u8)>,
     flows: HashMap<FlowId, FlowState>,
     pub stats: JoinStats,
 }
@@ -233,6 +249,8 @@ impl Joiner {
             recent_losses: HashMap::new(),
             recent_order: VecDeque::new(),
             now_ns: 0,
+            flushed: false,
+            host_of: HashMap::new(),
             flows: HashMap::new(),
             stats: JoinStats::default(),
         }
@@ -313,6 +331,10 @@ impl Joiner {
             f.carries_cnp = true;
             f.cnp_class_at.insert(point, (obs.dscp, obs.ecn, obs.pcp));
             push_recent(&mut f.cnp_times, (node, o.time_ns));
+            // Every CNP of a QP is the same packet (PSN 0, one ICRC): no identity tells
+            // two apart, so they make no trajectories. Their path and where they vanish
+            // come from the exact per-point counters instead (`cnp_delivery`).
+            return;
         } else if roce::is_ack_opcode(opcode) {
             // The same ACK is reported at every point it crosses: keep it once.
             if !f.ack_psns.contains(&o.id.psn) {
@@ -406,10 +428,39 @@ impl Joiner {
             .points
             .get(point as usize)
             .is_some_and(|p| p.direction != "egress");
+        let node = self.point_node.get(point as usize).copied();
+        let max_hosts = self.cfg.max_flows;
+        if let Some(node) = node
+            && !not_egress
+            && d.packets > 0
+        {
+            let n = self.host_of.len();
+            match self.host_of.entry(d.flow.src) {
+                std::collections::hash_map::Entry::Occupied(mut e) => {
+                    if d.last_ttl > e.get().1 {
+                        e.insert((node, d.last_ttl));
+                    }
+                }
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    if n < max_hosts {
+                        e.insert((node, d.last_ttl));
+                    }
+                }
+            }
+        }
         if let Some(f) = self.flow(d.flow, now_ns) {
-            f.counters.entry(point).or_default().add(d);
+            let total = f.counters.entry(point).or_default();
+            total.add(d);
+            let cnps = total.cnp;
             if d.cnp > 0 {
                 f.carries_cnp = true;
+            }
+            if cnps > 0 {
+                push_bounded(
+                    f.cnp_counts.entry(point).or_default(),
+                    (now_ns, cnps),
+                    SETTLE_SAMPLES,
+                );
             }
             // Delivery over time: what reached the end of its path, interval by interval.
             let here = (point, d.last_ttl, not_egress);
@@ -465,6 +516,7 @@ impl Joiner {
 
     /// Completes every pending trajectory now (on exit).
     pub fn flush(&mut self) {
+        self.flushed = true;
         let ids: Vec<PacketId> = self.order.drain(..).map(|(_, id)| id).collect();
         for id in ids {
             if let Some(p) = self.pending.remove(&id) {
@@ -586,6 +638,110 @@ impl Joiner {
             .unwrap_or_else(|| format!("point{p}"))
     }
 
+    /// A flow's points in path order from its exact counters alone: higher TTL first, and
+    /// at equal TTL a link's egress before the far end's ingress (routers decrement
+    /// between their own ingress and egress).
+    fn counter_path(&self, f: &FlowState) -> Vec<PointId> {
+        let mut v: Vec<(PointId, u8, bool)> = f
+            .counters
+            .iter()
+            .filter(|(_, c)| c.packets > 0)
+            .map(|(p, c)| {
+                let ingress = self
+                    .points
+                    .get(*p as usize)
+                    .is_some_and(|i| i.direction != "egress");
+                (*p, c.last_ttl, ingress)
+            })
+            .collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.2.cmp(&b.2)));
+        v.into_iter().map(|x| x.0).collect()
+    }
+
+    /// CNPs `point` had counted [`JoinConfig::counter_settle_ns`] ago (all of them once
+    /// the agents are gone): what every later point has reported by now.
+    fn cnps_settled(&self, f: &FlowState, point: PointId) -> u64 {
+        let Some(h) = f.cnp_counts.get(&point) else {
+            return 0;
+        };
+        if self.flushed {
+            return h.back().map_or(0, |x| x.1);
+        }
+        h.iter()
+            .rev()
+            .find(|(at, _)| at.saturating_add(self.cfg.counter_settle_ns) <= self.now_ns)
+            .map_or(0, |x| x.1)
+    }
+
+    /// Where a flow's CNPs went, from exact counts at every point they cross (each CNP is
+    /// counted at each point): how many left, how many reached the host of the sender
+    /// they throttle, and between which points the rest vanished. `None` for a flow
+    /// without CNPs.
+    fn cnp_delivery(&self, id: &FlowId, f: &FlowState) -> Option<CnpDelivery> {
+        if !f.counters.values().any(|c| c.cnp > 0) {
+            return None;
+        }
+        let path = self.counter_path(f);
+        let cnps = |p: &PointId| f.counters.get(p).map_or(0, |c| c.cnp);
+        let first = *path.iter().find(|p| cnps(p) > 0)?;
+        let mut lost = Vec::new();
+        for w in path.windows(2) {
+            let n = self.cnps_settled(f, w[0]).saturating_sub(cnps(&w[1]));
+            if n > 0 {
+                lost.push(CountedLoss {
+                    between: [self.label(w[0]), self.label(w[1])],
+                    packets: n,
+                });
+            }
+        }
+        // The throttled sender's host: where flows from the CNPs' destination start.
+        let host = self.host_of.get(&id.dst).map(|&(n, _)| n);
+        let watched_in = |node: u32| {
+            self.points
+                .iter()
+                .enumerate()
+                .filter(move |(i, p)| self.point_node[*i] == node && p.direction != "egress")
+                .map(|(i, _)| i as PointId)
+        };
+        let (mut reached, mut reached_at) = (None, None);
+        if let Some(host) = host
+            && let Some(at) = watched_in(host).next()
+        {
+            let there: Vec<PointId> = path
+                .iter()
+                .copied()
+                .filter(|p| self.point_node[*p as usize] == host && cnps(p) > 0)
+                .collect();
+            let n: u64 = there.iter().map(cnps).sum();
+            reached = Some(n);
+            reached_at = Some(self.label(there.first().copied().unwrap_or(at)));
+            // CNPs that never reached the host at all: lost after the last point that
+            // counted them (the host's ingress, when one, names the far end).
+            let last = *path.last().expect("non-empty");
+            if self.point_node[last as usize] != host {
+                let n = self.cnps_settled(f, last);
+                let mut ins = watched_in(host);
+                let far = match (ins.next(), ins.next()) {
+                    (Some(p), None) => self.label(p),
+                    _ => self.nodes[host as usize].clone(),
+                };
+                if n > 0 {
+                    lost.push(CountedLoss {
+                        between: [self.label(last), far],
+                        packets: n,
+                    });
+                }
+            }
+        }
+        Some(CnpDelivery {
+            sent: cnps(&first),
+            sent_at: self.label(first),
+            reached,
+            reached_at,
+            lost,
+        })
+    }
+
     /// The forward flow a reverse flow (ACKs, NAKs, CNPs) answers: same IP pair reversed,
     /// its ACK PSNs inside the forward flow's recent request PSNs; a lone candidate wins.
     fn pair_of(&self, rev_id: &FlowId, rev: &FlowState) -> Option<FlowId> {
@@ -645,10 +801,24 @@ impl Joiner {
         let max_over_points = |c: &BTreeMap<PointId, CounterDelta>, g: fn(&CounterDelta) -> u64| {
             c.values().map(g).max().unwrap_or(0)
         };
-        let cnps: u64 = cnp_flows
-            .iter()
-            .map(|(_, r)| max_over_points(&r.counters, |d| d.cnp))
-            .sum();
+        // CNPs count where they reach the sender they throttle (the most downstream point
+        // that counted them when its host is not watched).
+        let mut cnps_sent = 0;
+        let mut cnps = 0;
+        let mut cnps_lost = Vec::new();
+        for (rid, r) in &cnp_flows {
+            let Some(d) = self.cnp_delivery(rid, r) else {
+                continue;
+            };
+            cnps_sent += d.sent;
+            cnps += d.reached.unwrap_or_else(|| {
+                self.counter_path(r)
+                    .last()
+                    .and_then(|p| r.counters.get(p))
+                    .map_or(0, |c| c.cnp)
+            });
+            cnps_lost.extend(d.lost);
+        }
         let ce = max_over_points(&f.counters, |d| d.ecn[3]);
         let mut ce_to_cnp = Delay::default();
         for (_, r) in &cnp_flows {
@@ -666,20 +836,32 @@ impl Joiner {
                 }
             }
         }
+        // A flow of CNPs alone makes no trajectories: its path is its counters'.
+        let (path, hops): (Vec<PointId>, Vec<u8>) = if f.path.is_empty() && f.carries_cnp {
+            let p = self.counter_path(f);
+            let ttl = |x: &PointId| f.counters.get(x).map_or(0, |c| c.last_ttl);
+            let h = p
+                .windows(2)
+                .map(|w| ttl(&w[0]).saturating_sub(ttl(&w[1])))
+                .collect();
+            (p, h)
+        } else {
+            let h = f
+                .path
+                .windows(2)
+                .map(|w| f.hops.get(&(w[0], w[1])).copied().unwrap_or(0))
+                .collect();
+            (f.path.clone(), h)
+        };
         Some(FlowReport {
             id: id.label(),
             src_ip: id.src_ip().to_string(),
             dst_ip: id.dst_ip().to_string(),
             udp_sport: id.udp_sport,
             dest_qp: id.dest_qp,
-            path: f.path.iter().map(l).collect(),
-            hops: f
-                .path
-                .windows(2)
-                .map(|w| f.hops.get(&(w[0], w[1])).copied().unwrap_or(0))
-                .collect(),
-            class: f
-                .path
+            path: path.iter().map(l).collect(),
+            hops,
+            class: path
                 .iter()
                 .filter_map(|p| f.class_at.get(p).map(|c| ClassAt::new(l(p), *c)))
                 .collect(),
@@ -736,9 +918,12 @@ impl Joiner {
             counters: f.counters.iter().map(|(p, c)| (l(p), *c)).collect(),
             trajectories: f.trajectories,
             probe: None,
+            cnp_delivery: self.cnp_delivery(id, f),
             answered_by: Answers {
                 flows: cnp_flows.iter().map(|(rid, _)| rid.label()).collect(),
+                cnps_sent,
                 cnps,
+                cnps_lost,
                 ce_marks: ce,
                 cnps_per_ce_mark: (ce > 0).then(|| cnps as f64 / ce as f64),
                 ce_to_cnp: (ce_to_cnp.n > 0).then_some(ce_to_cnp),
@@ -878,11 +1063,42 @@ pub struct PathAt {
     pub path: Vec<String>,
 }
 
+/// Packets that vanished between two points, by exact counts (not samples).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CountedLoss {
+    pub between: [String; 2],
+    pub packets: u64,
+}
+
+/// Where one flow's CNPs went, by exact per-point counts.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CnpDelivery {
+    /// CNPs counted at the first point that saw them (the notifying host's side).
+    pub sent: u64,
+    pub sent_at: String,
+    /// CNPs counted arriving at the host of the sender they throttle; null when that
+    /// host is not watched.
+    pub reached: Option<u64>,
+    pub reached_at: Option<String>,
+    /// Where the others vanished. Counts a point had three seconds ago (all of them
+    /// once the collector has stopped) against what the next point has counted, so
+    /// CNPs in flight are not lost.
+    pub lost: Vec<CountedLoss>,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Answers {
     /// Reverse flows carrying this flow's CNPs.
     pub flows: Vec<String>,
+    /// CNPs those flows carried as they left the notifying host.
+    #[serde(default)]
+    pub cnps_sent: u64,
+    /// CNPs that reached this flow's sender (its host's ingress; where its host is not
+    /// watched, the most downstream point that counted them).
     pub cnps: u64,
+    /// Where the others vanished.
+    #[serde(default)]
+    pub cnps_lost: Vec<CountedLoss>,
     pub ce_marks: u64,
     pub cnps_per_ce_mark: Option<f64>,
     pub ce_to_cnp: Option<Delay>,
@@ -902,6 +1118,10 @@ pub struct FlowReport {
     /// Class of this flow's CNPs at each point that saw them.
     #[serde(default)]
     pub cnp_class: Vec<ClassAt>,
+    /// A flow that carries CNPs: how many left, how many reached the sender they
+    /// throttle, and where the rest vanished (exact counts).
+    #[serde(default)]
+    pub cnp_delivery: Option<CnpDelivery>,
     /// Largest frame (bytes) seen at each point.
     #[serde(default)]
     pub max_frame: BTreeMap<String, u16>,
@@ -1426,6 +1646,196 @@ mod tests {
         assert_eq!((d.min_ns, d.max_ns, d.n), (30_000, 30_000, 2));
     }
 
+    /// The CNP path back from h3 to h1 (h3's egress first) and the data flow's source
+    /// host known from its counters at h1's egress.
+    fn cnp_lab() -> (Joiner, Vec<PointId>, FlowId) {
+        let mut j = Joiner::new(JoinConfig::default());
+        let back = [
+            ("h3", "eth0", "egress"),
+            ("l2", "h3", "ingress"),
+            ("l2", "s1", "egress"),
+            ("s1", "l2", "ingress"),
+            ("s1", "l1", "egress"),
+            ("l1", "s1", "ingress"),
+            ("l1", "h1", "egress"),
+            ("h1", "eth0", "ingress"),
+        ]
+        .map(|(n, i, d)| {
+            j.point(PointInfo {
+                node: n.into(),
+                iface: i.into(),
+                direction: d.into(),
+                clock_synced: true,
+            })
+        });
+        let h1_out = j.point(PointInfo {
+            node: "h1".into(),
+            iface: "eth0".into(),
+            direction: "egress".into(),
+            clock_synced: true,
+        });
+        j.add_counters(
+            h1_out,
+            &CounterDelta {
+                flow: flow(),
+                packets: 1000,
+                ecn: [0, 0, 800, 200],
+                last_ttl: 64,
+                ..Default::default()
+            },
+            0,
+        );
+        let cnp_flow = FlowId {
+            src: [3; 16],
+            dst: [1; 16],
+            ip_version: 4,
+            udp_sport: 4791,
+            dest_qp: 0x101,
+        };
+        (j, back.to_vec(), cnp_flow)
+    }
+
+    /// `n` CNPs counted at each of `pts` (TTLs as routers decrement them), at `at`.
+    fn cnps_at(j: &mut Joiner, flow: FlowId, pts: &[PointId], n: &[u64], at: u64) {
+        let ttls = [64, 64, 63, 63, 62, 62, 61, 61];
+        for (k, (&p, &c)) in pts.iter().zip(n).enumerate() {
+            if c > 0 {
+                j.add_counters(
+                    p,
+                    &CounterDelta {
+                        flow,
+                        packets: c,
+                        cnp: c,
+                        last_ttl: ttls[k],
+                        ..Default::default()
+                    },
+                    at,
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn cnps_dropped_inside_a_leaf_never_reach_the_sender_and_the_leaf_is_named() {
+        let (mut j, back, cnp) = cnp_lab();
+        // Every CNP enters l1 from s1 and none leaves toward h1.
+        cnps_at(
+            &mut j,
+            cnp,
+            &back,
+            &[870, 870, 870, 870, 870, 870, 0, 0],
+            1_000 * MS,
+        );
+        j.tick(10_000 * MS);
+        let d = j.flow_report(&cnp).unwrap().cnp_delivery.unwrap();
+        assert_eq!((d.sent, d.reached), (870, Some(0)));
+        assert_eq!(d.sent_at, "h3:eth0:egress");
+        assert_eq!(
+            d.lost,
+            [CountedLoss {
+                between: ["l1:s1:ingress".into(), "h1:eth0:ingress".into()],
+                packets: 870,
+            }]
+        );
+        let a = j.flow_report(&flow()).unwrap().answered_by;
+        assert_eq!((a.cnps_sent, a.cnps, a.ce_marks), (870, 0, 200));
+        assert_eq!(a.cnps_lost, d.lost);
+    }
+
+    #[test]
+    fn cnps_count_where_they_reach_the_sender_and_a_few_lost_on_a_link_are_located() {
+        let (mut j, back, cnp) = cnp_lab();
+        cnps_at(
+            &mut j,
+            cnp,
+            &back,
+            &[500, 500, 500, 500, 500, 497, 497, 497],
+            1_000 * MS,
+        );
+        j.tick(10_000 * MS);
+        let r = j.flow_report(&cnp).unwrap();
+        assert_eq!(r.path.first().unwrap(), "h3:eth0:egress");
+        assert_eq!(r.path.last().unwrap(), "h1:eth0:ingress");
+        assert_eq!(
+            r.path.len(),
+            8,
+            "the CNP flow's path, from its counters: {:?}",
+            r.path
+        );
+        let d = r.cnp_delivery.unwrap();
+        assert_eq!((d.sent, d.reached), (500, Some(497)));
+        assert_eq!(d.reached_at.as_deref(), Some("h1:eth0:ingress"));
+        assert_eq!(
+            d.lost,
+            [CountedLoss {
+                between: ["s1:l1:egress".into(), "l1:s1:ingress".into()],
+                packets: 3,
+            }]
+        );
+        assert_eq!(j.flow_report(&flow()).unwrap().answered_by.cnps, 497);
+    }
+
+    #[test]
+    fn cnps_in_flight_between_two_reports_are_not_lost() {
+        let (mut j, back, cnp) = cnp_lab();
+        // Settled: all 100 arrived everywhere.
+        cnps_at(&mut j, cnp, &back, &[100; 8], 1_000 * MS);
+        // Just now, upstream agents have reported 40 more that the downstream agents
+        // have not reported yet (their interval has not ended).
+        cnps_at(&mut j, cnp, &back[..4], &[40; 4], 5_000 * MS);
+        j.tick(5_500 * MS);
+        let d = j.flow_report(&cnp).unwrap().cnp_delivery.unwrap();
+        assert_eq!(d.lost, [], "in flight is not lost");
+        assert_eq!((d.sent, d.reached), (140, Some(100)));
+        // They never arrive: once the counts settle, they are lost where they stopped.
+        j.tick(9_000 * MS);
+        let d = j.flow_report(&cnp).unwrap().cnp_delivery.unwrap();
+        assert_eq!(
+            d.lost,
+            [CountedLoss {
+                between: ["s1:l2:ingress".into(), "s1:l1:egress".into()],
+                packets: 40,
+            }]
+        );
+        // When the collector stops, every count is final at once.
+        cnps_at(&mut j, cnp, &back[..4], &[7; 4], 9_000 * MS);
+        j.flush();
+        let d = j.flow_report(&cnp).unwrap().cnp_delivery.unwrap();
+        assert_eq!(d.lost[0].packets, 47);
+    }
+
+    /// Every CNP of a QP is the same packet (PSN 0, one ICRC). 200 of them 60 µs apart,
+    /// each reported at every point by agents whose clocks disagree by up to 40 µs: no
+    /// identity tells which report is which CNP, so none may be judged lost.
+    #[test]
+    fn identical_cnps_under_load_are_not_lost_by_the_join() {
+        let (mut j, back, cnp) = cnp_lab();
+        let skew = [0i64, 35_000, -20_000, 40_000, -40_000, 10_000, -35_000, 25_000];
+        for k in 0..200u64 {
+            for (i, &p) in back.iter().enumerate() {
+                let t = (1_000 * MS + k * 60_000 + i as u64 * 2_000) as i64 + skew[(i + k as usize) % 8];
+                let mut o = obs(0, [64, 64, 63, 63, 62, 62, 61, 61][i], t as u64, 48, 0);
+                o.id = PacketId {
+                    flow: cnp,
+                    psn: 0,
+                    opcode: 0x81,
+                    icrc: [9, 9, 9, 9],
+                };
+                o.reasons = (REASON_CNP | REASON_HASH) as u8;
+                j.add(p, &o, 1_000 * MS);
+            }
+        }
+        cnps_at(&mut j, cnp, &back, &[200; 8], 1_500 * MS);
+        j.tick(10_000 * MS);
+        j.flush();
+        let r = j.flow_report(&cnp).unwrap();
+        assert_eq!(r.lost, [], "no CNP lost");
+        assert_eq!(r.path.len(), 8, "{:?}", r.path);
+        let d = r.cnp_delivery.unwrap();
+        assert_eq!((d.sent, d.reached, d.lost.len()), (200, Some(200), 0));
+        assert_eq!(r.cnp_class.len(), 8);
+    }
+
     #[test]
     fn state_is_bounded() {
         let mut j = Joiner::new(JoinConfig {
@@ -1433,6 +1843,7 @@ mod tests {
             max_pending: 3,
             trajectory_timeout_ns: MS,
             flow_idle_ns: 10 * MS,
+            counter_settle_ns: MS,
         });
         let p = j.point(PointInfo {
             node: "h".into(),

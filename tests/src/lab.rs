@@ -80,6 +80,9 @@ pub enum Fault {
     /// ECMP imbalance: `leaf` hashes on addresses only (L3), so every flow of a host pair
     /// takes the same spine whatever its UDP source port.
     EcmpL3 { leaf: u8 },
+    /// CNPs in a dropped queue: `leaf` drops every CNP (BTH opcode 0x81) arriving from
+    /// the spines, so no sender behind it is told to slow down.
+    CnpDrop { leaf: u8 },
 }
 
 impl Fault {
@@ -94,6 +97,7 @@ impl Fault {
             Fault::Mtu { .. } => "mtu",
             Fault::AsymClass { .. } => "asym_class",
             Fault::EcmpL3 { .. } => "ecmp_l3",
+            Fault::CnpDrop { .. } => "cnp_drop",
         }
     }
 }
@@ -657,6 +661,14 @@ impl Lab {
                     format!("iifname \"h*\" udp dport 4791 ip6 dscp {from} ip6 dscp set {to}"),
                 ],
             ),
+            // The BTH opcode is the first byte after the UDP header.
+            Fault::CnpDrop { leaf } => self.nft(
+                &format!("l{leaf}"),
+                f.name(),
+                "prerouting",
+                "filter",
+                &["iifname \"s*\" udp dport 4791 @th,64,8 0x81 drop".to_string()],
+            ),
         }
     }
 
@@ -682,6 +694,7 @@ impl Lab {
             }
             Fault::Mtu { leaf, spine, .. } => self.set_link_mtu(*leaf, *spine, self.mtu),
             Fault::EcmpL3 { leaf } => self.hash_policy(*leaf, 1),
+            Fault::CnpDrop { leaf } => self.nft_del(&format!("l{leaf}"), f.name()),
         }
     }
 

@@ -289,6 +289,15 @@ fn a_healthy_fabric_passes_and_each_fault_fails_exactly_its_checks() {
             fails: &["cnp_class"],
         },
         Scenario {
+            // DCQCN is dead: every CNP dies inside l1, none reaches a sender on h1.
+            name: "cnps-dropped-at-a-leaf",
+            faults: vec![ce(20), Fault::CnpDrop { leaf: 1 }],
+            load: "congested",
+            cnp_dscp: 48,
+            baseline: false,
+            fails: &["cnp_answers_ce", "loss"],
+        },
+        Scenario {
             name: "spine-down",
             faults: vec![Fault::SpineDown { spine: 1 }],
             load: "idle",

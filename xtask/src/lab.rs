@@ -94,6 +94,11 @@ enum FaultArg {
         #[arg(long)]
         leaf: u8,
     },
+    /// Leaf L drops every CNP arriving from the spines (DCQCN dead for its hosts).
+    CnpDrop {
+        #[arg(long)]
+        leaf: u8,
+    },
     /// Remark only what a leaf's hosts send (one direction).
     AsymClass {
         #[arg(long)]
@@ -143,6 +148,10 @@ fn fault(f: FaultArg) -> anyhow::Result<Fault> {
         FaultArg::EcmpL3 { leaf } => {
             check((1..=2).contains(&leaf), "leaves are 1 and 2")?;
             Fault::EcmpL3 { leaf }
+        }
+        FaultArg::CnpDrop { leaf } => {
+            check((1..=2).contains(&leaf), "leaves are 1 and 2")?;
+            Fault::CnpDrop { leaf }
         }
         FaultArg::AsymClass { leaf, from, to } => {
             check((1..=2).contains(&leaf), "leaves are 1 and 2")?;

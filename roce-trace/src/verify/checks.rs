@@ -406,21 +406,34 @@ fn ce_congested(data: &[&FlowReport], min: f64) -> CheckResult {
 }
 
 fn cnp_answers(data: &[&FlowReport], min_per_ce: f64) -> CheckResult {
-    let mut r = CheckResult::new("cnp_answers_ce", "CE-marked data flows get CNPs back");
+    let mut r = CheckResult::new(
+        "cnp_answers_ce",
+        "CE-marked data flows get CNPs back: counted where they reach the sender",
+    );
     for f in data.iter().filter(|f| f.answered_by.ce_marks > 0) {
         r.checked += 1;
         let a = &f.answered_by;
         let per = a.cnps as f64 / a.ce_marks as f64;
         if a.cnps == 0 || per < min_per_ce {
-            let at = f.path.last().cloned().into_iter().collect();
-            r.evidence(
-                f,
-                at,
-                format!(
-                    "{} CE marks, {} CNPs ({per:.3} per mark, at least {min_per_ce} expected)",
-                    a.ce_marks, a.cnps
-                ),
+            // Where the CNPs that were sent vanished, or the receiver's side when none
+            // were sent at all.
+            let lost: Vec<String> = a
+                .cnps_lost
+                .iter()
+                .map(|l| format!("{} lost between {} and {}", l.packets, l.between[0], l.between[1]))
+                .collect();
+            let at = match a.cnps_lost.iter().max_by_key(|l| l.packets) {
+                Some(l) => l.between.to_vec(),
+                None => f.path.last().cloned().into_iter().collect(),
+            };
+            let mut detail = format!(
+                "{} CE marks; {} CNPs sent back, {} reached the sender ({per:.3} per mark, at least {min_per_ce} expected)",
+                a.ce_marks, a.cnps_sent, a.cnps
             );
+            if !lost.is_empty() {
+                detail = format!("{detail}: {}", lost.join(", "));
+            }
+            r.evidence(f, at, detail);
         }
     }
     r.done(Status::Skip, "no data flow was CE-marked")
@@ -666,6 +679,36 @@ fn loss(flows: &[FlowReport], max: u64) -> CheckResult {
         d.1 += f.trajectories;
         d.2.push((f, short));
     }
+    // CNPs are counted at every point they cross: their loss is exact, not sampled.
+    let mut cnps: BTreeMap<(&str, &str), (u64, u64, Vec<&FlowReport>)> = BTreeMap::new();
+    for f in flows {
+        let Some(d) = &f.cnp_delivery else { continue };
+        r.checked += 1;
+        let e = cnps.entry((&f.src_ip, &f.dst_ip)).or_default();
+        e.0 += d.lost.iter().map(|l| l.packets).sum::<u64>();
+        e.1 += d.sent;
+        e.2.push(f);
+    }
+    for ((src, dst), (lost, sent, fs)) in &cnps {
+        if ppm(*lost, *sent) <= max {
+            continue;
+        }
+        let dir = format!(
+            "CNPs {src} -> {dst}: {lost} of {sent} ({} ppm)",
+            ppm(*lost, *sent)
+        );
+        for f in fs {
+            for l in f.cnp_delivery.iter().flat_map(|d| &d.lost) {
+                r.evidence(
+                    f,
+                    l.between.to_vec(),
+                    format!("{} CNPs lost here (counted at every point); {dir}", l.packets),
+                );
+            }
+        }
+    }
+    let cnp_lost: u64 = cnps.values().map(|x| x.0).sum();
+    let cnp_sent: u64 = cnps.values().map(|x| x.1).sum();
     let (mut all_lost, mut all) = (0, 0);
     for ((src, dst), (lost, n, fs)) in &dirs {
         all_lost += lost;
@@ -699,7 +742,7 @@ fn loss(flows: &[FlowReport], max: u64) -> CheckResult {
         }
     }
     r.summary = format!(
-        "{all_lost} of {all} sampled packets lost ({} ppm)",
+        "{all_lost} of {all} sampled packets lost ({} ppm); {cnp_lost} of {cnp_sent} CNPs",
         ppm(all_lost, all)
     );
     r.done(Status::NoData, "no flow seen at two or more points")

@@ -161,6 +161,15 @@ pub fn since(start: &CollectorReport, mut end: CollectorReport) -> CollectorRepo
     use crate::correlate::Span;
     let before: HashMap<&str, &crate::correlate::FlowReport> =
         start.flows.iter().map(|f| (f.id.as_str(), f)).collect();
+    let less_counted = |now: &mut Vec<crate::correlate::CountedLoss>,
+                        was: &[crate::correlate::CountedLoss]| {
+        for l in now.iter_mut() {
+            if let Some(w) = was.iter().find(|w| w.between == l.between) {
+                l.packets = l.packets.saturating_sub(w.packets);
+            }
+        }
+        now.retain(|l| l.packets > 0);
+    };
     let less = |now: &mut Span, was: Option<&Span>| {
         if let Some(w) = was {
             now.packets = now.packets.saturating_sub(w.packets);
@@ -199,7 +208,16 @@ pub fn since(start: &CollectorReport, mut end: CollectorReport) -> CollectorRepo
         f.ce_onset.retain(|o| o.span.packets > 0);
         let seen = b.delivery.iter().map(|x| x.at_ns).max().unwrap_or(0);
         f.delivery.retain(|x| x.at_ns > seen);
+        if let (Some(d), Some(w)) = (&mut f.cnp_delivery, &b.cnp_delivery) {
+            d.sent = d.sent.saturating_sub(w.sent);
+            if let (Some(n), Some(m)) = (&mut d.reached, w.reached) {
+                *n = n.saturating_sub(m);
+            }
+            less_counted(&mut d.lost, &w.lost);
+        }
         let a = &mut f.answered_by;
+        a.cnps_sent = a.cnps_sent.saturating_sub(b.answered_by.cnps_sent);
+        less_counted(&mut a.cnps_lost, &b.answered_by.cnps_lost);
         a.cnps = a.cnps.saturating_sub(b.answered_by.cnps);
         a.ce_marks = a.ce_marks.saturating_sub(b.answered_by.ce_marks);
         a.cnps_per_ce_mark = (a.ce_marks > 0).then(|| a.cnps as f64 / a.ce_marks as f64);

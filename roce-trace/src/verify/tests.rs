@@ -12,7 +12,10 @@ use super::{
 };
 use crate::{
     collector::CollectorReport,
-    correlate::{Answers, ClassAt, ClassChange, DeliveryAt, FlowReport, JoinStats, Lost, PathAt, Span},
+    correlate::{
+        Answers, ClassAt, ClassChange, CnpDelivery, CountedLoss, DeliveryAt, FlowReport, JoinStats, Lost,
+        PathAt, Span,
+    },
     observation::CounterDelta,
 };
 
@@ -95,8 +98,11 @@ fn flow(a: u8, b: u8, sport: u16, spine: Option<u8>) -> FlowReport {
             .map(|p| (p.clone(), counters(1000, [0, 0, 1000, 0])))
             .collect(),
         trajectories: 250,
+        cnp_delivery: None,
         answered_by: Answers {
             flows: Vec::new(),
+            cnps_sent: 0,
+            cnps_lost: Vec::new(),
             cnps: 0,
             ce_marks: 0,
             cnps_per_ce_mark: None,
@@ -244,6 +250,72 @@ fn ce_marks_on_an_idle_fabric_fail_and_unanswered_ones_fail_twice() {
     let last = v.len() - 1;
     v[last].cnp_class[3].dscp = 0;
     assert_eq!(failing(v, Load::Congested), set(&["cnp_class"]));
+}
+
+/// The fabric the defect was found on: h3 answers every CE mark with CNPs, and leaf l1
+/// drops every CNP arriving from the spines. CNPs are seen leaving h3 and entering l1,
+/// never leaving toward h1.
+#[test]
+fn cnps_that_never_reach_the_sender_fail_cnp_answers_ce_and_loss_naming_the_leaf() {
+    let mut v = healthy();
+    let ce = |v: &mut Vec<FlowReport>, cnps: u64, lost: Vec<CountedLoss>| {
+        let f = &mut v[0];
+        f.counters.get_mut("h3:eth0:ingress").unwrap().ecn = [0, 0, 800, 200];
+        f.answered_by.ce_marks = 200;
+        f.answered_by.cnps_sent = 200;
+        f.answered_by.cnps = cnps;
+        f.answered_by.cnps_lost = lost;
+    };
+    let mut cnp = acks(1, 3, 60000, Some(1));
+    for c in cnp.counters.values_mut() {
+        c.ack = 0;
+        c.cnp = 200;
+        c.packets = 200;
+    }
+    cnp.trajectories = 0;
+    // Healthy: all 200 reach h1.
+    cnp.cnp_delivery = Some(CnpDelivery {
+        sent: 200,
+        sent_at: "h3:eth0:egress".into(),
+        reached: Some(200),
+        reached_at: Some("h1:eth0:ingress".into()),
+        lost: Vec::new(),
+    });
+    let mut healthy_v = v.clone();
+    ce(&mut healthy_v, 200, Vec::new());
+    healthy_v.push(cnp.clone());
+    assert_eq!(failing(healthy_v, Load::Congested), set(&[]));
+    // Dropped inside l1: none reaches h1.
+    let lost = vec![CountedLoss {
+        between: ["l1:s1:ingress".into(), "h1:eth0:ingress".into()],
+        packets: 200,
+    }];
+    ce(&mut v, 0, lost.clone());
+    let d = cnp.cnp_delivery.as_mut().unwrap();
+    d.reached = Some(0);
+    d.lost = lost;
+    v.push(cnp);
+    assert_eq!(
+        failing(v.clone(), Load::Congested),
+        set(&["cnp_answers_ce", "loss"])
+    );
+    let p = Policy::parse(POLICY).unwrap();
+    let checks = judge(&p, &report(v), Load::Congested);
+    let c = checks.iter().find(|c| c.check == "cnp_answers_ce").unwrap();
+    assert_eq!(c.evidence[0].at, ["l1:s1:ingress", "h1:eth0:ingress"]);
+    assert!(
+        c.evidence[0]
+            .detail
+            .contains("200 CNPs sent back, 0 reached the sender"),
+        "{}",
+        c.evidence[0].detail
+    );
+    let l = checks.iter().find(|c| c.check == "loss").unwrap();
+    assert!(
+        l.evidence
+            .iter()
+            .any(|e| e.at == ["l1:s1:ingress", "h1:eth0:ingress"] && e.detail.contains("200 CNPs lost here"))
+    );
 }
 
 #[test]
