@@ -402,31 +402,6 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
     let started = Instant::now();
     let ack_tos = (opts.ack_dscp << 2) | 0b10;
     let cnp_tos = (opts.cnp_dscp << 2) | 0b10;
-    let mut rxs: Vec<Rx> = opts
-        .bind
-        .iter()
-        .map(|&ip| {
-            let sock = net::bind(SocketAddr::new(ip, ROCEV2_UDP_PORT), ack_tos)
-                .map_err(io_err(format!("binding {ip} UDP {ROCEV2_UDP_PORT}")))?;
-            let cnp_sock = net::bind(SocketAddr::new(ip, 0), cnp_tos)
-                .map_err(io_err(format!("binding {ip} for CNPs")))?;
-            let cnp_sport = cnp_sock
-                .local_addr()
-                .map_err(io_err("CNP socket address"))?
-                .port();
-            Ok(Rx {
-                sock,
-                reply_socks: HashMap::new(),
-                cnp_sock,
-                cnp_sport,
-                local: ip,
-                builders: HashMap::new(),
-                cnp_builders: HashMap::new(),
-                checkers: HashMap::new(),
-                icrc_errors: 0,
-            })
-        })
-        .collect::<Result<_, GenError>>()?;
 
     let mut qps: Vec<SenderQp> = Vec::new();
     let mut rate_bps = 0.0;
@@ -499,6 +474,33 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
             });
         }
     }
+    // The receivers bind after the senders: the CNP socket takes any free port, which
+    // must not be a sender's source port (they lie in the kernel's ephemeral range).
+    let mut rxs: Vec<Rx> = opts
+        .bind
+        .iter()
+        .map(|&ip| {
+            let sock = net::bind(SocketAddr::new(ip, ROCEV2_UDP_PORT), ack_tos)
+                .map_err(io_err(format!("binding {ip} UDP {ROCEV2_UDP_PORT}")))?;
+            let cnp_sock = net::bind(SocketAddr::new(ip, 0), cnp_tos)
+                .map_err(io_err(format!("binding {ip} for CNPs")))?;
+            let cnp_sport = cnp_sock
+                .local_addr()
+                .map_err(io_err("CNP socket address"))?
+                .port();
+            Ok(Rx {
+                sock,
+                reply_socks: HashMap::new(),
+                cnp_sock,
+                cnp_sport,
+                local: ip,
+                builders: HashMap::new(),
+                cnp_builders: HashMap::new(),
+                checkers: HashMap::new(),
+                icrc_errors: 0,
+            })
+        })
+        .collect::<Result<_, GenError>>()?;
     let sender = opts.sender.clone();
     let mut responders: HashMap<(IpAddr, u32), ResponderQp> = HashMap::new();
     let mut bufs: Vec<Vec<u8>> = (0..sender.as_ref().map_or(1, |s| s.batch))
