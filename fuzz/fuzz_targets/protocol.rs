@@ -2,7 +2,7 @@
 //!
 //! - Arbitrary bytes, fed to one `Decoder` in arbitrary pieces, never panic; every frame
 //!   it returns encodes again and decodes to itself.
-//! - Frames built from the input (every kind: version 3's WELCOME and ACK too) encode and
+//! - Frames built from the input (every kind: version 3's WELCOME and ACK, version 4's HEALTH too) encode and
 //!   decode to the same frame — or the encoder refuses them, and then only for what the
 //!   format cannot carry (a count or a string past its u16 field, a frame past 4 MiB, a
 //!   value that is a field's "none" marker, a WELCOME's connection id 0); a refused frame
@@ -13,7 +13,7 @@ use arbitrary::{Result, Unstructured};
 use bytes::BytesMut;
 use libfuzzer_sys::fuzz_target;
 use roce_trace::{
-    observation::{CounterDelta, FlowId, Observation, PacketId, PointDecl},
+    observation::{CounterDelta, FlowId, Observation, PacketId, PointDecl, PointHealth},
     protocol::{Decoder, Encoder, Frame, MAX_FRAME, ProbeHop, ProbeResult, ProtoError},
 };
 
@@ -140,7 +140,7 @@ fn hop(u: &mut Unstructured) -> Result<ProbeHop> {
 }
 
 fn frame(u: &mut Unstructured) -> Result<Frame> {
-    Ok(match u.int_in_range(0..=10)? {
+    Ok(match u.int_in_range(0..=11)? {
         0 => Frame::Hello {
             version: u.arbitrary()?,
             node: string(u)?,
@@ -179,6 +179,18 @@ fn frame(u: &mut Unstructured) -> Result<Frame> {
             ecn: u.arbitrary()?,
         },
         10 => Frame::Ack { seq: u.arbitrary()? },
+        11 => Frame::Health(some(u, |u| {
+            Ok(PointHealth {
+                point: u.arbitrary()?,
+                start_ns: u.arbitrary()?,
+                end_ns: u.arbitrary()?,
+                ringbuf_full: u.arbitrary()?,
+                agent_dropped: u.arbitrary()?,
+                if_rx_dropped: u.arbitrary()?,
+                if_tx_dropped: u.arbitrary()?,
+                qdisc_dropped: u.arbitrary()?,
+            })
+        })?),
         _ => Frame::TraceResult(ProbeResult {
             id: u.arbitrary()?,
             flow: flow(u)?,
@@ -225,6 +237,7 @@ fn wire_len(f: &Frame) -> usize {
         Frame::TraceRequest { .. } => 4 + FLOW + 2,
         Frame::TraceResult(r) => 4 + FLOW + 4 + 24 * r.hops.len(),
         Frame::Ack { .. } => 8,
+        Frame::Health(v) => 4 + 58 * v.len(),
     }
 }
 

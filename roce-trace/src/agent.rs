@@ -2,6 +2,7 @@
 //! and per-flow counter deltas to a collector. The datapath never waits for the network:
 //! a bounded queue sits between them, and what overflows it is counted and reported.
 
+use crate::observation::PointHealth;
 use std::{
     collections::{BTreeMap, HashMap, VecDeque},
     future::Future,
@@ -112,6 +113,8 @@ struct Shared {
     traces: Mutex<VecDeque<crate::protocol::ProbeResult>>,
     notify: Notify,
     metrics: Mutex<(Vec<(String, PointMetrics)>, GlobalTotals)>,
+    /// Samples of no declared point (given up: counted in every point's health).
+    unplaced: std::sync::atomic::AtomicU64,
 }
 
 use crate::datapath::GlobalTotals;
@@ -124,6 +127,7 @@ impl Shared {
             traces: Mutex::new(VecDeque::new()),
             notify: Notify::new(),
             metrics: Mutex::new((Vec::new(), GlobalTotals::default())),
+            unplaced: std::sync::atomic::AtomicU64::new(0),
         }
     }
 }
@@ -173,6 +177,7 @@ pub async fn run(
     ready(&hooks, metrics_addr);
 
     let mut prev: HashMap<FlowKey, FlowCounters> = HashMap::new();
+    let mut health = HealthMeter::new();
     let mut tick = tokio::time::interval(opts.interval);
     tick.tick().await;
     let mut drain_tick = Datapath::drain_timer();
@@ -223,6 +228,14 @@ pub async fn run(
                         m.psn_gaps += c.psn_gaps;
                     }
                     ob.ringbuf_drops = globals.total(GlobalCounter::RingbufFull);
+                    let ringbuf = [
+                        globals.get(GlobalCounter::RingbufFull, DIR_INGRESS),
+                        globals.get(GlobalCounter::RingbufFull, DIR_EGRESS),
+                    ];
+                    let dropped = ob.dropped().0 + shared.unplaced.load(std::sync::atomic::Ordering::Relaxed);
+                    for h in health.interval(table.decls(), ringbuf, dropped) {
+                        ob.push_health(h);
+                    }
                     table.decls().to_vec()
                 };
                 *shared.metrics.lock().expect("metrics") = (
@@ -240,8 +253,21 @@ pub async fn run(
             }
         }
     }
-    // Whatever the kernel queued still goes, and the sender gets a moment to deliver.
+    // Whatever the kernel queued still goes, with the health of the last interval, and
+    // the sender gets a moment to deliver.
     drain(ring.get_mut(), &clock, &shared);
+    if let Ok(globals) = dp.globals() {
+        let table = shared.points.lock().expect("points");
+        let mut ob = shared.outbox.lock().expect("outbox");
+        let ringbuf = [
+            globals.get(GlobalCounter::RingbufFull, DIR_INGRESS),
+            globals.get(GlobalCounter::RingbufFull, DIR_EGRESS),
+        ];
+        let dropped = ob.dropped().0 + shared.unplaced.load(std::sync::atomic::Ordering::Relaxed);
+        for h in health.interval(table.decls(), ringbuf, dropped) {
+            ob.push_health(h);
+        }
+    }
     Ok(finish(&shared, sender, Duration::from_secs(2)).await)
 }
 
@@ -255,6 +281,8 @@ fn drain(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, clock: &KernelClock,
         let s: Sample = unsafe { std::ptr::read_unaligned(item.as_ptr() as *const Sample) };
         if let Some(p) = sh.points.lock().expect("points").index_of_sample(&s) {
             batch.push(Observation::from_sample(&s, p, clock));
+        } else {
+            sh.unplaced.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
     }
     let n = batch.len();
@@ -390,6 +418,7 @@ fn frame_name(f: &Frame) -> &'static str {
         Frame::TraceRequest { .. } => "TRACE_REQUEST",
         Frame::TraceResult(_) => "TRACE_RESULT",
         Frame::Ack { .. } => "ACK",
+        Frame::Health(_) => "HEALTH",
     }
 }
 
@@ -514,6 +543,87 @@ async fn send(
             );
             Ok(())
         }
+    }
+}
+
+/// What each point's health is measured against: the running totals at the last tick.
+struct HealthMeter {
+    since_ns: u64,
+    ringbuf: [u64; 2],
+    dropped: u64,
+    ifs: HashMap<String, crate::netstat::IfDrops>,
+    qdiscs: HashMap<u32, u64>,
+    warned: bool,
+}
+
+impl HealthMeter {
+    fn new() -> Self {
+        let mut m = Self {
+            since_ns: unix_now(),
+            ringbuf: [0; 2],
+            dropped: 0,
+            ifs: HashMap::new(),
+            qdiscs: HashMap::new(),
+            warned: false,
+        };
+        (m.ifs, m.qdiscs) = m.kernel();
+        m
+    }
+
+    /// The kernel's interface and qdisc drop counters; none (and one warning) when they
+    /// cannot be read: the health still says what the agent lost.
+    fn kernel(&mut self) -> (HashMap<String, crate::netstat::IfDrops>, HashMap<u32, u64>) {
+        let ifs = crate::netstat::read_if_drops();
+        let qd = crate::netstat::root_qdisc_drops();
+        if let (Err(e), _) | (_, Err(e)) = (&ifs, &qd)
+            && !self.warned
+        {
+            tracing::warn!("reading interface drop counters: {e}; losses will not quote them");
+            self.warned = true;
+        }
+        (ifs.unwrap_or_default(), qd.unwrap_or_default())
+    }
+
+    /// Every point's health since the last call: `ringbuf` the datapath's ring-buffer
+    /// failures by direction, `dropped` what the agent gave up (running totals).
+    fn interval(&mut self, points: &[PointDecl], ringbuf: [u64; 2], dropped: u64) -> Vec<PointHealth> {
+        let now = unix_now();
+        let (ifs, qdiscs) = self.kernel();
+        let agent_dropped = dropped.saturating_sub(self.dropped);
+        let v = points
+            .iter()
+            .map(|p| {
+                let dir = if p.direction == DIR_EGRESS { 1 } else { 0 };
+                let mut h = PointHealth {
+                    point: p.index,
+                    start_ns: self.since_ns,
+                    end_ns: now,
+                    ringbuf_full: ringbuf[dir].saturating_sub(self.ringbuf[dir]),
+                    agent_dropped,
+                    ..Default::default()
+                };
+                if p.node.is_empty() {
+                    let d = |m: &HashMap<String, crate::netstat::IfDrops>| {
+                        m.get(&p.iface).copied().unwrap_or_default()
+                    };
+                    let (now_if, was_if) = (d(&ifs), d(&self.ifs));
+                    if p.direction == DIR_EGRESS {
+                        h.if_tx_dropped = now_if.tx_dropped.saturating_sub(was_if.tx_dropped);
+                        let q = |m: &HashMap<u32, u64>| m.get(&p.ifindex).copied().unwrap_or_default();
+                        h.qdisc_dropped = q(&qdiscs).saturating_sub(q(&self.qdiscs));
+                    } else {
+                        h.if_rx_dropped = now_if.rx_dropped.saturating_sub(was_if.rx_dropped);
+                    }
+                }
+                h
+            })
+            .collect();
+        self.since_ns = now;
+        self.ringbuf = ringbuf;
+        self.dropped = dropped;
+        self.ifs = ifs;
+        self.qdiscs = qdiscs;
+        v
     }
 }
 
@@ -813,21 +923,47 @@ pub async fn run_pcap(
             drop(ob);
             sh.notify.notify_one();
         };
+        // The point's health, by capture time: the stretch of the capture read since the
+        // last report, and what the agent gave up in it (a capture itself loses nothing
+        // here; what the capturing side dropped is not in the file).
+        let mut covered: Option<(u64, u64)> = None;
+        let mut reported_dropped = 0;
+        let health = |covered: &mut Option<(u64, u64)>, reported_dropped: &mut u64| {
+            let Some((start, end)) = covered.take() else {
+                return;
+            };
+            let mut ob = sh.outbox.lock().expect("outbox");
+            let dropped = ob.dropped().0 + sh.unplaced.load(std::sync::atomic::Ordering::Relaxed);
+            ob.push_health(PointHealth {
+                point: 0,
+                start_ns: start,
+                end_ns: end,
+                agent_dropped: dropped - *reported_dropped,
+                ..Default::default()
+            });
+            *reported_dropped = dropped;
+            *covered = Some((end, end));
+        };
         let result = crate::pcap::read_frames(reader, |fr| {
             offline.frame(&fr, |s| {
                 if let Some(p) = sh.points.lock().expect("points").index_of_sample(s) {
-                    sh.outbox
-                        .lock()
-                        .expect("outbox")
-                        .push_obs(Observation::from_sample(s, p, &KernelClock::UNIX));
+                    let o = Observation::from_sample(s, p, &KernelClock::UNIX);
+                    let c = covered.get_or_insert((o.time_ns, o.time_ns));
+                    c.1 = c.1.max(o.time_ns);
+                    sh.outbox.lock().expect("outbox").push_obs(o);
+                } else {
+                    sh.unplaced.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
             });
             if last.elapsed() >= interval {
                 last = Instant::now();
                 deltas(&offline, &mut prev);
+                health(&mut covered, &mut reported_dropped);
             }
         });
         deltas(&offline, &mut prev);
+        // The capture is over: its last packet's time ends the last interval.
+        health(&mut covered, &mut reported_dropped);
         result
     });
     tokio::pin!(shutdown);

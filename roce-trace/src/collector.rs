@@ -538,6 +538,16 @@ async fn serve_frames(
                 agents.get_mut(node).expect("registered").counter_deltas += deltas.len() as u64;
                 data = true;
             }
+            Frame::Health(v) => {
+                if let Some(h) = v.iter().find(|h| !points.contains_key(&h.point)) {
+                    return Closed::Protocol(format!("health of undeclared point {}", h.point));
+                }
+                let j = s.joiner.as_mut().expect("joiner");
+                for h in &v {
+                    j.add_health(points[&h.point], h);
+                }
+                data = true;
+            }
             Frame::Dropped {
                 observations,
                 counters,

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use roce_trace_common::{datapath::PCP_NONE, roce};
 use serde::{Deserialize, Serialize};
 
-use crate::observation::{CounterDelta, FlowId, Observation, PacketId};
+use crate::observation::{CounterDelta, FlowId, Observation, PacketId, PointHealth};
 
 /// An observation point, collector-wide.
 pub type PointId = u32;
@@ -172,6 +172,9 @@ pub struct FlowState {
     changes: BTreeMap<(PointId, PointId, u8, u8), Span>,
     ce_onset: BTreeMap<(Option<PointId>, PointId), Span>,
     lost: BTreeMap<(PointId, PointId), Span>,
+    /// Sampled packets missing between two points that could have been seen there but
+    /// whose absence proves nothing (see [`Unseen`]).
+    unseen: BTreeMap<(PointId, PointId, Unseen), Span>,
     delays: BTreeMap<(PointId, PointId), Delay>,
     counters: BTreeMap<PointId, CounterDelta>,
     trajectories: u64,
@@ -199,6 +202,34 @@ pub struct FlowState {
 
 /// Counter deltas kept per flow for its delivery over time (a minute at 1 s intervals).
 const DELIVERY_SAMPLES: usize = 64;
+
+/// Health intervals kept per point (five minutes at 1 s).
+const HEALTH_INTERVALS: usize = 300;
+
+/// A packet last seen at time t would have reached the next point by t + this: the
+/// next point's agent must have reported clean health over [t, t + this] for the packet
+/// to count as lost.
+const PROOF_WINDOW_NS: u64 = 100_000_000;
+
+/// Why a sampled packet that went missing between two points is not counted as lost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Unseen {
+    /// The agent of the next point sent no health for that time (an older agent, a
+    /// disconnection, or its report is late): nothing proves it would have seen it.
+    NoReport,
+    /// The agent of the next point lost samples then (ring buffer or queue full).
+    SamplesLost,
+}
+
+impl Unseen {
+    pub fn reason(self) -> &'static str {
+        match self {
+            Unseen::NoReport => "no health report from that point's agent for that time",
+            Unseen::SamplesLost => "that point's agent lost samples then (ring buffer or queue full)",
+        }
+    }
+}
 
 /// Running CNP counts kept per point (16 s of 1 s intervals; the settle time is 3 s).
 const SETTLE_SAMPLES: usize = 16;
@@ -230,6 +261,8 @@ pub struct Joiner {
     now_ns: u64,
     /// Set by [`Joiner::flush`]: the agents are gone, every count is final.
     flushed: bool,
+    /// Each point's health, interval by interval (the last [`HEALTH_INTERVALS`]).
+    health: HashMap<PointId, VecDeque<PointHealth>>,
     /// The node each source address sends from: the node of the most upstream egress
     /// point where a flow from it was counted (its host, when watched). Bounded like flows.
     host_of: HashMap<[u8; 16], (u32, u8)>,
@@ -250,6 +283,7 @@ impl Joiner {
             recent_order: VecDeque::new(),
             now_ns: 0,
             flushed: false,
+            health: HashMap::new(),
             host_of: HashMap::new(),
             flows: HashMap::new(),
             stats: JoinStats::default(),
@@ -603,6 +637,15 @@ impl Joiner {
         if path.len() < then.len() && then.starts_with(&path) {
             let last = *path.last().expect("non-empty");
             let next = then[path.len()];
+            let last_time = t.last().map_or(first_time, |o| o.time_ns);
+            let unseen = self.unseen_at(next, last_time);
+            let Some(f) = self.flows.get_mut(&flow) else {
+                return;
+            };
+            if let Some(why) = unseen {
+                f.unseen.entry((last, next, why)).or_default().hit(first_time);
+                return;
+            }
             f.lost.entry((last, next)).or_default().hit(first_time);
             if self.recent_losses.len() < self.cfg.max_pending {
                 self.recent_losses.insert(id, (last, next));
@@ -636,6 +679,75 @@ impl Joiner {
             .get(p as usize)
             .map(PointInfo::label)
             .unwrap_or_else(|| format!("point{p}"))
+    }
+
+    /// One point's health over one agent interval.
+    pub fn add_health(&mut self, point: PointId, h: &PointHealth) {
+        let q = self.health.entry(point).or_default();
+        push_bounded(q, *h, HEALTH_INTERVALS);
+    }
+
+    /// Why a packet last seen at `t` (by its previous point) and never at `b` proves
+    /// nothing, or `None` when `b`'s agent reported clean intervals covering
+    /// [t, t + PROOF_WINDOW_NS]: then it would have seen the packet.
+    fn unseen_at(&self, b: PointId, t: u64) -> Option<Unseen> {
+        let (lo, hi) = (t, t.saturating_add(PROOF_WINDOW_NS));
+        let Some(h) = self.health.get(&b) else {
+            return Some(Unseen::NoReport);
+        };
+        let mut over: Vec<&PointHealth> = h.iter().filter(|x| x.end_ns >= lo && x.start_ns <= hi).collect();
+        over.sort_by_key(|x| x.start_ns);
+        if over.iter().any(|x| x.samples_lost() > 0) {
+            return Some(Unseen::SamplesLost);
+        }
+        // Covered without a gap: each interval starts where the one before ended.
+        let mut reach = lo;
+        for x in &over {
+            if x.start_ns > reach {
+                break;
+            }
+            reach = reach.max(x.end_ns);
+        }
+        (reach < hi).then_some(Unseen::NoReport)
+    }
+
+    /// The kernel's drop counters at the two ends of a link over a span of time: what
+    /// `a` dropped sending (interface and qdisc) and `b` dropped receiving.
+    fn kernel_drops(&self, a: PointId, b: PointId, span: &Span) -> Vec<KernelDrop> {
+        let (lo, hi) = (
+            span.first_ns.saturating_sub(1_000_000_000),
+            span.last_ns.saturating_add(1_000_000_000),
+        );
+        let sum = |p: PointId, f: fn(&PointHealth) -> u64| -> Option<u64> {
+            let h = self.health.get(&p)?;
+            let over: Vec<&PointHealth> = h.iter().filter(|x| x.end_ns >= lo && x.start_ns <= hi).collect();
+            (!over.is_empty()).then(|| over.iter().map(|x| f(x)).sum())
+        };
+        let mut v = Vec::new();
+        let counters: [(PointId, &str, fn(&PointHealth) -> u64); 3] = [
+            (a, "tx_dropped", |x| x.if_tx_dropped),
+            (a, "qdisc_dropped", |x| x.qdisc_dropped),
+            (b, "rx_dropped", |x| x.if_rx_dropped),
+        ];
+        for (p, counter, f) in counters {
+            let egress = self
+                .points
+                .get(p as usize)
+                .is_some_and(|i| i.direction == "egress");
+            // A sender's counters mean something at an egress point, a receiver's at an
+            // ingress point.
+            if (counter == "rx_dropped") == egress {
+                continue;
+            }
+            if let Some(n) = sum(p, f) {
+                v.push(KernelDrop {
+                    point: self.label(p),
+                    counter: counter.into(),
+                    packets: n,
+                });
+            }
+        }
+        v
     }
 
     /// A flow's points in path order from its exact counters alone: higher TTL first, and
@@ -897,6 +1009,17 @@ impl Joiner {
                 .map(|(&(a, b), s)| Lost {
                     between: between(&a, &b),
                     span: *s,
+                    kernel_drops: self.kernel_drops(a, b, s),
+                })
+                .collect(),
+            unobserved: f
+                .unseen
+                .iter()
+                .map(|(&(a, b, why), s)| Unobserved {
+                    between: between(&a, &b),
+                    why,
+                    reason: why.reason().into(),
+                    span: *s,
                 })
                 .collect(),
             delays: f
@@ -1040,6 +1163,30 @@ pub struct Lost {
     pub between: [String; 2],
     #[serde(flatten)]
     pub span: Span,
+    /// The kernel's drop counters at the two ends around that time (what moved, or zero;
+    /// absent when an end is not a local interface of a reporting agent).
+    #[serde(default)]
+    pub kernel_drops: Vec<KernelDrop>,
+}
+
+/// A kernel drop counter at one point over a span of time.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct KernelDrop {
+    pub point: String,
+    /// `tx_dropped`, `qdisc_dropped` (sending end) or `rx_dropped` (receiving end).
+    pub counter: String,
+    pub packets: u64,
+}
+
+/// Sampled packets missing between two points whose absence proves no loss: the
+/// second point's agent could not have reported them.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Unobserved {
+    pub between: [String; 2],
+    pub why: Unseen,
+    pub reason: String,
+    #[serde(flatten)]
+    pub span: Span,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -1131,6 +1278,9 @@ pub struct FlowReport {
     pub class_changes: Vec<ClassChange>,
     pub ce_onset: Vec<CeOnset>,
     pub lost: Vec<Lost>,
+    /// Sampled packets missing where nothing proves they were lost.
+    #[serde(default)]
+    pub unobserved: Vec<Unobserved>,
     pub delays: Vec<DelayReport>,
     pub path_history: Vec<PathAt>,
     pub counters: BTreeMap<String, CounterDelta>,
@@ -1196,7 +1346,24 @@ mod tests {
                 clock_synced: true,
             })
         });
+        // Every agent reports clean health for the first 100 s: what it missed, it was
+        // never sent.
+        for p in pts {
+            clean(&mut j, p, 0, 100_000 * MS);
+        }
         (j, pts.to_vec())
+    }
+
+    /// A clean health interval of `p` over [from, to].
+    fn clean(j: &mut Joiner, p: PointId, from: u64, to: u64) {
+        j.add_health(
+            p,
+            &PointHealth {
+                start_ns: from,
+                end_ns: to,
+                ..Default::default()
+            },
+        );
     }
 
     /// The lab path through s2 instead of s1.
@@ -1214,6 +1381,8 @@ mod tests {
             direction: "ingress".into(),
             clock_synced: true,
         });
+        clean(j, s2[2], 0, 100_000 * MS);
+        clean(j, s2[3], 0, 100_000 * MS);
         s2
     }
 
@@ -1467,6 +1636,119 @@ mod tests {
         assert_eq!(r.lost[0].between, ["s1:l1:ingress", "l2:s1:ingress"]);
         assert_eq!(r.lost[0].span.packets, 2);
         assert_eq!(r.path.len(), 5, "the path is not shortened by a loss");
+    }
+
+    /// The packet a point did not report is proof of loss only if that point's agent
+    /// would have reported it: one that lost samples then (its ring buffer was full), or
+    /// sent no health for that time, proves nothing.
+    #[test]
+    fn a_sample_missing_where_the_agent_could_not_report_it_is_unobserved_not_lost() {
+        let mut j = Joiner::new(JoinConfig {
+            trajectory_timeout_ns: 100 * MS,
+            ..Default::default()
+        });
+        let pts: Vec<PointId> = [
+            ("h1", "eth0", "egress"),
+            ("l1", "h1", "ingress"),
+            ("s1", "l1", "ingress"),
+            ("l2", "s1", "ingress"),
+            ("h3", "eth0", "ingress"),
+        ]
+        .map(|(n, i, d)| {
+            j.point(PointInfo {
+                node: n.into(),
+                iface: i.into(),
+                direction: d.into(),
+                clock_synced: true,
+            })
+        })
+        .to_vec();
+        for &p in &pts[..3] {
+            clean(&mut j, p, 0, 100_000 * MS);
+        }
+        // l2's agent: clean for the first 20 ms, then its ring buffer overflowed for
+        // 20 ms, then nothing for 60 ms (it was restarting), then clean again.
+        clean(&mut j, pts[3], 0, 20 * MS);
+        j.add_health(
+            pts[3],
+            &PointHealth {
+                start_ns: 20 * MS,
+                end_ns: 40 * MS,
+                ringbuf_full: 12,
+                ..Default::default()
+            },
+        );
+        clean(&mut j, pts[3], 100 * MS, 100_000 * MS);
+        clean(&mut j, pts[4], 0, 100_000 * MS);
+        for psn in 0..300 {
+            // Every 10th packet is not reported by l2 nor h3 from l2 on.
+            let skip: &[usize] = if psn % 10 == 5 { &[3, 4] } else { &[] };
+            send(&mut j, &pts, psn, psn as u64 * MS, skip, |_| 26, psn as u64);
+        }
+        j.tick(1_000 * MS);
+        let r = j.flow_report(&flow()).unwrap();
+        // PSN 5 (at 5 ms: its window [5, 105] ms reaches into the overflow): unobserved;
+        // 15, 25, 35: the overflow; 45 .. 95: no report covers them; from 105 on, lost.
+        let between = ["s1:l1:ingress".to_string(), "l2:s1:ingress".to_string()];
+        assert_eq!(r.lost.len(), 1, "{:?}", r.lost);
+        assert_eq!(r.lost[0].between, between);
+        assert_eq!(r.lost[0].span.packets, 20, "PSN 105, 115, … 295");
+        let unseen: Vec<(Unseen, u64)> = r.unobserved.iter().map(|u| (u.why, u.span.packets)).collect();
+        assert!(r.unobserved.iter().all(|u| u.between == between));
+        assert_eq!(unseen, [(Unseen::NoReport, 6), (Unseen::SamplesLost, 4)]);
+    }
+
+    #[test]
+    fn a_loss_quotes_the_kernel_drop_counters_at_both_ends_of_the_link() {
+        let (mut j, pts) = lab();
+        let s1_out = j.point(PointInfo {
+            node: "s1".into(),
+            iface: "l2".into(),
+            direction: "egress".into(),
+            clock_synced: true,
+        });
+        // The path h1 → l1 → s1 (in) → s1 (out) → l2 → h3; s1's port to l2 dropped 2
+        // packets in the second second, l2's port from s1 none.
+        j.add_health(
+            s1_out,
+            &PointHealth {
+                start_ns: 1_000 * MS,
+                end_ns: 2_000 * MS,
+                if_tx_dropped: 2,
+                qdisc_dropped: 1,
+                ..Default::default()
+            },
+        );
+        clean(&mut j, s1_out, 0, 1_000 * MS);
+        clean(&mut j, s1_out, 2_000 * MS, 100_000 * MS);
+        let path = [pts[0], pts[1], pts[2], s1_out, pts[3], pts[4]];
+        let ttls = [64, 64, 63, 62, 62, 61];
+        for psn in 0..10u32 {
+            for (i, &p) in path.iter().enumerate() {
+                if psn == 4 && i >= 4 {
+                    continue;
+                }
+                let at = 1_100 * MS + psn as u64 * MS + i as u64 * 1000;
+                j.add(p, &obs(psn, ttls[i], at, 26, 2), 0);
+            }
+        }
+        j.tick(10_000 * MS);
+        let r = j.flow_report(&flow()).unwrap();
+        assert_eq!(r.lost.len(), 1);
+        assert_eq!(r.lost[0].between, ["s1:l2:egress", "l2:s1:ingress"]);
+        let quoted: Vec<(&str, &str, u64)> = r.lost[0]
+            .kernel_drops
+            .iter()
+            .map(|d| (d.point.as_str(), d.counter.as_str(), d.packets))
+            .collect();
+        assert_eq!(
+            quoted,
+            [
+                ("s1:l2:egress", "tx_dropped", 2),
+                ("s1:l2:egress", "qdisc_dropped", 1),
+                ("l2:s1:ingress", "rx_dropped", 0)
+            ]
+        );
     }
 
     #[test]

@@ -13,6 +13,7 @@ pub mod frame;
 #[doc(hidden)]
 pub mod fuzz_api;
 pub mod http;
+pub mod netstat;
 pub mod observation;
 pub mod pcap;
 pub mod protocol;

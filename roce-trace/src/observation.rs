@@ -353,6 +353,36 @@ impl CounterDelta {
     }
 }
 
+/// One observation point over one agent interval: what the agent could not deliver from
+/// it, and what the kernel dropped on its interface. The collector needs it to tell a
+/// packet lost in the fabric from a sample lost on the way (a loss is proven only where
+/// the downstream point reported a clean interval), and quotes the kernel's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct PointHealth {
+    pub point: u16,
+    /// The interval, Unix nanoseconds by the agent's clock (as observations).
+    pub start_ns: u64,
+    pub end_ns: u64,
+    /// Samples the kernel could not hand over: the ring buffer was full (counted per
+    /// direction on the host: every point of that direction gets it).
+    pub ringbuf_full: u64,
+    /// Observations the agent gave up (its queue was full), and samples it could not
+    /// place at a point: agent-wide, every point gets them.
+    pub agent_dropped: u64,
+    /// The interface's own drop counters (`/proc/net/dev` drop columns) and its root
+    /// qdisc's drops; zero for points that are not a local interface.
+    pub if_rx_dropped: u64,
+    pub if_tx_dropped: u64,
+    pub qdisc_dropped: u64,
+}
+
+impl PointHealth {
+    /// Samples from this point that never reached the collector.
+    pub fn samples_lost(&self) -> u64 {
+        self.ringbuf_full + self.agent_dropped
+    }
+}
+
 /// An observation point as the agent declares it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct PointDecl {

@@ -5,12 +5,14 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use thiserror::Error;
 
-use crate::observation::{CounterDelta, FlowId, Observation, PacketId, PointDecl};
+use crate::observation::{CounterDelta, FlowId, Observation, PacketId, PointDecl, PointHealth};
 
 /// 2: points name their node (mirror sessions) and may be declared at any time. 3: the
 /// collector acknowledges what it has processed (ACK) and says in WELCOME how much of the
-/// node's previous connection it processed, so the agent re-sends exactly the rest.
-pub const VERSION: u16 = 3;
+/// node's previous connection it processed, so the agent re-sends exactly the rest. 4: the
+/// agent reports each point's health per interval (HEALTH), without which the collector
+/// proves no loss.
+pub const VERSION: u16 = 4;
 /// Largest frame either side accepts (length field included).
 pub const MAX_FRAME: usize = 4 << 20;
 /// Observations per OBSERVATIONS frame a sender should not exceed.
@@ -63,6 +65,8 @@ pub enum Frame {
     Ack {
         seq: u64,
     },
+    /// Agent → collector: each point's health over the agent's last interval.
+    Health(Vec<PointHealth>),
 }
 
 /// What in-band probes found along one flow, as carried back to the collector.
@@ -113,6 +117,7 @@ impl Frame {
             Frame::TraceRequest { .. } => 9,
             Frame::TraceResult(_) => 10,
             Frame::Ack { .. } => 11,
+            Frame::Health(_) => 12,
         }
     }
 }
@@ -139,6 +144,7 @@ pub enum ProtoError {
 const OBS_LEN: usize = 2 + 8 + 16 + 16 + 1 + 2 + 4 + 4 + 1 + 4 + 2 + 1 + 1 + 1 + 1 + 2 + 1 + 1 + 1;
 const FLOW_LEN: usize = 16 + 16 + 1 + 2 + 4;
 const DELTA_LEN: usize = 2 + FLOW_LEN + 8 * 13 + 3;
+const HEALTH_LEN: usize = 2 + 8 * 7;
 // A full batch of either fits one frame.
 const _: () =
     assert!(13 + 4 + MAX_BATCH * OBS_LEN <= MAX_FRAME && 13 + 12 + MAX_BATCH * DELTA_LEN <= MAX_FRAME);
@@ -338,6 +344,27 @@ pub fn encode(f: &Frame, seq: u64) -> Result<Bytes, ProtoError> {
             }
         }
         Frame::Ack { seq } => b.put_u64(*seq),
+        Frame::Health(v) => {
+            if v.len() > (MAX_FRAME - 4 - 9 - 4) / HEALTH_LEN {
+                return Err(ProtoError::Unrepresentable("health records past the frame limit"));
+            }
+            b.reserve(4 + v.len() * HEALTH_LEN);
+            b.put_u32(v.len() as u32);
+            for h in v {
+                b.put_u16(h.point);
+                for x in [
+                    h.start_ns,
+                    h.end_ns,
+                    h.ringbuf_full,
+                    h.agent_dropped,
+                    h.if_rx_dropped,
+                    h.if_tx_dropped,
+                    h.qdisc_dropped,
+                ] {
+                    b.put_u64(x);
+                }
+            }
+        }
     }
     if b.len() > MAX_FRAME {
         return Err(ProtoError::Unrepresentable("frame longer than the 4 MiB limit"));
@@ -615,6 +642,34 @@ impl Decoder {
                 need(&b, 8)?;
                 Frame::Ack { seq: b.get_u64() }
             }
+            12 => {
+                need(&b, 4)?;
+                let n = b.get_u32() as usize;
+                if b.remaining() != n * HEALTH_LEN {
+                    return Err(ProtoError::Malformed(
+                        "health count does not match the frame length",
+                    ));
+                }
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let point = b.get_u16();
+                    let mut x = [0u64; 7];
+                    for y in &mut x {
+                        *y = b.get_u64();
+                    }
+                    v.push(PointHealth {
+                        point,
+                        start_ns: x[0],
+                        end_ns: x[1],
+                        ringbuf_full: x[2],
+                        agent_dropped: x[3],
+                        if_rx_dropped: x[4],
+                        if_tx_dropped: x[5],
+                        qdisc_dropped: x[6],
+                    });
+                }
+                Frame::Health(v)
+            }
             k => return Err(ProtoError::UnknownKind(k)),
         };
         if b.has_remaining() {
@@ -768,6 +823,16 @@ mod tests {
                 ],
             }),
             Frame::Ack { seq: u64::MAX - 1 },
+            Frame::Health(vec![PointHealth {
+                point: 3,
+                start_ns: 1,
+                end_ns: 2,
+                ringbuf_full: 3,
+                agent_dropped: 4,
+                if_rx_dropped: 5,
+                if_tx_dropped: 6,
+                qdisc_dropped: u64::MAX,
+            }]),
         ]
     }
 

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use crate::{
-    observation::{CounterDelta, Observation},
+    observation::{CounterDelta, Observation, PointHealth},
     protocol::{Encoder, Frame, MAX_BATCH, ProtoError},
 };
 
@@ -166,6 +166,8 @@ impl<T> Lane<T> {
 pub(super) struct Outbox {
     obs: Lane<Observation>,
     counters: Lane<CounterDelta>,
+    /// Each point's health per interval: what proves a loss (or says it cannot be).
+    health: Lane<PointHealth>,
     /// The collector's id of the connection the frames in flight were written on (0: none).
     connection: u64,
     pub(super) connections: u64,
@@ -177,6 +179,7 @@ impl Outbox {
         Self {
             obs: Lane::new(cap),
             counters: Lane::new(cap),
+            health: Lane::new(cap),
             connection: 0,
             connections: 0,
             ringbuf_drops: 0,
@@ -191,6 +194,10 @@ impl Outbox {
         self.counters.push(d);
     }
 
+    pub(super) fn push_health(&mut self, h: PointHealth) {
+        self.health.push(h);
+    }
+
     /// A handshake succeeded: WELCOME named the new connection and what the collector
     /// processed of the node's previous one. What was in flight on our previous connection
     /// is acknowledged as far as that is the same connection, and queued again beyond.
@@ -198,6 +205,7 @@ impl Outbox {
         let processed = (self.connection != 0 && previous == self.connection).then_some(previous_frames);
         self.obs.resume(processed);
         self.counters.resume(processed);
+        self.health.resume(processed);
         self.connection = connection;
         self.connections += 1;
     }
@@ -207,6 +215,7 @@ impl Outbox {
         if connection == self.connection {
             self.obs.ack(seq);
             self.counters.ack(seq);
+            self.health.ack(seq);
         }
     }
 
@@ -238,6 +247,18 @@ impl Outbox {
             }
             return Some(bytes);
         }
+        if let Some((v, again)) = self.health.take(max) {
+            let f = Frame::Health(v);
+            let bytes = enc.encode(&f);
+            if let Frame::Health(v) = f {
+                if bytes.is_ok() {
+                    self.health.written(seq, v, again);
+                } else {
+                    self.health.refused(v.len());
+                }
+            }
+            return Some(bytes);
+        }
         let (deltas, again) = self.counters.take(max)?;
         let f = Frame::Counters {
             interval_end_ns: now_ns,
@@ -256,7 +277,7 @@ impl Outbox {
 
     /// Everything made was acknowledged or dropped.
     pub(super) fn is_empty(&self) -> bool {
-        self.obs.is_empty() && self.counters.is_empty()
+        self.obs.is_empty() && self.counters.is_empty() && self.health.is_empty()
     }
 
     /// Observations and counter deltas dropped so far (the DROPPED frame).

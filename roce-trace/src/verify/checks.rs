@@ -730,21 +730,48 @@ fn loss(flows: &[FlowReport], max: u64) -> CheckResult {
                 continue;
             }
             for l in &f.lost {
+                // What the kernel at either end counted dropped around then.
+                let kernel = if l.kernel_drops.is_empty() {
+                    String::new()
+                } else {
+                    let moved: Vec<String> = l
+                        .kernel_drops
+                        .iter()
+                        .filter(|d| d.packets > 0)
+                        .map(|d| format!("{} {} {}", d.point, d.counter, d.packets))
+                        .collect();
+                    if moved.is_empty() {
+                        "; no kernel drop counter moved at either end".into()
+                    } else {
+                        format!("; kernel: {}", moved.join(", "))
+                    }
+                };
                 r.evidence(
                     f,
                     l.between.to_vec(),
                     format!(
-                        "{} of its {} sampled packets lost here; {dir}",
+                        "{} of its {} sampled packets lost here{kernel}; {dir}",
                         l.span.packets, f.trajectories
                     ),
                 );
             }
         }
     }
+    // Missing where nothing proves a loss: said, not counted.
+    let unseen: u64 = flows
+        .iter()
+        .flat_map(|f| &f.unobserved)
+        .map(|u| u.span.packets)
+        .sum();
     r.summary = format!(
         "{all_lost} of {all} sampled packets lost ({} ppm); {cnp_lost} of {cnp_sent} CNPs",
         ppm(all_lost, all)
     );
+    if unseen > 0 {
+        r.summary.push_str(&format!(
+            "; {unseen} sampled packets unobserved (not counted: the agent could not have reported them)"
+        ));
+    }
     r.done(Status::NoData, "no flow seen at two or more points")
 }
 

@@ -193,6 +193,14 @@ pub fn since(start: &CollectorReport, mut end: CollectorReport) -> CollectorRepo
             );
         }
         f.lost.retain(|l| l.span.packets > 0);
+        for u in &mut f.unobserved {
+            let was = b
+                .unobserved
+                .iter()
+                .find(|x| x.between == u.between && x.why == u.why);
+            less(&mut u.span, was.map(|x| &x.span));
+        }
+        f.unobserved.retain(|u| u.span.packets > 0);
         for c in &mut f.class_changes {
             let was = b
                 .class_changes

@@ -88,6 +88,7 @@ fn flow(a: u8, b: u8, sport: u16, spine: Option<u8>) -> FlowReport {
         class_changes: Vec::new(),
         ce_onset: Vec::new(),
         lost: Vec::new(),
+        unobserved: Vec::new(),
         delays: Vec::new(),
         path_history: vec![PathAt {
             since_ns: 1_000,
@@ -362,6 +363,7 @@ fn a_small_link_mtu_fails_the_path_mtu_at_the_link() {
                 last_ns: 2,
                 packets: 100,
             },
+            kernel_drops: Vec::new(),
         });
         f.counters.get_mut("h3:eth0:ingress").unwrap().psn_gaps = 50;
     }
@@ -583,6 +585,7 @@ fn a_window_counts_only_what_happened_in_it() {
             last_ns: 2,
             packets: 5,
         },
+        kernel_drops: Vec::new(),
     });
     let mut end = later(start.clone());
     // Flow 2 stopped before the window; flow 4 changed class during it.
@@ -631,6 +634,7 @@ fn a_drill_measures_loss_recovery_and_return() {
                 last_ns: DOWN + 1,
                 packets: 3,
             },
+            kernel_drops: Vec::new(),
         });
         f.path_history.push(PathAt {
             since_ns: DOWN + 40_000_000,
