@@ -137,6 +137,9 @@ pub struct CollectorReport {
     pub refused_connections: u64,
     pub agents: Vec<AgentInfo>,
     pub points: Vec<PointInfo>,
+    /// Each point's health as its agent reported it (what proves a loss).
+    #[serde(default)]
+    pub health: Vec<crate::correlate::HealthSummary>,
     pub flows: Vec<FlowReport>,
     pub anomalies: Vec<Anomaly>,
 }
@@ -153,6 +156,7 @@ fn report(st: &State) -> CollectorReport {
         refused_connections: st.refused,
         agents: st.agents.values().cloned().collect(),
         points: j.points().to_vec(),
+        health: j.health_summary(),
         flows: st.flow_reports(),
         anomalies: j.anomalies(),
     }

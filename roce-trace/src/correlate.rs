@@ -211,6 +211,23 @@ const HEALTH_INTERVALS: usize = 300;
 /// to count as lost.
 const PROOF_WINDOW_NS: u64 = 100_000_000;
 
+/// How long a missing packet waits for the health that proves or excuses it (collector
+/// time): agents report every second by default.
+const PROOF_PATIENCE_NS: u64 = 5_000_000_000;
+
+/// A sampled packet seen at `a` and never at `b`, the next point of its path.
+#[derive(Clone, Copy, Debug)]
+struct Missing {
+    id: PacketId,
+    a: PointId,
+    b: PointId,
+    /// Its first point's time, and its time at `a` (agents' clocks).
+    first_ns: u64,
+    last_ns: u64,
+    /// Collector time after which it is judged with whatever health is in.
+    deadline_ns: u64,
+}
+
 /// Why a sampled packet that went missing between two points is not counted as lost.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -257,6 +274,8 @@ pub struct Joiner {
     /// timeout: when their late observations arrive after all, the loss is taken back.
     recent_losses: HashMap<PacketId, (PointId, PointId)>,
     recent_order: VecDeque<(u64, PacketId)>,
+    /// Packets missing at a point, waiting for that point's health to prove or excuse it.
+    awaiting: VecDeque<Missing>,
     /// The collector's time at the last tick (arrival clock, not the agents').
     now_ns: u64,
     /// Set by [`Joiner::flush`]: the agents are gone, every count is final.
@@ -281,6 +300,7 @@ impl Joiner {
             order: VecDeque::new(),
             recent_losses: HashMap::new(),
             recent_order: VecDeque::new(),
+            awaiting: VecDeque::new(),
             now_ns: 0,
             flushed: false,
             health: HashMap::new(),
@@ -532,6 +552,7 @@ impl Joiner {
                 self.complete(id, p);
             }
         }
+        self.judge_awaiting();
         // A lost packet's late observations come within one more timeout, or never.
         while let Some(&(t, id)) = self.recent_order.front() {
             if t + 3 * self.cfg.trajectory_timeout_ns > now_ns {
@@ -557,6 +578,7 @@ impl Joiner {
                 self.complete(id, p);
             }
         }
+        self.judge_awaiting();
     }
 
     fn finish(&mut self, id: PacketId, mut t: Vec<Obs>) {
@@ -638,18 +660,20 @@ impl Joiner {
             let last = *path.last().expect("non-empty");
             let next = then[path.len()];
             let last_time = t.last().map_or(first_time, |o| o.time_ns);
-            let unseen = self.unseen_at(next, last_time);
-            let Some(f) = self.flows.get_mut(&flow) else {
-                return;
+            let missing = Missing {
+                id,
+                a: last,
+                b: next,
+                first_ns: first_time,
+                last_ns: last_time,
+                deadline_ns: self.now_ns + PROOF_PATIENCE_NS,
             };
-            if let Some(why) = unseen {
-                f.unseen.entry((last, next, why)).or_default().hit(first_time);
-                return;
-            }
-            f.lost.entry((last, next)).or_default().hit(first_time);
-            if self.recent_losses.len() < self.cfg.max_pending {
-                self.recent_losses.insert(id, (last, next));
-                self.recent_order.push_back((self.now_ns, id));
+            if self.proof_due(&missing) {
+                self.judge_missing(missing);
+            } else if self.awaiting.len() < self.cfg.max_pending {
+                self.awaiting.push_back(missing);
+            } else {
+                self.stats.pending_dropped += 1;
             }
         } else if path.len() < then.len() && then.ends_with(&path) {
             // The tail of the path alone: observations that arrived after their packet's
@@ -657,7 +681,11 @@ impl Joiner {
             // timeout). Not a path; and if that packet was judged lost just where this
             // tail begins, it was not.
             self.stats.fragments += 1;
-            if let Some((a, b)) = self.recent_losses.remove(&id)
+            if let Some(k) = self.awaiting.iter().position(|m| m.id == id && m.b == path[0]) {
+                // Not judged yet, and now it never will be: it arrived.
+                self.awaiting.remove(k);
+                self.stats.late_arrivals += 1;
+            } else if let Some((a, b)) = self.recent_losses.remove(&id)
                 && b == path[0]
                 && let Some(span) = f.lost.get_mut(&(a, b))
             {
@@ -687,6 +715,34 @@ impl Joiner {
         push_bounded(q, *h, HEALTH_INTERVALS);
     }
 
+    /// Each reporting point's health over the intervals kept: what was covered, where
+    /// reports were missing, what was lost on the way and what the kernel dropped.
+    pub fn health_summary(&self) -> Vec<HealthSummary> {
+        let mut v: Vec<HealthSummary> = self
+            .health
+            .iter()
+            .filter(|(_, h)| !h.is_empty())
+            .map(|(&p, h)| {
+                let mut hs: Vec<&PointHealth> = h.iter().collect();
+                hs.sort_by_key(|x| x.start_ns);
+                let gaps = hs.windows(2).filter(|w| w[1].start_ns > w[0].end_ns).count() as u64;
+                HealthSummary {
+                    point: self.label(p),
+                    intervals: hs.len() as u64,
+                    from_ns: hs[0].start_ns,
+                    to_ns: hs.iter().map(|x| x.end_ns).max().unwrap_or(0),
+                    gaps,
+                    samples_lost: hs.iter().map(|x| x.samples_lost()).sum(),
+                    rx_dropped: hs.iter().map(|x| x.if_rx_dropped).sum(),
+                    tx_dropped: hs.iter().map(|x| x.if_tx_dropped).sum(),
+                    qdisc_dropped: hs.iter().map(|x| x.qdisc_dropped).sum(),
+                }
+            })
+            .collect();
+        v.sort_by(|a, b| a.point.cmp(&b.point));
+        v
+    }
+
     /// Why a packet last seen at `t` (by its previous point) and never at `b` proves
     /// nothing, or `None` when `b`'s agent reported clean intervals covering
     /// [t, t + PROOF_WINDOW_NS]: then it would have seen the packet.
@@ -709,6 +765,50 @@ impl Joiner {
             reach = reach.max(x.end_ns);
         }
         (reach < hi).then_some(Unseen::NoReport)
+    }
+
+    /// Whether the health that decides a missing packet is in: the next point's agent has
+    /// reported past the proof window, or waiting is over (its patience, or the
+    /// collector stopping).
+    fn proof_due(&self, m: &Missing) -> bool {
+        let hi = m.last_ns.saturating_add(PROOF_WINDOW_NS);
+        self.flushed
+            || self.now_ns >= m.deadline_ns
+            || self
+                .health
+                .get(&m.b)
+                .is_some_and(|h| h.iter().any(|x| x.end_ns >= hi))
+    }
+
+    /// A sampled packet seen at `a` and not at `b`: lost, when `b`'s agent would have
+    /// reported it; else unobserved, with the reason.
+    fn judge_missing(&mut self, m: Missing) {
+        let unseen = self.unseen_at(m.b, m.last_ns);
+        let Some(f) = self.flows.get_mut(&m.id.flow) else {
+            return;
+        };
+        if let Some(why) = unseen {
+            f.unseen.entry((m.a, m.b, why)).or_default().hit(m.first_ns);
+            return;
+        }
+        f.lost.entry((m.a, m.b)).or_default().hit(m.first_ns);
+        if self.recent_losses.len() < self.cfg.max_pending {
+            self.recent_losses.insert(m.id, (m.a, m.b));
+            self.recent_order.push_back((self.now_ns, m.id));
+        }
+    }
+
+    /// Judges the missing packets whose proof is due.
+    fn judge_awaiting(&mut self) {
+        let mut keep = VecDeque::with_capacity(self.awaiting.len());
+        while let Some(m) = self.awaiting.pop_front() {
+            if self.proof_due(&m) {
+                self.judge_missing(m);
+            } else {
+                keep.push_back(m);
+            }
+        }
+        self.awaiting = keep;
     }
 
     /// The kernel's drop counters at the two ends of a link over a span of time: what
@@ -1176,6 +1276,22 @@ pub struct KernelDrop {
     /// `tx_dropped`, `qdisc_dropped` (sending end) or `rx_dropped` (receiving end).
     pub counter: String,
     pub packets: u64,
+}
+
+/// One point's health over the intervals the collector keeps (five minutes).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct HealthSummary {
+    pub point: String,
+    pub intervals: u64,
+    pub from_ns: u64,
+    pub to_ns: u64,
+    /// Places where one interval does not start where the one before ended (the agent
+    /// was away): losses there are unobserved.
+    pub gaps: u64,
+    pub samples_lost: u64,
+    pub rx_dropped: u64,
+    pub tx_dropped: u64,
+    pub qdisc_dropped: u64,
 }
 
 /// Sampled packets missing between two points whose absence proves no loss: the
@@ -1696,6 +1812,68 @@ mod tests {
         let unseen: Vec<(Unseen, u64)> = r.unobserved.iter().map(|u| (u.why, u.span.packets)).collect();
         assert!(r.unobserved.iter().all(|u| u.between == between));
         assert_eq!(unseen, [(Unseen::NoReport, 6), (Unseen::SamplesLost, 4)]);
+    }
+
+    /// A retransmission completes its trajectory moments after it was sent, before the
+    /// next point's agent has reported that second: the verdict waits for its report
+    /// (and, when none comes, says so after a while).
+    #[test]
+    fn a_missing_packet_waits_for_the_health_that_decides_it() {
+        let mut j = Joiner::new(JoinConfig {
+            trajectory_timeout_ns: 100 * MS,
+            ..Default::default()
+        });
+        let pts: Vec<PointId> = [
+            ("l1", "h1", "ingress"),
+            ("s1", "l1", "ingress"),
+            ("l2", "s1", "ingress"),
+        ]
+        .map(|(n, i, d)| {
+            j.point(PointInfo {
+                node: n.into(),
+                iface: i.into(),
+                direction: d.into(),
+                clock_synced: true,
+            })
+        })
+        .to_vec();
+        for &p in &pts {
+            clean(&mut j, p, 0, 1_000 * MS);
+        }
+        let ttls = [64, 63, 62];
+        for psn in 0..4u32 {
+            for (i, &p) in pts.iter().enumerate() {
+                // PSN 1 (at 900 ms) and PSN 3 (at 3 s) never reach l2.
+                if (psn == 1 || psn == 3) && i == 2 {
+                    continue;
+                }
+                let at = [100, 900, 950, 3_000][psn as usize] * MS + i as u64 * 1000;
+                j.add(p, &obs(psn, ttls[i], at, 26, 2), at);
+            }
+        }
+        j.tick(1_200 * MS);
+        let r = j.flow_report(&flow()).unwrap();
+        assert_eq!(
+            (r.lost.len(), r.unobserved.len()),
+            (0, 0),
+            "waiting for l2's next report"
+        );
+        clean(&mut j, pts[2], 1_000 * MS, 2_000 * MS);
+        j.tick(1_300 * MS);
+        let r = j.flow_report(&flow()).unwrap();
+        assert_eq!(r.lost.len(), 1);
+        assert_eq!(r.lost[0].span.packets, 1, "PSN 1, proven by l2's next interval");
+        // PSN 3: l2's agent never reports that time; five seconds on, it is unobserved.
+        j.tick(3_200 * MS);
+        assert_eq!(j.flow_report(&flow()).unwrap().unobserved.len(), 0);
+        j.tick(8_300 * MS);
+        let r = j.flow_report(&flow()).unwrap();
+        assert_eq!(r.unobserved.len(), 1);
+        assert_eq!(
+            (r.unobserved[0].why, r.unobserved[0].span.packets),
+            (Unseen::NoReport, 1)
+        );
+        assert_eq!(r.lost[0].span.packets, 1);
     }
 
     #[test]

@@ -398,7 +398,8 @@ pub fn tshark_fields_occurrence(pcap: &Path, fields: &[&str], occurrence: char) 
         .collect()
 }
 
-/// A scratch directory under target/, removed on drop.
+/// A scratch directory under the temporary directory, removed on drop (kept, and named,
+/// when `ROCE_TRACE_KEEP=1`: reports, verdicts and logs to look at after a run).
 pub struct TempDir(pub PathBuf);
 
 impl TempDir {
@@ -415,6 +416,10 @@ impl TempDir {
 
 impl Drop for TempDir {
     fn drop(&mut self) {
+        if std::env::var_os("ROCE_TRACE_KEEP").is_some_and(|v| v == "1") {
+            eprintln!("kept {}", self.0.display());
+            return;
+        }
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }

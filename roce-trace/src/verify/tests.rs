@@ -131,6 +131,7 @@ fn report(flows: Vec<FlowReport>) -> CollectorReport {
         refused_connections: 0,
         agents: Vec::new(),
         points: Vec::new(),
+        health: Vec::new(),
         flows,
         anomalies: Vec::new(),
     }
