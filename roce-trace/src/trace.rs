@@ -218,55 +218,98 @@ pub fn trace(opts: &TraceOptions) -> Result<TraceReport, TraceError> {
             "--max-hops, --probes and --rate must be at least 1".into(),
         ));
     }
-    let v6 = opts.dst.is_ipv6();
-    let icmp = raw_icmp(v6).map_err(io_err("opening a raw ICMP socket (needs CAP_NET_RAW)"))?;
-    let sock =
-        crate::traffic::net::bind_shared(SocketAddr::new(opts.src, opts.sport)).map_err(io_err(format!(
-            "binding {}:{} (is the flow's source this host?)",
-            opts.src, opts.sport
-        )))?;
-    let fd = sock.as_raw_fd();
-    let tos = ((opts.dscp << 2) | (opts.ecn & 3)) as i32;
-    if v6 {
-        set_int(fd, libc::IPPROTO_IPV6, libc::IPV6_TCLASS, tos).map_err(io_err("IPV6_TCLASS"))?;
-        set_int(fd, libc::IPPROTO_IPV6, libc::IPV6_DONTFRAG, 1).map_err(io_err("IPV6_DONTFRAG"))?;
-    } else {
-        set_int(fd, libc::IPPROTO_IP, libc::IP_TOS, tos).map_err(io_err("IP_TOS"))?;
-        set_int(
-            fd,
-            libc::IPPROTO_IP,
-            libc::IP_MTU_DISCOVER,
-            libc::IP_PMTUDISC_PROBE,
-        )
-        .map_err(io_err("IP_MTU_DISCOVER"))?;
-    }
-    let dst = SocketAddr::new(opts.dst, ROCEV2_UDP_PORT);
-    let gap = Duration::from_secs_f64(1.0 / opts.rate as f64);
-    let mut hops = Vec::new();
-    let mut psn = 1u32;
-    let mut reached = false;
-    let mut silent_run = 0;
-    let mut last_send = Instant::now() - gap;
-    for ttl in 1..=opts.max_hops {
+    let mut prober = Prober::open(opts)?;
+    trace_with(opts, |ttl, psn| prober.probe(ttl, psn))
+}
+
+/// The sockets that send one flow's probes and hear their answers.
+struct Prober<'a> {
+    opts: &'a TraceOptions,
+    v6: bool,
+    icmp: OwnedFd,
+    sock: std::net::UdpSocket,
+    dst: SocketAddr,
+    gap: Duration,
+    last_send: Instant,
+}
+
+impl<'a> Prober<'a> {
+    fn open(opts: &'a TraceOptions) -> Result<Self, TraceError> {
+        let v6 = opts.dst.is_ipv6();
+        let icmp = raw_icmp(v6).map_err(io_err("opening a raw ICMP socket (needs CAP_NET_RAW)"))?;
+        let sock = crate::traffic::net::bind_shared(SocketAddr::new(opts.src, opts.sport)).map_err(
+            io_err(format!(
+                "binding {}:{} (is the flow's source this host?)",
+                opts.src, opts.sport
+            )),
+        )?;
+        let fd = sock.as_raw_fd();
+        let tos = ((opts.dscp << 2) | (opts.ecn & 3)) as i32;
         if v6 {
+            set_int(fd, libc::IPPROTO_IPV6, libc::IPV6_TCLASS, tos).map_err(io_err("IPV6_TCLASS"))?;
+            set_int(fd, libc::IPPROTO_IPV6, libc::IPV6_DONTFRAG, 1).map_err(io_err("IPV6_DONTFRAG"))?;
+        } else {
+            set_int(fd, libc::IPPROTO_IP, libc::IP_TOS, tos).map_err(io_err("IP_TOS"))?;
+            set_int(
+                fd,
+                libc::IPPROTO_IP,
+                libc::IP_MTU_DISCOVER,
+                libc::IP_PMTUDISC_PROBE,
+            )
+            .map_err(io_err("IP_MTU_DISCOVER"))?;
+        }
+        let gap = Duration::from_secs_f64(1.0 / opts.rate as f64);
+        Ok(Prober {
+            opts,
+            v6,
+            icmp,
+            sock,
+            dst: SocketAddr::new(opts.dst, ROCEV2_UDP_PORT),
+            gap,
+            last_send: Instant::now() - gap,
+        })
+    }
+
+    /// Sends probe `psn` with `ttl` and waits for its answer. One probe at a time, its
+    /// answer awaited: the RTT is the answer's arrival.
+    fn probe(&mut self, ttl: u8, psn: u32) -> Result<Option<(Answer, Duration)>, TraceError> {
+        let fd = self.sock.as_raw_fd();
+        if self.v6 {
             set_int(fd, libc::IPPROTO_IPV6, libc::IPV6_UNICAST_HOPS, ttl as i32)
                 .map_err(io_err("IPV6_UNICAST_HOPS"))?;
         } else {
             set_int(fd, libc::IPPROTO_IP, libc::IP_TTL, ttl as i32).map_err(io_err("IP_TTL"))?;
         }
-        // One probe at a time, its answer awaited: the RTT is the answer's arrival.
+        if let Some(wait) = (self.last_send + self.gap).checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+        let p = probe_payload(self.opts, psn);
+        let sent_at: HashMap<u32, Instant> = [(psn, Instant::now())].into();
+        self.last_send = Instant::now();
+        self.sock
+            .send_to(&p, self.dst)
+            .map_err(io_err(format!("sending a probe to {}", self.dst)))?;
+        Ok(collect(&self.icmp, self.v6, self.opts, &sent_at)?
+            .into_iter()
+            .next())
+    }
+}
+
+/// The trace, given a way to send one probe (TTL, PSN) and hear its answer: which hops
+/// answered, and where the destination is (its answer, or the silence past the last router).
+pub(crate) fn trace_with(
+    opts: &TraceOptions,
+    mut probe: impl FnMut(u8, u32) -> Result<Option<(Answer, Duration)>, TraceError>,
+) -> Result<TraceReport, TraceError> {
+    let mut hops = Vec::new();
+    let mut psn = 1u32;
+    let mut reached = false;
+    let mut silent_run = 0;
+    for ttl in 1..=opts.max_hops {
         let mut answers = Vec::new();
         for _ in 0..opts.probes {
-            if let Some(wait) = (last_send + gap).checked_duration_since(Instant::now()) {
-                std::thread::sleep(wait);
-            }
-            let p = probe_payload(opts, psn);
-            let sent_at: HashMap<u32, Instant> = [(psn, Instant::now())].into();
-            last_send = Instant::now();
-            sock.send_to(&p, dst)
-                .map_err(io_err(format!("sending a probe to {dst}")))?;
+            answers.extend(probe(ttl, psn)?);
             psn += 1;
-            answers.extend(collect(&icmp, v6, opts, &sent_at)?);
         }
         let mut hop = Hop {
             ttl,
