@@ -22,6 +22,9 @@ use thiserror::Error;
 
 use crate::frame::RoceFrame;
 
+mod paths;
+pub use paths::{PathPorts, PathsReport, UnresolvedPort, paths, render_paths};
+
 /// The DestQP of probes: the largest QPN, which no RoCE NIC hands out.
 pub const PROBE_QP: u32 = 0xff_ffff;
 
@@ -436,75 +439,6 @@ fn collect(
         }
     }
     Ok(got.into_values().collect())
-}
-
-/// ECMP map: which source ports take which path.
-#[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct PathsReport {
-    #[serde(rename = "type")]
-    pub kind: &'static str,
-    pub src: IpAddr,
-    pub dst: IpAddr,
-    /// Each distinct path (hop addresses, `null` for a silent hop) and the ports on it.
-    pub paths: Vec<PathPorts>,
-    pub ports_tried: u32,
-    /// Stopped after this many ports in a row showed no new path.
-    pub patience: u32,
-}
-
-#[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct PathPorts {
-    pub hops: Vec<Option<IpAddr>>,
-    pub udp_sports: Vec<u16>,
-}
-
-/// Varies the source port from `opts.sport` until `patience` ports in a row reveal no new
-/// path, or `max_ports` were tried.
-pub fn paths(opts: &TraceOptions, patience: u32, max_ports: u32) -> Result<PathsReport, TraceError> {
-    let mut found: Vec<PathPorts> = Vec::new();
-    let mut since_new = 0;
-    let mut tried = 0;
-    while since_new < patience && tried < max_ports {
-        let sport = opts
-            .sport
-            .checked_add(tried as u16)
-            .ok_or_else(|| TraceError::Invalid("source ports exhausted".into()))?;
-        let r = trace(&TraceOptions {
-            sport,
-            probes: 1,
-            ..opts.clone()
-        })?;
-        tried += 1;
-        // Silent hops (rate-limited ICMP, say) say nothing about the path: compare the
-        // routers that answered.
-        let hops: Vec<Option<IpAddr>> = r
-            .hops
-            .iter()
-            .filter(|h| h.addr.is_some())
-            .map(|h| h.addr)
-            .collect();
-        match found.iter_mut().find(|p| p.hops == hops) {
-            Some(p) => {
-                p.udp_sports.push(sport);
-                since_new += 1;
-            }
-            None => {
-                found.push(PathPorts {
-                    hops,
-                    udp_sports: vec![sport],
-                });
-                since_new = 0;
-            }
-        }
-    }
-    Ok(PathsReport {
-        kind: "paths",
-        src: opts.src,
-        dst: opts.dst,
-        paths: found,
-        ports_tried: tried,
-        patience,
-    })
 }
 
 pub fn render(r: &TraceReport) -> String {
