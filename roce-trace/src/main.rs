@@ -924,27 +924,7 @@ fn run_trace(a: TraceArgs) -> anyhow::Result<()> {
         if a.json {
             println!("{}", serde_json::to_string(&r)?);
         } else {
-            println!(
-                "{} distinct paths {} -> {} ({} source ports tried, stopped after {} in a row showed nothing new)",
-                r.paths.len(),
-                r.src,
-                r.dst,
-                r.ports_tried,
-                r.patience
-            );
-            for (i, p) in r.paths.iter().enumerate() {
-                let hops: Vec<String> = p
-                    .hops
-                    .iter()
-                    .map(|h| h.map(|a| a.to_string()).unwrap_or_else(|| "*".into()))
-                    .collect();
-                println!(
-                    "path {}: {}\n  source ports: {:?}",
-                    i + 1,
-                    hops.join(" -> "),
-                    p.udp_sports
-                );
-            }
+            print!("{}", trace::render_paths(&r));
         }
     } else {
         let r = trace::trace(&opts)?;

@@ -22,6 +22,9 @@ use thiserror::Error;
 
 use crate::frame::RoceFrame;
 
+mod paths;
+pub use paths::{PathPorts, PathsReport, UnresolvedPort, paths, render_paths};
+
 /// The DestQP of probes: the largest QPN, which no RoCE NIC hands out.
 pub const PROBE_QP: u32 = 0xff_ffff;
 
@@ -218,55 +221,98 @@ pub fn trace(opts: &TraceOptions) -> Result<TraceReport, TraceError> {
             "--max-hops, --probes and --rate must be at least 1".into(),
         ));
     }
-    let v6 = opts.dst.is_ipv6();
-    let icmp = raw_icmp(v6).map_err(io_err("opening a raw ICMP socket (needs CAP_NET_RAW)"))?;
-    let sock =
-        crate::traffic::net::bind_shared(SocketAddr::new(opts.src, opts.sport)).map_err(io_err(format!(
-            "binding {}:{} (is the flow's source this host?)",
-            opts.src, opts.sport
-        )))?;
-    let fd = sock.as_raw_fd();
-    let tos = ((opts.dscp << 2) | (opts.ecn & 3)) as i32;
-    if v6 {
-        set_int(fd, libc::IPPROTO_IPV6, libc::IPV6_TCLASS, tos).map_err(io_err("IPV6_TCLASS"))?;
-        set_int(fd, libc::IPPROTO_IPV6, libc::IPV6_DONTFRAG, 1).map_err(io_err("IPV6_DONTFRAG"))?;
-    } else {
-        set_int(fd, libc::IPPROTO_IP, libc::IP_TOS, tos).map_err(io_err("IP_TOS"))?;
-        set_int(
-            fd,
-            libc::IPPROTO_IP,
-            libc::IP_MTU_DISCOVER,
-            libc::IP_PMTUDISC_PROBE,
-        )
-        .map_err(io_err("IP_MTU_DISCOVER"))?;
-    }
-    let dst = SocketAddr::new(opts.dst, ROCEV2_UDP_PORT);
-    let gap = Duration::from_secs_f64(1.0 / opts.rate as f64);
-    let mut hops = Vec::new();
-    let mut psn = 1u32;
-    let mut reached = false;
-    let mut silent_run = 0;
-    let mut last_send = Instant::now() - gap;
-    for ttl in 1..=opts.max_hops {
+    let mut prober = Prober::open(opts)?;
+    trace_with(opts, |ttl, psn| prober.probe(ttl, psn))
+}
+
+/// The sockets that send one flow's probes and hear their answers.
+struct Prober<'a> {
+    opts: &'a TraceOptions,
+    v6: bool,
+    icmp: OwnedFd,
+    sock: std::net::UdpSocket,
+    dst: SocketAddr,
+    gap: Duration,
+    last_send: Instant,
+}
+
+impl<'a> Prober<'a> {
+    fn open(opts: &'a TraceOptions) -> Result<Self, TraceError> {
+        let v6 = opts.dst.is_ipv6();
+        let icmp = raw_icmp(v6).map_err(io_err("opening a raw ICMP socket (needs CAP_NET_RAW)"))?;
+        let sock = crate::traffic::net::bind_shared(SocketAddr::new(opts.src, opts.sport)).map_err(
+            io_err(format!(
+                "binding {}:{} (is the flow's source this host?)",
+                opts.src, opts.sport
+            )),
+        )?;
+        let fd = sock.as_raw_fd();
+        let tos = ((opts.dscp << 2) | (opts.ecn & 3)) as i32;
         if v6 {
+            set_int(fd, libc::IPPROTO_IPV6, libc::IPV6_TCLASS, tos).map_err(io_err("IPV6_TCLASS"))?;
+            set_int(fd, libc::IPPROTO_IPV6, libc::IPV6_DONTFRAG, 1).map_err(io_err("IPV6_DONTFRAG"))?;
+        } else {
+            set_int(fd, libc::IPPROTO_IP, libc::IP_TOS, tos).map_err(io_err("IP_TOS"))?;
+            set_int(
+                fd,
+                libc::IPPROTO_IP,
+                libc::IP_MTU_DISCOVER,
+                libc::IP_PMTUDISC_PROBE,
+            )
+            .map_err(io_err("IP_MTU_DISCOVER"))?;
+        }
+        let gap = Duration::from_secs_f64(1.0 / opts.rate as f64);
+        Ok(Prober {
+            opts,
+            v6,
+            icmp,
+            sock,
+            dst: SocketAddr::new(opts.dst, ROCEV2_UDP_PORT),
+            gap,
+            last_send: Instant::now() - gap,
+        })
+    }
+
+    /// Sends probe `psn` with `ttl` and waits for its answer. One probe at a time, its
+    /// answer awaited: the RTT is the answer's arrival.
+    fn probe(&mut self, ttl: u8, psn: u32) -> Result<Option<(Answer, Duration)>, TraceError> {
+        let fd = self.sock.as_raw_fd();
+        if self.v6 {
             set_int(fd, libc::IPPROTO_IPV6, libc::IPV6_UNICAST_HOPS, ttl as i32)
                 .map_err(io_err("IPV6_UNICAST_HOPS"))?;
         } else {
             set_int(fd, libc::IPPROTO_IP, libc::IP_TTL, ttl as i32).map_err(io_err("IP_TTL"))?;
         }
-        // One probe at a time, its answer awaited: the RTT is the answer's arrival.
+        if let Some(wait) = (self.last_send + self.gap).checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+        let p = probe_payload(self.opts, psn);
+        let sent_at: HashMap<u32, Instant> = [(psn, Instant::now())].into();
+        self.last_send = Instant::now();
+        self.sock
+            .send_to(&p, self.dst)
+            .map_err(io_err(format!("sending a probe to {}", self.dst)))?;
+        Ok(collect(&self.icmp, self.v6, self.opts, &sent_at)?
+            .into_iter()
+            .next())
+    }
+}
+
+/// The trace, given a way to send one probe (TTL, PSN) and hear its answer: which hops
+/// answered, and where the destination is (its answer, or the silence past the last router).
+pub(crate) fn trace_with(
+    opts: &TraceOptions,
+    mut probe: impl FnMut(u8, u32) -> Result<Option<(Answer, Duration)>, TraceError>,
+) -> Result<TraceReport, TraceError> {
+    let mut hops = Vec::new();
+    let mut psn = 1u32;
+    let mut reached = false;
+    let mut silent_run = 0;
+    for ttl in 1..=opts.max_hops {
         let mut answers = Vec::new();
         for _ in 0..opts.probes {
-            if let Some(wait) = (last_send + gap).checked_duration_since(Instant::now()) {
-                std::thread::sleep(wait);
-            }
-            let p = probe_payload(opts, psn);
-            let sent_at: HashMap<u32, Instant> = [(psn, Instant::now())].into();
-            last_send = Instant::now();
-            sock.send_to(&p, dst)
-                .map_err(io_err(format!("sending a probe to {dst}")))?;
+            answers.extend(probe(ttl, psn)?);
             psn += 1;
-            answers.extend(collect(&icmp, v6, opts, &sent_at)?);
         }
         let mut hop = Hop {
             ttl,
@@ -393,75 +439,6 @@ fn collect(
         }
     }
     Ok(got.into_values().collect())
-}
-
-/// ECMP map: which source ports take which path.
-#[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct PathsReport {
-    #[serde(rename = "type")]
-    pub kind: &'static str,
-    pub src: IpAddr,
-    pub dst: IpAddr,
-    /// Each distinct path (hop addresses, `null` for a silent hop) and the ports on it.
-    pub paths: Vec<PathPorts>,
-    pub ports_tried: u32,
-    /// Stopped after this many ports in a row showed no new path.
-    pub patience: u32,
-}
-
-#[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct PathPorts {
-    pub hops: Vec<Option<IpAddr>>,
-    pub udp_sports: Vec<u16>,
-}
-
-/// Varies the source port from `opts.sport` until `patience` ports in a row reveal no new
-/// path, or `max_ports` were tried.
-pub fn paths(opts: &TraceOptions, patience: u32, max_ports: u32) -> Result<PathsReport, TraceError> {
-    let mut found: Vec<PathPorts> = Vec::new();
-    let mut since_new = 0;
-    let mut tried = 0;
-    while since_new < patience && tried < max_ports {
-        let sport = opts
-            .sport
-            .checked_add(tried as u16)
-            .ok_or_else(|| TraceError::Invalid("source ports exhausted".into()))?;
-        let r = trace(&TraceOptions {
-            sport,
-            probes: 1,
-            ..opts.clone()
-        })?;
-        tried += 1;
-        // Silent hops (rate-limited ICMP, say) say nothing about the path: compare the
-        // routers that answered.
-        let hops: Vec<Option<IpAddr>> = r
-            .hops
-            .iter()
-            .filter(|h| h.addr.is_some())
-            .map(|h| h.addr)
-            .collect();
-        match found.iter_mut().find(|p| p.hops == hops) {
-            Some(p) => {
-                p.udp_sports.push(sport);
-                since_new += 1;
-            }
-            None => {
-                found.push(PathPorts {
-                    hops,
-                    udp_sports: vec![sport],
-                });
-                since_new = 0;
-            }
-        }
-    }
-    Ok(PathsReport {
-        kind: "paths",
-        src: opts.src,
-        dst: opts.dst,
-        paths: found,
-        ports_tried: tried,
-        patience,
-    })
 }
 
 pub fn render(r: &TraceReport) -> String {
