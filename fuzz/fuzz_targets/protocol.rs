@@ -83,6 +83,7 @@ fn point(u: &mut Unstructured) -> Result<PointDecl> {
         node: string(u)?,
         iface: string(u)?,
         ifindex: u.arbitrary()?,
+        mtu: 0,
         direction: u.arbitrary()?,
     })
 }

@@ -148,6 +148,7 @@ pub async fn run(
         .map(|(i, h)| PointDecl {
             index: i as u16,
             node: String::new(),
+            mtu: crate::sys::mtu(&h.iface).unwrap_or(0),
             iface: h.iface.clone(),
             ifindex: h.ifindex,
             direction: h.direction,
@@ -228,6 +229,18 @@ pub async fn run(
                         m.psn_gaps += c.psn_gaps;
                     }
                     ob.ringbuf_drops = globals.total(GlobalCounter::RingbufFull);
+                    // A port's MTU may change under us (a fault, a repair): declared again.
+                    let own: Vec<(u16, String)> = table
+                        .decls()
+                        .iter()
+                        .filter(|d| d.node.is_empty())
+                        .map(|d| (d.index, d.iface.clone()))
+                        .collect();
+                    for (i, iface) in own {
+                        if let Ok(m) = crate::sys::mtu(&iface) {
+                            table.set_mtu(i, m);
+                        }
+                    }
                     let ringbuf = [
                         globals.get(GlobalCounter::RingbufFull, DIR_INGRESS),
                         globals.get(GlobalCounter::RingbufFull, DIR_EGRESS),
@@ -437,7 +450,10 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
         .expect("outbox")
         .welcome(welcome.connection, welcome.previous, welcome.previous_frames);
     tracing::info!("connected to collector {}", opts.collector);
-    let points = sh.points.lock().expect("points").decls().to_vec();
+    let (points, mut declared_changes) = {
+        let t = sh.points.lock().expect("points");
+        (t.decls().to_vec(), t.changes())
+    };
     let mut declared = points.len();
     let (rd, mut sock) = sock.into_split();
     // As many POINTS frames as the format needs: one too big for its count or the frame
@@ -469,7 +485,15 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
         loop {
             let mut wrote = false;
             // Points first: what is queued may name a mirror session seen since.
-            let new_points = sh.points.lock().expect("points").decls()[declared..].to_vec();
+            let (new_points, changes) = {
+                let t = sh.points.lock().expect("points");
+                if t.changes() != declared_changes {
+                    // A point changed (its MTU): every point again, the collector updates.
+                    declared = 0;
+                }
+                (t.decls()[declared..].to_vec(), t.changes())
+            };
+            declared_changes = changes;
             if !new_points.is_empty() {
                 declared += new_points.len();
                 for f in points_frames(&new_points) {
@@ -883,6 +907,7 @@ pub async fn run_pcap(
     let reader = crate::pcap::open(&input)?;
     let mut offline = crate::pcap::Offline::new(&opts.datapath)?;
     let points = vec![PointDecl {
+        mtu: 0,
         index: 0,
         node: String::new(),
         iface: "pcap".into(),

@@ -514,6 +514,8 @@ async fn serve_frames(
                         iface: d.iface,
                         direction: direction_name(d.direction).into(),
                         clock_synced,
+                        mtu: (d.mtu != 0).then_some(d.mtu),
+                        mtu_history: Vec::new(),
                     });
                     points.insert(d.index, p);
                 }

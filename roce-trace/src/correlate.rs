@@ -14,13 +14,29 @@ use crate::observation::{CounterDelta, FlowId, Observation, PacketId, PointHealt
 /// An observation point, collector-wide.
 pub type PointId = u32;
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PointInfo {
     pub node: String,
     pub iface: String,
     pub direction: String,
     pub clock_synced: bool,
+    /// The port's MTU (IP bytes) as its agent last declared it; absent when not known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtu: Option<u32>,
+    /// Every MTU the port was declared with, and when (collector time): a port whose MTU
+    /// was lowered for a while could not carry big frames then.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mtu_history: Vec<MtuAt>,
 }
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MtuAt {
+    pub at_ns: u64,
+    pub mtu: u32,
+}
+
+/// MTU changes kept per point.
+const MTU_HISTORY: usize = 16;
 
 impl PointInfo {
     pub fn label(&self) -> String {
@@ -110,6 +126,7 @@ pub struct JoinStats {
 struct Obs {
     point: PointId,
     time_ns: u64,
+    frame_len: u16,
     dscp: u8,
     ecn: u8,
     ttl: u8,
@@ -172,6 +189,8 @@ pub struct FlowState {
     changes: BTreeMap<(PointId, PointId, u8, u8), Span>,
     ce_onset: BTreeMap<(Option<PointId>, PointId), Span>,
     lost: BTreeMap<(PointId, PointId), Span>,
+    /// The largest frame among the packets lost there.
+    lost_frames: BTreeMap<(PointId, PointId), u16>,
     /// Sampled packets missing between two points that could have been seen there but
     /// whose absence proves nothing (see [`Unseen`]).
     unseen: BTreeMap<(PointId, PointId, Unseen), Span>,
@@ -224,6 +243,7 @@ struct Missing {
     /// Its first point's time, and its time at `a` (agents' clocks).
     first_ns: u64,
     last_ns: u64,
+    frame_len: u16,
     /// Collector time after which it is judged with whatever health is in.
     deadline_ns: u64,
 }
@@ -311,15 +331,31 @@ impl Joiner {
     }
 
     /// Registers (or finds) an observation point.
-    pub fn point(&mut self, info: PointInfo) -> PointId {
+    pub fn point(&mut self, mut info: PointInfo) -> PointId {
+        let now = self.now_ns;
+        let note_mtu = |p: &mut PointInfo, mtu: Option<u32>| {
+            if let Some(m) = mtu
+                && p.mtu_history.last().is_none_or(|x| x.mtu != m)
+            {
+                if p.mtu_history.len() == MTU_HISTORY {
+                    p.mtu_history.remove(0);
+                }
+                p.mtu_history.push(MtuAt { at_ns: now, mtu: m });
+            }
+            p.mtu = mtu;
+        };
         if let Some(i) = self
             .points
             .iter()
             .position(|p| p.node == info.node && p.iface == info.iface && p.direction == info.direction)
         {
             self.points[i].clock_synced = info.clock_synced;
+            note_mtu(&mut self.points[i], info.mtu);
             return i as PointId;
         }
+        let mtu = info.mtu;
+        info.mtu_history.clear();
+        note_mtu(&mut info, mtu);
         let node = match self.nodes.iter().position(|n| *n == info.node) {
             Some(n) => n as u32,
             None => {
@@ -361,6 +397,7 @@ impl Joiner {
         let obs = Obs {
             point,
             time_ns: o.time_ns,
+            frame_len: o.frame_len,
             dscp: o.dscp,
             ecn: o.ecn,
             ttl: o.ttl,
@@ -666,6 +703,7 @@ impl Joiner {
                 b: next,
                 first_ns: first_time,
                 last_ns: last_time,
+                frame_len: t.iter().map(|o| o.frame_len).max().unwrap_or(0),
                 deadline_ns: self.now_ns + PROOF_PATIENCE_NS,
             };
             if self.proof_due(&missing) {
@@ -792,6 +830,8 @@ impl Joiner {
             return;
         }
         f.lost.entry((m.a, m.b)).or_default().hit(m.first_ns);
+        let big = f.lost_frames.entry((m.a, m.b)).or_default();
+        *big = (*big).max(m.frame_len);
         if self.recent_losses.len() < self.cfg.max_pending {
             self.recent_losses.insert(m.id, (m.a, m.b));
             self.recent_order.push_back((self.now_ns, m.id));
@@ -1109,6 +1149,7 @@ impl Joiner {
                 .map(|(&(a, b), s)| Lost {
                     between: between(&a, &b),
                     span: *s,
+                    largest_frame: f.lost_frames.get(&(a, b)).copied(),
                     kernel_drops: self.kernel_drops(a, b, s),
                 })
                 .collect(),
@@ -1263,6 +1304,9 @@ pub struct Lost {
     pub between: [String; 2],
     #[serde(flatten)]
     pub span: Span,
+    /// The largest frame (bytes) among the packets lost there.
+    #[serde(default)]
+    pub largest_frame: Option<u16>,
     /// The kernel's drop counters at the two ends around that time (what moved, or zero;
     /// absent when an end is not a local interface of a reporting agent).
     #[serde(default)]
@@ -1460,6 +1504,7 @@ mod tests {
                 iface: i.into(),
                 direction: d.into(),
                 clock_synced: true,
+                ..Default::default()
             })
         });
         // Every agent reports clean health for the first 100 s: what it missed, it was
@@ -1490,12 +1535,14 @@ mod tests {
             iface: "l1".into(),
             direction: "ingress".into(),
             clock_synced: true,
+            ..Default::default()
         });
         s2[3] = j.point(PointInfo {
             node: "l2".into(),
             iface: "s2".into(),
             direction: "ingress".into(),
             clock_synced: true,
+            ..Default::default()
         });
         clean(j, s2[2], 0, 100_000 * MS);
         clean(j, s2[3], 0, 100_000 * MS);
@@ -1645,12 +1692,14 @@ mod tests {
             iface: "a".into(),
             direction: "ingress".into(),
             clock_synced: true,
+            ..Default::default()
         });
         let br_out = j.point(PointInfo {
             node: "br".into(),
             iface: "b".into(),
             direction: "egress".into(),
             clock_synced: true,
+            ..Default::default()
         });
         j.tick(200 * MS);
         let r = j.flow_report(&flow()).unwrap();
@@ -1776,6 +1825,7 @@ mod tests {
                 iface: i.into(),
                 direction: d.into(),
                 clock_synced: true,
+                ..Default::default()
             })
         })
         .to_vec();
@@ -1834,6 +1884,7 @@ mod tests {
                 iface: i.into(),
                 direction: d.into(),
                 clock_synced: true,
+                ..Default::default()
             })
         })
         .to_vec();
@@ -1884,6 +1935,7 @@ mod tests {
             iface: "l2".into(),
             direction: "egress".into(),
             clock_synced: true,
+            ..Default::default()
         });
         // The path h1 → l1 → s1 (in) → s1 (out) → l2 → h3; s1's port to l2 dropped 2
         // packets in the second second, l2's port from s1 none.
@@ -2039,6 +2091,7 @@ mod tests {
             iface: "eth0".into(),
             direction: "egress".into(),
             clock_synced: true,
+            ..Default::default()
         });
         // Data A→B: two CE-marked packets arrive at h3 at 10 ms and 20 ms.
         for (k, t) in [10 * MS, 20 * MS].into_iter().enumerate() {
@@ -2126,6 +2179,7 @@ mod tests {
                 iface: i.into(),
                 direction: d.into(),
                 clock_synced: true,
+                ..Default::default()
             })
         });
         let h1_out = j.point(PointInfo {
@@ -2133,6 +2187,7 @@ mod tests {
             iface: "eth0".into(),
             direction: "egress".into(),
             clock_synced: true,
+            ..Default::default()
         });
         j.add_counters(
             h1_out,
@@ -2310,6 +2365,7 @@ mod tests {
             iface: "e".into(),
             direction: "ingress".into(),
             clock_synced: false,
+            ..Default::default()
         });
         for q in 0..4u32 {
             let mut o = obs(q, 64, 0, 26, 2);

@@ -59,6 +59,7 @@ impl MirrorSession {
             iface: self.iface(),
             ifindex,
             direction: DIR_MIRROR,
+            mtu: 0,
         }
     }
 }
@@ -392,6 +393,9 @@ pub struct PointDecl {
     pub iface: String,
     pub ifindex: u32,
     pub direction: u8,
+    /// The interface's MTU (IP bytes) when the point was declared; 0: not known (a
+    /// mirror session, a capture).
+    pub mtu: u32,
 }
 
 /// The observation points of one agent: its hooks, declared up front, and the mirror
@@ -402,6 +406,7 @@ pub struct PointTable {
     decls: Vec<PointDecl>,
     hooks: HashMap<(u32, u8), u16>,
     sessions: HashMap<MirrorSession, u16>,
+    changes: u64,
     /// Names the mirror ids of flow keys; the agent fills it from the datapath (or the
     /// pcap reader) and from samples.
     pub mirrors: MirrorTable,
@@ -417,6 +422,7 @@ impl PointTable {
             decls: hooks,
             hooks: map,
             sessions: Default::default(),
+            changes: 0,
             mirrors: Default::default(),
         }
     }
@@ -456,6 +462,24 @@ impl PointTable {
     pub fn decls(&self) -> &[PointDecl] {
         &self.decls
     }
+
+    /// Records the MTU of point `index`; true when it changed (the point is declared
+    /// again, so the collector knows what the port can carry now).
+    pub fn set_mtu(&mut self, index: u16, mtu: u32) -> bool {
+        match self.decls.get_mut(index as usize) {
+            Some(d) if d.mtu != mtu => {
+                d.mtu = mtu;
+                self.changes += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// How many times a declared point changed (see [`PointTable::set_mtu`]).
+    pub fn changes(&self) -> u64 {
+        self.changes
+    }
 }
 
 #[cfg(test)]
@@ -469,6 +493,7 @@ mod tests {
             node: String::new(),
             iface: "eth0".into(),
             ifindex: 2,
+            mtu: 0,
             direction: DIR_INGRESS,
         }]);
         let plain = FlowKey {

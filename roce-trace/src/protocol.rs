@@ -11,7 +11,7 @@ use crate::observation::{CounterDelta, FlowId, Observation, PacketId, PointDecl,
 /// collector acknowledges what it has processed (ACK) and says in WELCOME how much of the
 /// node's previous connection it processed, so the agent re-sends exactly the rest. 4: the
 /// agent reports each point's health per interval (HEALTH), without which the collector
-/// proves no loss.
+/// proves no loss, and POINTS carry each point's MTU (declared again when it changes).
 pub const VERSION: u16 = 4;
 /// Largest frame either side accepts (length field included).
 pub const MAX_FRAME: usize = 4 << 20;
@@ -164,7 +164,7 @@ fn count16(n: usize, what: &'static str) -> Result<u16, ProtoError> {
 
 /// Bytes a point takes in a POINTS frame.
 fn point_len(p: &PointDecl) -> usize {
-    2 + 1 + 4 + 2 + p.iface.len() + 2 + p.node.len()
+    2 + 1 + 4 + 4 + 2 + p.iface.len() + 2 + p.node.len()
 }
 
 /// Points in a POINTS frame at most (its count is a u16).
@@ -241,6 +241,7 @@ pub fn encode(f: &Frame, seq: u64) -> Result<Bytes, ProtoError> {
                 b.put_u16(p.index);
                 b.put_u8(p.direction);
                 b.put_u32(p.ifindex);
+                b.put_u32(p.mtu);
                 put_str(&mut b, &p.iface)?;
                 put_str(&mut b, &p.node)?;
             }
@@ -475,15 +476,17 @@ impl Decoder {
                 let n = b.get_u16() as usize;
                 let mut v = Vec::with_capacity(n.min(1024));
                 for _ in 0..n {
-                    need(&b, 7)?;
+                    need(&b, 11)?;
                     let index = b.get_u16();
                     let direction = b.get_u8();
                     let ifindex = b.get_u32();
+                    let mtu = b.get_u32();
                     let iface = get_str(&mut b)?;
                     v.push(PointDecl {
                         index,
                         direction,
                         ifindex,
+                        mtu,
                         iface,
                         node: get_str(&mut b)?,
                     });
@@ -752,6 +755,7 @@ mod tests {
                     node: String::new(),
                     iface: "eth0".into(),
                     ifindex: 2,
+                    mtu: 0,
                     direction: 1,
                 },
                 PointDecl {
@@ -759,6 +763,7 @@ mod tests {
                     node: "192.0.2.9".into(),
                     iface: "erspan-7".into(),
                     ifindex: 2,
+                    mtu: 0,
                     direction: DIR_MIRROR,
                 },
             ]),
@@ -920,6 +925,7 @@ mod tests {
                 node: format!("fd00::{:x}", i >> 4),
                 iface: format!("erspan-{i}"),
                 ifindex: 2,
+                mtu: 0,
                 direction: DIR_MIRROR,
             })
             .collect()

@@ -135,6 +135,32 @@ pub fn driver(iface: &str) -> Option<String> {
     Some(String::from_utf8_lossy(&info.driver[..end]).into_owned())
 }
 
+/// An interface's MTU (IP bytes), in this network namespace.
+pub fn mtu(iface: &str) -> std::io::Result<u32> {
+    if iface.len() >= libc::IFNAMSIZ {
+        return Err(std::io::Error::other(format!("interface name `{iface}` is too long")));
+    }
+    // SAFETY: plain socket(2); the descriptor is owned below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor just returned by socket(2), owned by nothing else.
+    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    // SAFETY: ifreq is plain data; all zeroes is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in req.ifr_name.iter_mut().zip(iface.bytes()) {
+        *d = s as libc::c_char;
+    }
+    // SAFETY: SIOCGIFMTU reads the name and writes the MTU into `req`, which outlives the call.
+    let r = unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&fd), libc::SIOCGIFMTU, &mut req) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel filled the MTU member of the union.
+    Ok(unsafe { req.ifr_ifru.ifru_mtu } as u32)
+}
+
 pub fn ifname(index: u32) -> Option<String> {
     let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
     // SAFETY: buf holds IF_NAMESIZE bytes as if_indextoname requires.

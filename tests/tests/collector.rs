@@ -276,6 +276,7 @@ fn point(index: u16, iface: &str) -> PointDecl {
         node: String::new(),
         iface: iface.into(),
         ifindex: 2,
+        mtu: 0,
         direction: 0,
     }
 }
@@ -499,6 +500,7 @@ fn the_api_serves_flows_paths_and_class_changes() {
         node: String::new(),
         iface: "eth0".into(),
         ifindex: 2,
+        mtu: 0,
         direction: 1,
     }]));
     let (mut b, _) = FakeAgent::connect(&c, "s1", "t0ken");
@@ -508,6 +510,7 @@ fn the_api_serves_flows_paths_and_class_changes() {
             node: String::new(),
             iface: "l1".into(),
             ifindex: 2,
+            mtu: 0,
             direction: 0,
         },
         PointDecl {
@@ -515,6 +518,7 @@ fn the_api_serves_flows_paths_and_class_changes() {
             node: String::new(),
             iface: "l2".into(),
             ifindex: 3,
+            mtu: 0,
             direction: 1,
         },
     ]));

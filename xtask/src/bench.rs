@@ -660,6 +660,7 @@ fn collector() -> anyhow::Result<()> {
                 iface: format!("p{}", i / 2),
                 direction: if i % 2 == 0 { "ingress" } else { "egress" }.into(),
                 clock_synced: true,
+                ..Default::default()
             })
         })
         .collect();

@@ -502,6 +502,7 @@ mod tests {
             index: 0,
             direction: 0,
             ifindex: 1,
+            mtu: 0,
             iface: "eth0".into(),
             node: String::new(),
         };
