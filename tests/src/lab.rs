@@ -69,8 +69,15 @@ pub enum Fault {
         iface: String,
         rate: String,
     },
-    /// The link between a leaf and a spine, both ends administratively down.
+    /// The link between a leaf and a spine, both ends administratively down; routes
+    /// converge at once, as a routing protocol would have them.
     LinkDown { leaf: u8, spine: u8 },
+    /// The same link failure in a fabric without a routing protocol: the link's two ends
+    /// stop using it (the leaf's ECMP next hop dies, the spine's route to the leaf's hosts
+    /// goes), but the other leaf is not told and keeps hashing traffic to `leaf`'s hosts
+    /// onto `spine`, which drops it. Traffic from `leaf` moves; traffic to it through
+    /// `spine` — the replies of its hosts' connections — is black-holed.
+    LinkDownStatic { leaf: u8, spine: u8 },
     /// Every port of a spine down.
     SpineDown { spine: u8 },
     /// A leaf–spine link with a smaller MTU (both ends).
@@ -90,6 +97,7 @@ impl Fault {
             Fault::CeMark { .. } => "ce_mark",
             Fault::Bottleneck { .. } => "bottleneck",
             Fault::LinkDown { .. } => "link_down",
+            Fault::LinkDownStatic { .. } => "link_down_static",
             Fault::SpineDown { .. } => "spine_down",
             Fault::Mtu { .. } => "mtu",
             Fault::AsymClass { .. } => "asym_class",
@@ -639,6 +647,8 @@ impl Lab {
                 self.set_link(*leaf, *spine, false)?;
                 self.routes()
             }
+            // No routes(): the kernel alone reacts, on the two nodes whose ports went down.
+            Fault::LinkDownStatic { leaf, spine } => self.set_link(*leaf, *spine, false),
             Fault::SpineDown { spine } => {
                 for l in LEAVES {
                     self.set_link(l, *spine, false)?;
@@ -670,7 +680,7 @@ impl Lab {
                 let _ = self.exec(node, &["tc", "qdisc", "del", "dev", iface, "root"]);
                 Ok(())
             }
-            Fault::LinkDown { leaf, spine } => {
+            Fault::LinkDown { leaf, spine } | Fault::LinkDownStatic { leaf, spine } => {
                 self.set_link(*leaf, *spine, true)?;
                 self.routes()
             }
