@@ -1299,7 +1299,7 @@ pub struct CeOnset {
     pub span: Span,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Lost {
     pub between: [String; 2],
     #[serde(flatten)]

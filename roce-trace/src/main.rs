@@ -81,7 +81,8 @@ struct VerifyArgs {
     /// Drill: shell command that repairs it (else you are asked to).
     #[arg(long, requires = "drill")]
     up: Option<String>,
-    /// Drill: traffic time before, during and after the failure.
+    /// Drill: traffic time before, during and after the failure (at least twice the
+    /// agents' counter interval: the failure's second half is judged on its own).
     #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
     hold: Duration,
     /// Local capture: 1 in N packets sampled.
@@ -823,8 +824,8 @@ fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
             }
         })?;
         let via = policy.ecmp.as_ref().map(|e| e.via.clone()).unwrap_or_default();
-        let d = drill::measure(&snaps.reports, snaps.down_at_ns, snaps.up_at_ns, &via);
-        (drill::judge(&policy, &d), snaps.reports[1].flows.len())
+        let d = drill::measure(&snaps, &via);
+        (drill::judge(&policy, &d), snaps.during.flows.len())
     } else {
         let report = rt.block_on(verify::window_report(&source))?;
         let mut checks = verify::checks::judge(&policy, &report, a.load);

@@ -69,8 +69,15 @@ pub enum Fault {
         iface: String,
         rate: String,
     },
-    /// The link between a leaf and a spine, both ends administratively down.
+    /// The link between a leaf and a spine, both ends administratively down; routes
+    /// converge at once, as a routing protocol would have them.
     LinkDown { leaf: u8, spine: u8 },
+    /// The same link failure in a fabric without a routing protocol: the link's two ends
+    /// stop using it (the leaf's ECMP next hop dies, the spine's route to the leaf's hosts
+    /// goes), but the other leaf is not told and keeps hashing traffic to `leaf`'s hosts
+    /// onto `spine`, which drops it. Traffic from `leaf` moves; traffic to it through
+    /// `spine` — the replies of its hosts' connections — is black-holed.
+    LinkDownStatic { leaf: u8, spine: u8 },
     /// Every port of a spine down.
     SpineDown { spine: u8 },
     /// A leaf–spine link with a smaller MTU (both ends).
@@ -93,6 +100,7 @@ impl Fault {
             Fault::CeMark { .. } => "ce_mark",
             Fault::Bottleneck { .. } => "bottleneck",
             Fault::LinkDown { .. } => "link_down",
+            Fault::LinkDownStatic { .. } => "link_down_static",
             Fault::SpineDown { .. } => "spine_down",
             Fault::Mtu { .. } => "mtu",
             Fault::AsymClass { .. } => "asym_class",
@@ -393,131 +401,122 @@ impl Lab {
     /// (Re)installs every route (idempotent), as a routing protocol would: a leaf reaches
     /// the other leaf's hosts through every spine whose links to both leaves are up. (Admin
     /// down of a port also deletes the IPv4 routes through it, so this runs after every
-    /// link change.)
+    /// link change.) One `ip -batch` per node, the leaves first: their next hops are what
+    /// a link change moves, and a routing protocol converges in a fraction of a second —
+    /// the replies of a leaf's hosts must not stay on a dead link longer than that.
     pub fn routes(&self) -> anyhow::Result<()> {
-        for h in HOSTS {
-            let n = format!("h{h}");
-            self.exec(
-                &n,
-                &[
-                    "ip",
-                    "route",
-                    "replace",
-                    "default",
-                    "via",
-                    &format!("10.10.{h}.1"),
-                ],
-            )?;
-            self.exec(
-                &n,
-                &[
-                    "ip",
-                    "-6",
-                    "route",
-                    "replace",
-                    "default",
-                    "via",
-                    &format!("fd00:10:{h}::1"),
-                ],
-            )?;
-        }
         let mut up = std::collections::BTreeSet::new();
+        let mut ports_up = std::collections::BTreeMap::new();
+        for n in LEAVES
+            .iter()
+            .map(|l| format!("l{l}"))
+            .chain(SPINES.iter().map(|s| format!("s{s}")))
+        {
+            ports_up.insert(n.clone(), self.ports_up(&n)?);
+        }
         for l in LEAVES {
             for s in SPINES {
-                if self.link_up(&format!("l{l}"), &format!("s{s}"))?
-                    && self.link_up(&format!("s{s}"), &format!("l{l}"))?
+                if ports_up[&format!("l{l}")].contains(&format!("s{s}"))
+                    && ports_up[&format!("s{s}")].contains(&format!("l{l}"))
                 {
                     up.insert((l, s));
                 }
             }
         }
         for l in LEAVES {
+            let leaf = format!("l{l}");
+            let mut batch = Vec::new();
             for h in HOSTS.iter().filter(|&&h| leaf_of(h) != l) {
                 let via: Vec<u8> = SPINES
                     .iter()
                     .copied()
                     .filter(|&s| up.contains(&(l, s)) && up.contains(&(leaf_of(*h), s)))
                     .collect();
-                let leaf = format!("l{l}");
                 if via.is_empty() {
                     // Cut off, as a real leaf would be.
                     let _ = self.exec(&leaf, &["ip", "route", "del", &format!("10.10.{h}.0/24")]);
                     let _ = self.exec(&leaf, &["ip", "-6", "route", "del", &format!("fd00:10:{h}::/64")]);
                     continue;
                 }
-                let mut v4 = vec![
-                    "ip".to_owned(),
-                    "route".into(),
-                    "replace".into(),
-                    format!("10.10.{h}.0/24"),
-                ];
-                let mut v6 = vec![
-                    "ip".to_owned(),
-                    "-6".into(),
-                    "route".into(),
-                    "replace".into(),
-                    format!("fd00:10:{h}::/64"),
-                ];
+                let (mut v4, mut v6) = (
+                    format!("route replace 10.10.{h}.0/24"),
+                    format!("route replace fd00:10:{h}::/64"),
+                );
                 for s in via {
-                    v4.extend([
-                        "nexthop".into(),
-                        "via".into(),
-                        format!("10.2{l}.{s}.2"),
-                        "dev".into(),
-                        format!("s{s}"),
-                    ]);
-                    v6.extend([
-                        "nexthop".into(),
-                        "via".into(),
-                        format!("fd00:2{l}:{s}::2"),
-                        "dev".into(),
-                        format!("s{s}"),
-                    ]);
+                    v4.push_str(&format!(" nexthop via 10.2{l}.{s}.2 dev s{s}"));
+                    v6.push_str(&format!(" nexthop via fd00:2{l}:{s}::2 dev s{s}"));
                 }
-                for cmd in [v4, v6] {
-                    let args: Vec<&str> = cmd.iter().map(String::as_str).collect();
-                    self.exec(&leaf, &args)?;
-                }
+                batch.extend([v4, v6]);
             }
+            self.ip_batch(&leaf, &batch)?;
         }
         for s in SPINES {
+            let mut batch = Vec::new();
             for h in HOSTS {
                 let l = leaf_of(h);
                 if !up.contains(&(l, s)) {
                     continue; // the kernel dropped the route with the port
                 }
-                let spine = format!("s{s}");
-                self.exec(
-                    &spine,
-                    &[
-                        "ip",
-                        "route",
-                        "replace",
-                        &format!("10.10.{h}.0/24"),
-                        "via",
-                        &format!("10.2{l}.{s}.1"),
-                    ],
-                )?;
-                self.exec(
-                    &spine,
-                    &[
-                        "ip",
-                        "-6",
-                        "route",
-                        "replace",
-                        &format!("fd00:10:{h}::/64"),
-                        "via",
-                        &format!("fd00:2{l}:{s}::1"),
-                    ],
-                )?;
+                batch.push(format!("route replace 10.10.{h}.0/24 via 10.2{l}.{s}.1"));
+                batch.push(format!("route replace fd00:10:{h}::/64 via fd00:2{l}:{s}::1"));
             }
+            self.ip_batch(&format!("s{s}"), &batch)?;
+        }
+        for h in HOSTS {
+            // `::/0`, not `default`: a batch line has no `-6`, the family comes from it.
+            self.ip_batch(
+                &format!("h{h}"),
+                &[
+                    format!("route replace default via 10.10.{h}.1"),
+                    format!("route replace ::/0 via fd00:10:{h}::1"),
+                ],
+            )?;
         }
         Ok(())
     }
 
-    fn link_up(&self, node: &str, ifname: &str) -> anyhow::Result<bool> {
-        let out = self.exec(node, &["ip", "-o", "link", "show", "dev", ifname])?;
-        Ok(out.contains(",UP") || out.contains("<UP"))
+    /// Runs `ip -batch` in a node: one `ip` command (without the `ip`) per line.
+    fn ip_batch(&self, node: &str, cmds: &[String]) -> anyhow::Result<()> {
+        if cmds.is_empty() {
+            return Ok(());
+        }
+        let ns = self.ns(node);
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &ns, "ip", "-batch", "-"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()?;
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .expect("piped")
+            .write_all(cmds.join("\n").as_bytes())?;
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            bail!(
+                "ip -batch in {node} failed: {}\n{}",
+                String::from_utf8_lossy(&out.stderr).trim(),
+                cmds.join("\n")
+            );
+        }
+        Ok(())
+    }
+
+    /// The interfaces of a node that are administratively up.
+    fn ports_up(&self, node: &str) -> anyhow::Result<std::collections::BTreeSet<String>> {
+        let out = self.exec(node, &["ip", "-o", "link", "show"])?;
+        Ok(out
+            .lines()
+            .filter_map(|l| {
+                // `2: s1@if5: <BROADCAST,MULTICAST,UP,LOWER_UP> mtu …`
+                let mut f = l.split(": ");
+                let name = f.nth(1)?.split('@').next()?;
+                let flags = f.next()?.split('>').next()?;
+                (flags.contains(",UP") || flags.contains("<UP")).then(|| name.to_owned())
+            })
+            .collect())
     }
 
     /// Removes every namespace of this lab (their links and rules go with them), after
@@ -643,6 +642,8 @@ impl Lab {
                 self.set_link(*leaf, *spine, false)?;
                 self.routes()
             }
+            // No routes(): the kernel alone reacts, on the two nodes whose ports went down.
+            Fault::LinkDownStatic { leaf, spine } => self.set_link(*leaf, *spine, false),
             Fault::SpineDown { spine } => {
                 for l in LEAVES {
                     self.set_link(l, *spine, false)?;
@@ -682,7 +683,7 @@ impl Lab {
                 let _ = self.exec(node, &["tc", "qdisc", "del", "dev", iface, "root"]);
                 Ok(())
             }
-            Fault::LinkDown { leaf, spine } => {
+            Fault::LinkDown { leaf, spine } | Fault::LinkDownStatic { leaf, spine } => {
                 self.set_link(*leaf, *spine, true)?;
                 self.routes()
             }

@@ -313,6 +313,21 @@ fn each_fault_shows_with_plain_tools() {
         "the same ports take the same spines again"
     );
 
+    // Link down without a routing protocol: l1 stops using s1 at once (every port of
+    // h1 → h3 takes s2), but l2 is not told and still hashes traffic to h1 onto s1, which
+    // has no route there any more.
+    let f = Fault::LinkDownStatic { leaf: 1, spine: 1 };
+    l.apply(&f).unwrap();
+    assert!(spines_by_sport(l, 1, 3, 8).values().all(|&s| s == 2));
+    let back = spines_by_sport(l, 3, 1, 8);
+    assert!(back.values().any(|&s| s == 1), "{back:?}");
+    let err = l.exec("s1", &["ip", "route", "get", "10.10.1.2"]).unwrap_err();
+    assert!(format!("{err:#}").contains("unreachable"), "{err:#}");
+    l.clear(&f).unwrap();
+    assert_eq!(spines_by_sport(l, 1, 3, 8), map);
+    assert_eq!(spines_by_sport(l, 3, 1, 8), back);
+    l.exec("s1", &["ip", "route", "get", "10.10.1.2"]).unwrap();
+
     // Spine down: everything through s1.
     let f = Fault::SpineDown { spine: 2 };
     l.apply(&f).unwrap();

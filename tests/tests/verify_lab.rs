@@ -382,23 +382,21 @@ fn a_healthy_fabric_passes_and_each_fault_fails_exactly_its_checks() {
     assert!(wrong.is_empty(), "\n{}", wrong.join("\n"));
 }
 
-#[test]
-fn a_link_failure_drill_measures_loss_recovery_and_return() {
-    if !require_root() {
-        return;
-    }
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let lab = LabGuard::up("rtvd");
-    let dir = TempDir::new("verify-drill");
+/// A drill on a fresh lab `prefix` while `traffic` runs (h1 → h3 on 8 QPs): `fault`
+/// (`xtask lab fault` words) is the failure and its `clear` the repair. Verify's exit code
+/// and verdict.
+fn drill(prefix: &str, fault: &str) -> (i32, Value) {
+    let lab = LabGuard::up(prefix);
+    let dir = TempDir::new(&format!("verify-drill-{prefix}"));
     let obs = observe(&lab.0, &dir, "drill");
     let l = lab.0.clone();
     let traffic = std::thread::spawn(move || traffic(&l, 18, 48));
     std::thread::sleep(Duration::from_secs(1));
     let x = xtask_bin();
     let x = x.to_str().unwrap();
-    let down = format!("{x} lab --prefix rtvd fault link-down --leaf 1 --spine 1");
-    let up = format!("{x} lab --prefix rtvd clear link-down --leaf 1 --spine 1");
-    let (code, v) = verify(
+    let down = format!("{x} lab --prefix {prefix} fault {fault}");
+    let up = format!("{x} lab --prefix {prefix} clear {fault}");
+    let out = verify(
         Some(&lab.0.ns("mgmt")),
         &[
             "--collector-http",
@@ -416,31 +414,48 @@ fn a_link_failure_drill_measures_loss_recovery_and_return() {
     );
     traffic.join().unwrap();
     drop(obs);
-    let check = |name: &str| {
-        v["checks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["check"] == name)
-            .unwrap_or_else(|| panic!("no {name} in {v:#}"))
-            .clone()
-    };
+    out
+}
+
+fn check(v: &Value, name: &str) -> Value {
+    v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["check"] == name)
+        .unwrap_or_else(|| panic!("no {name} in {v:#}"))
+        .clone()
+}
+
+#[test]
+fn a_link_failure_drill_measures_loss_recovery_and_return() {
+    if !require_root() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (code, v) = drill("rtvd", "link-down --leaf 1 --spine 1");
+    let check = |name: &str| check(&v, name);
     assert_eq!(code, 0, "{v:#}");
     // The s1 flows of h1 → h3 moved to s2, fast (ECMP reroutes within the link event),
-    // and came back after the repair.
+    // and so did the ACKs l2 had hashed onto s1 once the routes converged; all came back
+    // after the repair.
     let rec = check("drill_recovery");
     assert_eq!(rec["status"], "pass", "{rec:#}");
-    let moved: u64 = rec["summary"]
-        .as_str()
-        .unwrap()
-        .split(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert!((1..=8).contains(&moved), "{rec:#}");
+    let summary = rec["summary"].as_str().unwrap();
+    let n = |what: &str| -> u64 {
+        summary
+            .split([' ', '(', ','])
+            .collect::<Vec<_>>()
+            .windows(2)
+            .find(|w| w[1] == what)
+            .unwrap_or_else(|| panic!("no {what} in {summary}"))[0]
+            .parse()
+            .unwrap()
+    };
+    assert!((1..=8).contains(&n("data")), "{rec:#}");
+    assert!((1..=8).contains(&n("replies)")), "{rec:#}");
     assert!(
-        rec["summary"].as_str().unwrap().contains("during: s1 0, s2 8"),
+        summary.contains("during: s1 0, s2 8; replies via") && summary.ends_with("during: s1 0, s2 8"),
         "{rec:#}"
     );
     let ret = check("drill_return");
@@ -450,4 +465,50 @@ fn a_link_failure_drill_measures_loss_recovery_and_return() {
         "{ret:#}"
     );
     assert_eq!(check("drill_loss")["status"], "pass");
+}
+
+/// The fault from the field: l1's link to s1 fails in a fabric without a routing
+/// protocol. l1 stops using s1 at once, so every request from h1 still arrives; but l2
+/// keeps hashing traffic to h1 onto s1, which has no way there: the ACKs of the QPs
+/// whose reply port hashes onto s1 vanish for the whole outage, and those connections
+/// stall. The drill must fail on them, naming the reply direction and s1.
+#[test]
+fn a_drill_whose_replies_are_black_holed_fails_naming_the_reply_direction() {
+    if !require_root() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // Which ACK flows l2 hashes onto s1 (responder QP 0x101 + 2i answers from its own
+    // port): the test means something only if some do and some do not.
+    let probe = LabGuard::up("rtvr");
+    let on_s1: BTreeSet<u16> = (0..8u32)
+        .map(|i| roce_trace::traffic::reply_port(0x101 + 2 * i))
+        .filter(|&p| probe.0.spine_for(3, 1, p, false).unwrap() == 1)
+        .collect();
+    drop(probe);
+    assert!((1..8).contains(&on_s1.len()), "{on_s1:?}");
+
+    let (code, v) = drill("rtvr", "link-down-static --leaf 1 --spine 1");
+    assert_eq!(code, 1, "{v:#}");
+    let loss = check(&v, "drill_loss");
+    assert_eq!(loss["status"], "fail", "{loss:#}");
+    let ev = loss["evidence"].as_array().unwrap();
+    // Every black-holed ACK flow is named, as replies h3 → h1, at s1.
+    let named: BTreeSet<u16> = ev
+        .iter()
+        .filter(|e| {
+            let d = e["detail"].as_str().unwrap();
+            d.contains("replies (ACKs) 10.10.3.2→10.10.1.2")
+                && e["at"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|p| p.as_str().unwrap().starts_with("s1:"))
+        })
+        .map(|e| {
+            let id = e["flow"].as_str().unwrap();
+            id.split(['>', ':']).nth(1).unwrap().parse().unwrap()
+        })
+        .collect();
+    assert_eq!(named, on_s1, "{loss:#}");
 }

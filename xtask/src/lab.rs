@@ -75,6 +75,15 @@ enum FaultArg {
         #[arg(long)]
         spine: u8,
     },
+    /// Take the link between leaf L and spine S down with no routing protocol: L stops
+    /// using S, the other leaf keeps sending L's traffic to S, which drops it (replies
+    /// to L's hosts through S are black-holed).
+    LinkDownStatic {
+        #[arg(long)]
+        leaf: u8,
+        #[arg(long)]
+        spine: u8,
+    },
     /// Take every port of a spine down.
     SpineDown {
         #[arg(long)]
@@ -132,6 +141,13 @@ fn fault(f: FaultArg) -> anyhow::Result<Fault> {
                 "leaves and spines are 1 and 2",
             )?;
             Fault::LinkDown { leaf, spine }
+        }
+        FaultArg::LinkDownStatic { leaf, spine } => {
+            check(
+                (1..=2).contains(&leaf) && (1..=2).contains(&spine),
+                "leaves and spines are 1 and 2",
+            )?;
+            Fault::LinkDownStatic { leaf, spine }
         }
         FaultArg::SpineDown { spine } => {
             check((1..=2).contains(&spine), "spines are 1 and 2")?;

@@ -364,7 +364,7 @@ fn a_small_link_mtu_fails_the_path_mtu_at_the_link() {
                 last_ns: 2,
                 packets: 100,
             },
-            kernel_drops: Vec::new(),
+            ..Default::default()
         });
         f.counters.get_mut("h3:eth0:ingress").unwrap().psn_gaps = 50;
     }
@@ -586,7 +586,7 @@ fn a_window_counts_only_what_happened_in_it() {
             last_ns: 2,
             packets: 5,
         },
-        kernel_drops: Vec::new(),
+        ..Default::default()
     });
     let mut end = later(start.clone());
     // Flow 2 stopped before the window; flow 4 changed class during it.
@@ -619,58 +619,366 @@ fn a_window_counts_only_what_happened_in_it() {
     assert!(f0.delivery.iter().all(|d| d.at_ns > 7_000_000_000));
 }
 
-#[test]
-fn a_drill_measures_loss_recovery_and_return() {
-    let before = report(healthy());
-    const DOWN: u64 = 10_000_000_000;
-    const UP: u64 = 20_000_000_000;
-    // During: the s1 flows lost 3 sampled packets each, moved to s2 40 ms after the failure.
-    let mut during = later(healthy());
-    for f in during.iter_mut().filter(|f| via_s1(f) && f.src_ip == h(1)) {
-        let moved = points(1, 3, Some(2));
-        f.lost.push(Lost {
-            between: [f.path[1].clone(), f.path[2].clone()],
-            span: Span {
-                first_ns: DOWN,
-                last_ns: DOWN + 1,
-                packets: 3,
-            },
-            kernel_drops: Vec::new(),
-        });
-        f.path_history.push(PathAt {
-            since_ns: DOWN + 40_000_000,
-            path: moved.clone(),
-        });
-        f.path = moved;
-    }
-    let after = report(later(later(healthy())));
-    let via = vec!["s1".to_string(), "s2".to_string()];
-    let d = drill::measure(&[before.clone(), report(during.clone()), after], DOWN, UP, &via);
-    assert_eq!(d.affected.len(), 4);
-    assert_eq!(d.lost.values().sum::<u64>(), 12);
-    assert!(d.recovery_ms.values().all(|ms| (*ms - 40.0).abs() < 1e-6));
-    assert_eq!(
-        d.spread_during,
-        BTreeMap::from([("s1".to_string(), 0), ("s2".to_string(), 8)])
-    );
-    assert!(d.not_returned.is_empty());
-    let p = Policy::parse(POLICY).unwrap();
-    let c = drill::judge(&p, &d);
-    assert!(c.iter().all(|c| c.status == Status::Pass), "{c:?}");
+const DOWN: u64 = 10_000_000_000;
+const UP: u64 = 20_000_000_000;
 
-    // Flows that stay on the dead path, and flows that do not come back, fail.
-    let mut stuck = during.clone();
-    for f in stuck.iter_mut().filter(|f| f.path_history.len() > 1) {
-        f.path_history.pop();
+fn host(ip: &str) -> u8 {
+    ip.split('.').nth(2).unwrap().parse().unwrap()
+}
+
+/// `f` on a path through `spine` from `after_ms` into the failure on.
+fn move_to(f: &mut FlowReport, spine: u8, after_ms: u64) {
+    let p = points(host(&f.src_ip), host(&f.dst_ip), Some(spine));
+    if f.path_history.iter().all(|x| x.since_ns < DOWN) {
+        f.path_history.push(PathAt {
+            since_ns: DOWN + after_ms * 1_000_000,
+            path: p.clone(),
+        });
     }
-    let after_moved = report(during);
-    let d = drill::measure(&[before, report(stuck), after_moved], DOWN, UP, &via);
-    assert_eq!(d.not_recovered.len(), 4);
-    assert_eq!(d.not_returned.len(), 4);
-    let failed: Vec<String> = drill::judge(&p, &d)
+    f.path = p;
+}
+
+/// `packets` sampled packets of `f` lost (in all) past the point `at` of its path.
+fn lose(f: &mut FlowReport, at: usize, packets: u64) {
+    f.lost = vec![Lost {
+        between: [f.path[at].clone(), f.path[at + 1].clone()],
+        span: Span {
+            first_ns: DOWN,
+            last_ns: DOWN + 1,
+            packets,
+        },
+        ..Default::default()
+    }];
+}
+
+/// Nothing of `f` gets past the point `at` of its path since `was`: the points beyond
+/// count no more than they did then.
+fn stop_past(f: &mut FlowReport, was: &FlowReport, at: usize) {
+    for p in &f.path[at + 1..] {
+        f.counters.insert(p.clone(), was.counters[p]);
+    }
+}
+
+fn is_ack(f: &FlowReport) -> bool {
+    f.src_ip == h(3)
+}
+
+/// A drill's views of the collector's (cumulative) report: at the start; before the
+/// failure, after as much traffic again; half-way through it and at its end (`fail`
+/// shapes the flows of both, given the flow as it was before the failure); and after
+/// the repair, back as before.
+fn drill_snapshots(fail: impl Fn(&mut FlowReport, &FlowReport, bool)) -> drill::Snapshots {
+    let before = later(healthy());
+    let mut mid = later(before.clone());
+    for (f, was) in mid.iter_mut().zip(&before) {
+        fail(f, was, false);
+    }
+    let mut end = later(mid.clone());
+    for (f, was) in end.iter_mut().zip(&before) {
+        fail(f, was, true);
+    }
+    drill::Snapshots {
+        start: report(healthy()),
+        before: report(before),
+        settled: report(mid),
+        during: report(end),
+        after: report(later(later(later(later(healthy()))))),
+        down_at_ns: DOWN,
+        up_at_ns: UP,
+    }
+}
+
+fn via() -> Vec<String> {
+    vec!["s1".to_string(), "s2".to_string()]
+}
+
+fn drill_checks(p: &Policy, s: &drill::Snapshots) -> BTreeMap<String, super::checks::CheckResult> {
+    drill::judge(p, &drill::measure(s, &via()))
         .into_iter()
+        .map(|c| (c.check.clone(), c))
+        .collect()
+}
+
+/// The example policy without a loss budget: only flows that stop fail `drill_loss`.
+fn policy_without_loss_budget() -> Policy {
+    let text: String = POLICY
+        .lines()
+        .filter(|l| !l.starts_with("max_lost"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let p = Policy::parse(&text).unwrap();
+    assert_eq!(p.drill.as_ref().unwrap().max_lost, None);
+    p
+}
+
+#[test]
+fn a_drill_measures_loss_recovery_and_return_in_both_directions() {
+    // The s1 flows lose a few sampled packets and move to s2: the requests 40 ms after
+    // the failure, their ACKs (routed back by the far leaf) 300 ms after.
+    let s = drill_snapshots(|f, _, _| {
+        if !via_s1(f) && f.path_history.len() == 1 {
+            return;
+        }
+        if is_ack(f) {
+            lose(f, 2, 2);
+            move_to(f, 2, 300);
+        } else {
+            lose(f, 1, 3);
+            move_to(f, 2, 40);
+        }
+    });
+    let d = drill::measure(&s, &via());
+    assert_eq!(d.flows.len(), 18, "8 QPs' data and ACKs, and 2 QPs' data");
+    let affected: Vec<&drill::DrillFlow> = d.affected().map(|(_, f)| f).collect();
+    assert_eq!(affected.len(), 8);
+    assert_eq!(affected.iter().filter(|f| f.way == drill::Way::Acks).count(), 4);
+    for f in &affected {
+        let (lost, ms, dir) = match f.way {
+            drill::Way::Data => (3, 40.0, "data 10.10.1.2→10.10.3.2"),
+            _ => (2, 300.0, "replies (ACKs) 10.10.3.2→10.10.1.2"),
+        };
+        assert_eq!(f.lost_packets(), lost);
+        assert!((f.moved_after_ms.unwrap() - ms).abs() < 1e-6);
+        assert_eq!(f.direction, dir);
+        assert!(f.stopped.is_none());
+    }
+    let all_s2 = BTreeMap::from([("s1".to_string(), 0), ("s2".to_string(), 8)]);
+    assert_eq!(d.spread_during, all_s2);
+    assert_eq!(d.reply_spread_during, all_s2);
+    assert!(d.flows.values().all(|f| !f.not_back));
+    let p = Policy::parse(POLICY).unwrap();
+    let c = drill_checks(&p, &s);
+    assert!(c.values().all(|c| c.status == Status::Pass), "{c:#?}");
+    assert!(
+        c["drill_loss"]
+            .summary
+            .starts_with("20 sampled packets lost (12 data, 8 replies)"),
+        "{}",
+        c["drill_loss"].summary
+    );
+    assert!(
+        c["drill_recovery"]
+            .summary
+            .starts_with("8 flow(s) moved (4 data, 4 replies), the last after 300 ms"),
+        "{}",
+        c["drill_recovery"].summary
+    );
+
+    // Flows that stay on the dead path, and flows that do not come back, fail — the
+    // replies as much as the data.
+    let mut stuck = drill_snapshots(|f, _, _| {
+        if via_s1(f) {
+            lose(f, if is_ack(f) { 2 } else { 1 }, 2);
+        }
+    });
+    stuck.after = stuck.during.clone();
+    stuck.after.flows.iter_mut().filter(|f| via_s1(f)).for_each(|f| {
+        move_to(f, 2, 0);
+    });
+    let c = drill_checks(&p, &stuck);
+    let failed: Vec<&str> = c
+        .values()
         .filter(|c| c.status == Status::Fail)
-        .map(|c| c.check)
+        .map(|c| c.check.as_str())
         .collect();
     assert_eq!(failed, vec!["drill_recovery", "drill_return"]);
+    for check in ["drill_recovery", "drill_return"] {
+        let e = &c[check].evidence;
+        assert_eq!(e.len(), 8, "{check}: {e:#?}");
+        assert_eq!(
+            e.iter()
+                .filter(|e| e.detail.starts_with("replies (ACKs) 10.10.3.2→10.10.1.2: "))
+                .count(),
+            4,
+            "{check}: {e:#?}"
+        );
+    }
+}
+
+/// The fault from the field: l1 stops using its dead link to s1 at once, so the requests
+/// move and lose nothing, but l2 keeps hashing h1's traffic onto s1, which drops it —
+/// the collector locates the loss on the ACK flows, and that alone must fail the drill.
+#[test]
+fn a_drill_where_only_the_replies_lose_packets_fails_naming_them() {
+    let s = drill_snapshots(|f, _, settled| {
+        if !via_s1(f) && f.path_history.len() == 1 {
+            return;
+        }
+        if is_ack(f) {
+            lose(f, 2, if settled { 30 } else { 15 });
+        } else {
+            move_to(f, 2, 0);
+        }
+    });
+    let p = Policy::parse(POLICY).unwrap();
+    let c = drill_checks(&p, &s);
+    let loss = &c["drill_loss"];
+    assert_eq!(loss.status, Status::Fail, "{loss:#?}");
+    assert!(
+        loss.summary
+            .starts_with("120 sampled packets lost (0 data, 120 replies)"),
+        "{}",
+        loss.summary
+    );
+    assert_eq!(loss.evidence.len(), 4, "{loss:#?}");
+    for e in &loss.evidence {
+        assert_eq!(
+            e.detail,
+            "replies (ACKs) 10.10.3.2→10.10.1.2: 30 sampled packets lost during the failure"
+        );
+        assert_eq!(e.at, ["s1:l2:ingress", "l1:s1:ingress"]);
+    }
+    // They never moved off s1 either.
+    let rec = &c["drill_recovery"];
+    assert_eq!(rec.status, Status::Fail);
+    assert!(rec.evidence.iter().all(|e| {
+        e.detail
+            .starts_with("replies (ACKs) 10.10.3.2→10.10.1.2: lost packets")
+    }));
+    assert_eq!(rec.evidence.len(), 4);
+}
+
+/// The same black hole seen by the exact counters: the ACKs through s1 still leave h3
+/// but none reach h1 once the failure has settled. Stopping is no matter of a loss
+/// budget: it fails without one, where the ACKs stop.
+#[test]
+fn replies_that_stop_getting_through_fail_the_drill_without_a_loss_budget() {
+    let s = drill_snapshots(|f, was, _| {
+        if !via_s1(f) && f.path_history.len() == 1 {
+            return;
+        }
+        if is_ack(f) {
+            stop_past(f, was, 2);
+            lose(f, 2, 1);
+        } else {
+            move_to(f, 2, 0);
+        }
+    });
+    let c = drill_checks(&policy_without_loss_budget(), &s);
+    let loss = &c["drill_loss"];
+    assert_eq!(loss.status, Status::Fail, "{loss:#?}");
+    assert!(
+        loss.summary.contains("4 flow(s) stopped (0 data, 4 replies)"),
+        "{}",
+        loss.summary
+    );
+    let stops: Vec<_> = loss
+        .evidence
+        .iter()
+        .filter(|e| e.detail.contains("since the failure settled"))
+        .collect();
+    assert_eq!(stops.len(), 4, "{loss:#?}");
+    for e in stops {
+        assert_eq!(
+            e.detail,
+            "replies (ACKs) 10.10.3.2→10.10.1.2: none of its 400 packets since the failure settled reached h1"
+        );
+        assert_eq!(e.at, ["s1:l2:ingress", "l1:s1:ingress"]);
+    }
+    // A healthy drill passes without the budget too.
+    let healthy = drill_snapshots(|_, _, _| {});
+    let c = drill_checks(&policy_without_loss_budget(), &healthy);
+    assert_eq!(c["drill_loss"].status, Status::Pass, "{:#?}", c["drill_loss"]);
+}
+
+/// A requester whose ACKs vanished sends nothing once its retries ran out; a responder
+/// that stops answering leaves its requester waiting. Both stall their connection.
+#[test]
+fn a_connection_that_stalls_during_the_drill_fails_it() {
+    let first = |f: &FlowReport| f.udp_sport == 49152 && f.dst_ip != h(2);
+    // QP 0's data and ACKs: silent once the failure has settled (nothing new at all).
+    let stalled = drill_snapshots(|f, _, settled| {
+        if first(f) {
+            if !is_ack(f) {
+                lose(f, 2, 4);
+            }
+            if settled {
+                let mut was = f.clone();
+                for c in was.counters.values_mut() {
+                    c.packets /= 2;
+                }
+                f.counters = was.counters;
+                f.trajectories /= 2;
+            }
+        }
+    });
+    let d = drill::measure(&stalled, &via());
+    let stops: Vec<(&String, &drill::Stop)> = d
+        .flows
+        .iter()
+        .filter_map(|(id, f)| f.stopped.as_ref().map(|s| (id, s)))
+        .collect();
+    assert_eq!(stops.len(), 1, "{stops:#?}");
+    assert_eq!(stops[0].0, "10.10.1.2:49152>10.10.3.2/0xc100");
+    assert!(stops[0].1.detail.contains("its connection stalled"));
+    assert_eq!(stops[0].1.at, ["s1:l1:ingress", "l2:s1:ingress"]);
+    let p = Policy::parse(POLICY).unwrap();
+    assert_eq!(drill_checks(&p, &stalled)["drill_loss"].status, Status::Fail);
+
+    // Its ACKs alone silent while every request of the host pair is delivered.
+    let unanswered = drill_snapshots(|f, _, settled| {
+        if first(f) && is_ack(f) && settled {
+            for c in f.counters.values_mut() {
+                c.packets /= 2;
+            }
+            f.trajectories /= 2;
+        }
+    });
+    let d = drill::measure(&unanswered, &via());
+    let f = &d.flows["10.10.3.2:49152>10.10.1.2/0xc100"];
+    let s = f.stopped.as_ref().expect("stopped");
+    assert!(
+        s.detail.starts_with(
+            "sent nothing once the failure had settled, while data 10.10.1.2→10.10.3.2 delivered"
+        ),
+        "{}",
+        s.detail
+    );
+    assert_eq!(d.flows.values().filter(|f| f.stopped.is_some()).count(), 1);
+}
+
+/// Requests carry the responder's QP, replies the requester's: only the collector's
+/// pairing (the CNP flow it charged to a data flow) joins one QP's two directions; other
+/// flows go with every flow of the other way between the same two hosts.
+#[test]
+fn reply_flows_go_with_their_own_data_flow_when_the_collector_paired_them() {
+    let mut v = healthy();
+    // QP 0's ACKs and CNPs come back to requester QP 0x100; the collector charged the
+    // CNPs to QP 0's data flow.
+    let mut cnp = acks(1, 3, 60000, Some(1));
+    for c in cnp.counters.values_mut() {
+        c.ack = 0;
+        c.cnp = 100;
+    }
+    cnp.dest_qp = 0x100;
+    cnp.id = format!("{}:60000>{}/0x100", h(3), h(1));
+    v[1].dest_qp = 0x100;
+    v[1].id = format!("{}:49152>{}/0x100", h(3), h(1));
+    v[0].answered_by.flows = vec![cnp.id.clone()];
+    v.push(cnp.clone());
+    let s = drill::Snapshots {
+        start: report(v.clone()),
+        before: report(later(v.clone())),
+        settled: report(later(later(v.clone()))),
+        during: report(later(later(later(v.clone())))),
+        after: report(later(later(later(later(v))))),
+        down_at_ns: DOWN,
+        up_at_ns: UP,
+    };
+    let d = drill::measure(&s, &via());
+    let data0 = &d.flows["10.10.1.2:49152>10.10.3.2/0xc100"];
+    assert!(data0.peers_exact);
+    assert_eq!(
+        data0.peers,
+        ["10.10.3.2:49152>10.10.1.2/0x100".to_string(), cnp.id.clone()]
+    );
+    let c = &d.flows[&cnp.id];
+    assert_eq!(c.way, drill::Way::Cnps);
+    assert_eq!(c.direction, "replies (CNPs) 10.10.3.2→10.10.1.2");
+    assert!(c.peers_exact);
+    assert_eq!(c.peers, ["10.10.1.2:49152>10.10.3.2/0xc100"]);
+    // QP 1's ACKs: the collector did not pair them, so with all 8 data flows h1 → h3.
+    let ack1 = &d.flows["10.10.3.2:49153>10.10.1.2/0xc101"];
+    assert!(!ack1.peers_exact);
+    assert_eq!(ack1.peers.len(), 8);
 }
