@@ -138,7 +138,9 @@ pub fn driver(iface: &str) -> Option<String> {
 /// An interface's MTU (IP bytes), in this network namespace.
 pub fn mtu(iface: &str) -> std::io::Result<u32> {
     if iface.len() >= libc::IFNAMSIZ {
-        return Err(std::io::Error::other(format!("interface name `{iface}` is too long")));
+        return Err(std::io::Error::other(format!(
+            "interface name `{iface}` is too long"
+        )));
     }
     // SAFETY: plain socket(2); the descriptor is owned below.
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };

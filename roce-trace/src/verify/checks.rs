@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use super::policy::{HopRule, Policy};
 use crate::{
     collector::CollectorReport,
-    correlate::{FlowReport, node_of},
+    correlate::{FlowReport, PointInfo, node_of},
     observation::CounterDelta,
 };
 
@@ -223,7 +223,7 @@ pub fn judge(policy: &Policy, report: &CollectorReport, load: Load) -> Vec<Check
         }
     }
     if let Some(m) = &policy.mtu {
-        out.push(mtu(&data, m.roce_mtu.0));
+        out.push(mtu(&data, m.roce_mtu.0, report));
     }
     if let Some(s) = &policy.stability {
         if let Some(max) = s.max_throughput_spread {
@@ -784,11 +784,38 @@ pub const MAX_ROCE_OVERHEAD: u16 = 14 + 4 + 40 + 8 + 12 + 16 + 4;
 /// to pass there, a VLAN tag removed (4 B).
 const SIZE_SLACK: u16 = 20;
 
-fn mtu(data: &[&FlowReport], roce_mtu: u16) -> CheckResult {
+/// Ethernet header bytes in front of the IP packet a frame carries (and 4 per VLAN tag).
+const ETH_HEADER: u16 = 14;
+
+/// The MTUs a point had while the report's window ran: the one in force at its start
+/// and every one declared since (a port lowered for a while is as bad as one lowered
+/// for good).
+fn mtus(p: &PointInfo) -> Vec<u32> {
+    let mut v: Vec<u32> = p.mtu_history.iter().map(|m| m.mtu).collect();
+    v.extend(p.mtu);
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+fn mtu(data: &[&FlowReport], roce_mtu: u16, report: &CollectorReport) -> CheckResult {
     let mut r = CheckResult::new(
         "path_mtu",
-        format!("data frames fit a RoCE MTU of {roce_mtu} and the largest cross every point"),
+        format!(
+            "data frames fit a RoCE MTU of {roce_mtu}, every port on their path can carry them, and the largest cross every point"
+        ),
     );
+    let points: BTreeMap<String, &PointInfo> = report.points.iter().map(|p| (p.label(), p)).collect();
+    // The largest frame of any flow each point passed: a point that carries big frames
+    // for someone is no MTU black hole.
+    let mut biggest: BTreeMap<&str, u16> = BTreeMap::new();
+    for f in &report.flows {
+        for (p, m) in &f.max_frame {
+            let b = biggest.entry(p.as_str()).or_default();
+            *b = (*b).max(*m);
+        }
+    }
+    let ends = terminals(&report.flows);
     for f in data {
         let sizes: Vec<(&String, u16)> = f
             .path
@@ -806,6 +833,47 @@ fn mtu(data: &[&FlowReport], roce_mtu: u16) -> CheckResult {
                 format!("{sent}-byte frames exceed a RoCE MTU of {roce_mtu}"),
             );
         }
+        // The IP packet those frames carry.
+        let tagged = f.class.iter().any(|c| c.pcp.is_some());
+        let ip_len = sent.saturating_sub(ETH_HEADER + if tagged { 4 } else { 0 }) as u32;
+        // Every port the flow's packets crossed or were lost on the way to, over its
+        // paths in the window; and, for a flow that stops short of where the others to
+        // its destination arrive, the ports it could leave its last node by.
+        let mut crossed: Vec<&String> = f.path.iter().collect();
+        crossed.extend(f.path_history.iter().flat_map(|h| &h.path));
+        crossed.extend(f.lost.iter().flat_map(|l| &l.between));
+        if let (Some(end), Some(last)) = (ends.get(f.dst_ip.as_str()), f.path.last())
+            && node_of(last) != *end
+        {
+            let node = node_of(last);
+            crossed.extend(
+                points
+                    .iter()
+                    .filter(|(_, p)| p.node == node && p.direction == "egress")
+                    .map(|(l, _)| l),
+            );
+        }
+        crossed.sort();
+        crossed.dedup();
+        for p in crossed {
+            let Some(info) = points.get(p.as_str()) else {
+                continue;
+            };
+            let Some(&low) = mtus(info).first() else { continue };
+            if ip_len > low {
+                let now = match info.mtu {
+                    Some(m) if m != low => format!(" (now {m})"),
+                    _ => String::new(),
+                };
+                r.evidence(
+                    f,
+                    vec![p.clone()],
+                    format!(
+                        "{sent}-byte frames ({ip_len}-byte IP packets) cannot cross {p}: its MTU was {low}{now}"
+                    ),
+                );
+            }
+        }
         if let Some(w) = sizes
             .windows(2)
             .find(|w| w[1].1 + SIZE_SLACK < sent && w[0].1 + SIZE_SLACK >= sent)
@@ -818,6 +886,23 @@ fn mtu(data: &[&FlowReport], roce_mtu: u16) -> CheckResult {
                     w[1].1
                 ),
             );
+        }
+        // Full-size frames lost at a point that carries smaller ones (for anyone) and no
+        // frame that big: whatever else the flow sends, the big ones die there.
+        for l in &f.lost {
+            let (Some(lost), Some(&seen)) = (l.largest_frame, biggest.get(l.between[1].as_str())) else {
+                continue;
+            };
+            if lost + SIZE_SLACK >= sent && seen + SIZE_SLACK < sent {
+                r.evidence(
+                    f,
+                    l.between.to_vec(),
+                    format!(
+                        "{} sampled {sent}-byte frames lost here; nothing larger than {seen} bytes got past {}",
+                        l.span.packets, l.between[1]
+                    ),
+                );
+            }
         }
     }
     r.done(Status::NoData, "no RDMA data flow seen")

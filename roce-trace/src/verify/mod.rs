@@ -175,6 +175,23 @@ pub fn since(start: &CollectorReport, mut end: CollectorReport) -> CollectorRepo
             now.packets = now.packets.saturating_sub(w.packets);
         }
     };
+    // A port's MTUs in the window: the one in force at its start and those declared since.
+    for p in &mut end.points {
+        let Some(was) = start.points.iter().find(|x| x.label() == p.label()) else {
+            continue;
+        };
+        let seen = was.mtu_history.last().map(|m| m.at_ns);
+        p.mtu_history.retain(|m| seen.is_none_or(|t| m.at_ns > t));
+        if let Some(m) = was.mtu {
+            p.mtu_history.insert(
+                0,
+                crate::correlate::MtuAt {
+                    at_ns: seen.unwrap_or(0),
+                    mtu: m,
+                },
+            );
+        }
+    }
     end.flows.retain_mut(|f| {
         let Some(b) = before.get(f.id.as_str()) else {
             return true;

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::{
     baseline::Baseline,
-    checks::{Load, Status, judge},
+    checks::{CheckResult, Load, Status, judge},
     drill,
     output::{Verdict, junit, table},
     policy::Policy,
@@ -14,7 +14,7 @@ use crate::{
     collector::CollectorReport,
     correlate::{
         Answers, ClassAt, ClassChange, CnpDelivery, CountedLoss, DeliveryAt, FlowReport, JoinStats, Lost,
-        PathAt, Span,
+        MtuAt, PathAt, PointInfo, Span,
     },
     observation::CounterDelta,
 };
@@ -417,6 +417,131 @@ fn a_flow_black_holed_from_its_start_is_loss_where_it_stops() {
             .filter(|f| f.dst_ip == "10.10.3.2" || f.src_ip == "10.10.3.2")
             .count()
             - 1
+    );
+}
+
+/// 8 QPs of 64 KiB writes at RoCE MTU 1024: every data frame is 1098 bytes, none is
+/// smaller. The flows through s1 lose every frame at s1's port from l1.
+fn all_full_size_black_holed_at_s1() -> Vec<FlowReport> {
+    let mut v = healthy();
+    for f in v.iter_mut().filter(|f| f.src_ip == h(1) && f.dst_ip == h(3)) {
+        for m in f.max_frame.values_mut() {
+            *m = 1098;
+        }
+        if via_s1(f) {
+            let beyond = f.path[2..].to_owned();
+            f.max_frame.retain(|p, _| !beyond.contains(p));
+            f.lost.push(Lost {
+                between: [f.path[1].clone(), f.path[2].clone()],
+                span: Span {
+                    first_ns: 1,
+                    last_ns: 2,
+                    packets: 400,
+                },
+                largest_frame: Some(1098),
+                ..Default::default()
+            });
+        }
+    }
+    v
+}
+
+fn with_points(flows: Vec<FlowReport>, points: Vec<PointInfo>) -> CollectorReport {
+    let mut r = report(flows);
+    r.points = points;
+    r
+}
+
+fn port(label: &str, mtu: Option<u32>, history: &[u32]) -> PointInfo {
+    let mut it = label.split(':');
+    PointInfo {
+        node: it.next().unwrap().into(),
+        iface: it.next().unwrap().into(),
+        direction: it.next().unwrap().into(),
+        clock_synced: true,
+        mtu,
+        mtu_history: history
+            .iter()
+            .enumerate()
+            .map(|(i, &mtu)| MtuAt { at_ns: i as u64, mtu })
+            .collect(),
+    }
+}
+
+fn path_mtu(r: &CollectorReport) -> CheckResult {
+    let p = Policy::parse(POLICY).unwrap();
+    judge(&p, r, Load::Idle)
+        .into_iter()
+        .find(|c| c.check == "path_mtu")
+        .unwrap()
+}
+
+/// The fabric: a port whose MTU (1000) cannot carry 1098-byte frames fails
+/// path_mtu, naming the port, though no smaller frame of the flow shows the contrast.
+#[test]
+fn a_port_that_cannot_carry_the_frames_fails_path_mtu_when_every_frame_is_full_size() {
+    let v = all_full_size_black_holed_at_s1();
+    let ports = vec![
+        port("s1:l1:ingress", Some(1000), &[1000]),
+        port("s2:l1:ingress", Some(1500), &[1500]),
+    ];
+    let c = path_mtu(&with_points(v.clone(), ports));
+    assert_eq!(c.status, Status::Fail, "{c:?}");
+    assert_eq!(c.evidence.len(), 4, "the 4 flows through s1: {c:?}");
+    assert!(c.evidence.iter().all(|e| e.at == ["s1:l1:ingress"]));
+    assert!(
+        c.evidence[0]
+            .detail
+            .contains("1098-byte frames (1084-byte IP packets) cannot cross s1:l1:ingress: its MTU was 1000"),
+        "{}",
+        c.evidence[0].detail
+    );
+    // The same port at 1500: the MTU is no reason (the loss check names the loss).
+    let ports = vec![port("s1:l1:ingress", Some(1500), &[1500])];
+    assert_eq!(path_mtu(&with_points(v, ports)).status, Status::Pass);
+}
+
+/// No MTU known there (a mirror session, an older agent): the full-size frames vanish
+/// at a point that carries only smaller frames — that alone fails path_mtu.
+#[test]
+fn full_size_frames_that_vanish_where_only_smaller_ones_pass_fail_path_mtu() {
+    let mut v = all_full_size_black_holed_at_s1();
+    // Another QP of small messages (300-byte frames) crosses s1 fine.
+    let mut small = flow(1, 3, 49300, Some(1));
+    for m in small.max_frame.values_mut() {
+        *m = 300;
+    }
+    v.push(small);
+    let c = path_mtu(&report(v.clone()));
+    assert_eq!(c.status, Status::Fail, "{c:?}");
+    assert_eq!(c.evidence.len(), 4);
+    assert_eq!(c.evidence[0].at, ["l1:h1:ingress", "s1:l1:ingress"]);
+    assert!(
+        c.evidence[0]
+            .detail
+            .contains("nothing larger than 300 bytes got past s1:l1:ingress")
+    );
+    // A lossy link that still carries full-size frames is loss, not an MTU problem.
+    let mut big = flow(1, 3, 49301, Some(1));
+    for m in big.max_frame.values_mut() {
+        *m = 1098;
+    }
+    v.push(big);
+    assert_eq!(path_mtu(&report(v)).status, Status::Pass);
+}
+
+/// A port lowered for part of the window (a fault that came and went) fails as well,
+/// saying what it is now.
+#[test]
+fn a_port_lowered_for_part_of_the_window_fails_path_mtu() {
+    let v = all_full_size_black_holed_at_s1();
+    let ports = vec![port("s1:l1:ingress", Some(1500), &[1500, 1000, 1500])];
+    let c = path_mtu(&with_points(v, ports));
+    assert_eq!(c.status, Status::Fail);
+    assert!(
+        c.evidence[0].detail.ends_with("its MTU was 1000 (now 1500)"),
+        "{}",
+        c.evidence[0].detail
     );
 }
 
