@@ -186,6 +186,9 @@ pub struct FlowState {
     history: Vec<(u64, Vec<PointId>)>,
     hops: BTreeMap<(PointId, PointId), u8>,
     class_at: BTreeMap<PointId, (u8, u8, u8)>,
+    /// Every class each point saw, CNPs apart, with when and how many: a class that was
+    /// wrong for a while is wrong, whatever the point shows at the end.
+    seen: BTreeMap<(PointId, bool, u8, u8), Span>,
     changes: BTreeMap<(PointId, PointId, u8, u8), Span>,
     ce_onset: BTreeMap<(Option<PointId>, PointId), Span>,
     lost: BTreeMap<(PointId, PointId), Span>,
@@ -416,6 +419,10 @@ impl Joiner {
         if o.ecn == 3 {
             push_recent(&mut f.ce_times, (node, o.time_ns));
         }
+        f.seen
+            .entry((point, opcode == roce::OP_CNP, obs.dscp, obs.pcp))
+            .or_default()
+            .hit(o.time_ns);
         let m = f.max_frame.entry(point).or_default();
         *m = (*m).max(o.frame_len);
         if opcode == roce::OP_CNP {
@@ -864,7 +871,8 @@ impl Joiner {
             (!over.is_empty()).then(|| over.iter().map(|x| f(x)).sum())
         };
         let mut v = Vec::new();
-        let counters: [(PointId, &str, fn(&PointHealth) -> u64); 3] = [
+        type Counter = (PointId, &'static str, fn(&PointHealth) -> u64);
+        let counters: [Counter; 3] = [
             (a, "tx_dropped", |x| x.if_tx_dropped),
             (a, "qdisc_dropped", |x| x.qdisc_dropped),
             (b, "rx_dropped", |x| x.if_rx_dropped),
@@ -1123,6 +1131,17 @@ impl Joiner {
                 .map(|(p, c)| ClassAt::new(l(p), *c))
                 .collect(),
             max_frame: f.max_frame.iter().map(|(p, m)| (l(p), *m)).collect(),
+            class_seen: f
+                .seen
+                .iter()
+                .map(|(&(p, cnp, dscp, pcp), s)| ClassSeen {
+                    point: l(&p),
+                    cnp,
+                    dscp,
+                    pcp: (pcp != PCP_NONE).then_some(pcp),
+                    span: *s,
+                })
+                .collect(),
             delivery: f.delivery.iter().copied().collect(),
             class_changes: f
                 .changes
@@ -1281,6 +1300,18 @@ impl ClassAt {
     }
 }
 
+/// One class at one point over a stretch of the window.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ClassSeen {
+    pub point: String,
+    /// CNPs (their class is judged apart from the flow's other packets).
+    pub cnp: bool,
+    pub dscp: u8,
+    pub pcp: Option<u8>,
+    #[serde(flatten)]
+    pub span: Span,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct ClassChange {
     pub between: [String; 2],
@@ -1432,6 +1463,10 @@ pub struct FlowReport {
     /// Largest frame (bytes) seen at each point.
     #[serde(default)]
     pub max_frame: BTreeMap<String, u16>,
+    /// Every class each point saw over the window (CNPs apart), with when and how many
+    /// packets: what checks of class judge.
+    #[serde(default)]
+    pub class_seen: Vec<ClassSeen>,
     /// Bytes delivered at its most downstream point, per counter interval (the last 64).
     #[serde(default)]
     pub delivery: Vec<DeliveryAt>,
@@ -2009,6 +2044,42 @@ mod tests {
         assert!(
             a.iter()
                 .any(|a| a.kind == "class_change" && a.detail == "DSCP 26 -> 0")
+        );
+    }
+
+    #[test]
+    fn a_class_seen_for_a_while_is_kept_though_the_point_shows_another_at_the_end() {
+        let (mut j, pts) = lab();
+        for psn in 0..30u32 {
+            let rewritten = (10..20).contains(&psn);
+            send(
+                &mut j,
+                &pts,
+                psn,
+                psn as u64 * MS,
+                &[],
+                |i| if rewritten && i >= 3 { 0 } else { 26 },
+                0,
+            );
+        }
+        j.tick(500 * MS);
+        let r = j.flow_report(&flow()).unwrap();
+        assert!(
+            r.class.iter().all(|c| c.dscp == 26),
+            "the end shows 26 everywhere"
+        );
+        let zero: Vec<(&str, u64, u64, u64)> = r
+            .class_seen
+            .iter()
+            .filter(|c| c.dscp == 0)
+            .map(|c| (c.point.as_str(), c.span.packets, c.span.first_ns, c.span.last_ns))
+            .collect();
+        assert_eq!(
+            zero,
+            [
+                ("l2:s1:ingress", 10, 10 * MS + 3000, 19 * MS + 3000),
+                ("h3:eth0:ingress", 10, 10 * MS + 4000, 19 * MS + 4000)
+            ]
         );
     }
 

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use super::policy::{HopRule, Policy};
 use crate::{
     collector::CollectorReport,
-    correlate::{FlowReport, PointInfo, node_of},
+    correlate::{FlowReport, PointInfo, Span, node_of},
     observation::CounterDelta,
 };
 
@@ -250,20 +250,38 @@ fn data_class(data: &[&FlowReport], dscp: Option<u8>, pcp: Option<u8>) -> CheckR
     );
     for f in data {
         r.checked += 1;
-        for c in &f.class {
+        // Every class each point showed over the window; the latest one per point only
+        // from collectors that do not keep them.
+        let seen: Vec<(&String, u8, Option<u8>, String)> = if f.class_seen.is_empty() {
+            f.class
+                .iter()
+                .map(|c| (&c.point, c.dscp, c.pcp, String::new()))
+                .collect()
+        } else {
+            f.class_seen
+                .iter()
+                .filter(|c| !c.cnp)
+                .map(|c| (&c.point, c.dscp, c.pcp, during(&c.span)))
+                .collect()
+        };
+        for (point, got_dscp, got_pcp, when) in seen {
             if let Some(want) = dscp
-                && c.dscp != want
+                && got_dscp != want
             {
                 r.evidence(
                     f,
-                    vec![c.point.clone()],
-                    format!("DSCP {} (expected {want})", c.dscp),
+                    vec![point.clone()],
+                    format!("DSCP {got_dscp} (expected {want}){when}"),
                 );
             }
-            if let (Some(want), Some(got)) = (pcp, c.pcp)
+            if let (Some(want), Some(got)) = (pcp, got_pcp)
                 && got != want
             {
-                r.evidence(f, vec![c.point.clone()], format!("PCP {got} (expected {want})"));
+                r.evidence(
+                    f,
+                    vec![point.clone()],
+                    format!("PCP {got} (expected {want}){when}"),
+                );
             }
         }
         // Counters are exact: a point whose last packet left in another class, where no
@@ -285,16 +303,40 @@ fn data_class(data: &[&FlowReport], dscp: Option<u8>, pcp: Option<u8>) -> CheckR
     r.done(Status::NoData, "no RDMA data flow seen")
 }
 
+/// How long and how many packets a class was seen: `, 896 sampled packets over 7.9 s`.
+fn during(s: &Span) -> String {
+    format!(
+        ", {} packet(s) over {:.1} s",
+        s.packets,
+        s.last_ns.saturating_sub(s.first_ns) as f64 / 1e9
+    )
+}
+
 fn cnp_class(flows: &[FlowReport], want: u8) -> CheckResult {
     let mut r = CheckResult::new("cnp_class", format!("CNPs in DSCP {want} at every point"));
-    for f in flows.iter().filter(|f| !f.cnp_class.is_empty()) {
+    for f in flows
+        .iter()
+        .filter(|f| !f.cnp_class.is_empty() || f.class_seen.iter().any(|c| c.cnp))
+    {
         r.checked += 1;
-        for c in &f.cnp_class {
-            if c.dscp != want {
+        let seen: Vec<(&String, u8, String)> = if f.class_seen.iter().any(|c| c.cnp) {
+            f.class_seen
+                .iter()
+                .filter(|c| c.cnp)
+                .map(|c| (&c.point, c.dscp, during(&c.span)))
+                .collect()
+        } else {
+            f.cnp_class
+                .iter()
+                .map(|c| (&c.point, c.dscp, String::new()))
+                .collect()
+        };
+        for (point, got, when) in seen {
+            if got != want {
                 r.evidence(
                     f,
-                    vec![c.point.clone()],
-                    format!("CNP in DSCP {} (expected {want})", c.dscp),
+                    vec![point.clone()],
+                    format!("CNP in DSCP {got} (expected {want}){when}"),
                 );
             }
         }
@@ -414,7 +456,10 @@ fn cnp_answers(data: &[&FlowReport], min_per_ce: f64) -> CheckResult {
         r.checked += 1;
         let a = &f.answered_by;
         let per = a.cnps as f64 / a.ce_marks as f64;
-        if a.cnps == 0 || per < min_per_ce {
+        // A CNP lost on the way left its sender unthrottled for a while, however many
+        // others got through (a fault that came and went).
+        let lost: u64 = a.cnps_lost.iter().map(|l| l.packets).sum();
+        if a.cnps == 0 || per < min_per_ce || lost > 0 {
             // Where the CNPs that were sent vanished, or the receiver's side when none
             // were sent at all.
             let lost: Vec<String> = a

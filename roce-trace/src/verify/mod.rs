@@ -210,6 +210,14 @@ pub fn since(start: &CollectorReport, mut end: CollectorReport) -> CollectorRepo
             );
         }
         f.lost.retain(|l| l.span.packets > 0);
+        for c in &mut f.class_seen {
+            let was = b
+                .class_seen
+                .iter()
+                .find(|x| x.point == c.point && x.cnp == c.cnp && x.dscp == c.dscp && x.pcp == c.pcp);
+            less(&mut c.span, was.map(|x| &x.span));
+        }
+        f.class_seen.retain(|c| c.span.packets > 0);
         for u in &mut f.unobserved {
             let was = b
                 .unobserved

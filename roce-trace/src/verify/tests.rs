@@ -13,8 +13,8 @@ use super::{
 use crate::{
     collector::CollectorReport,
     correlate::{
-        Answers, ClassAt, ClassChange, CnpDelivery, CountedLoss, DeliveryAt, FlowReport, JoinStats, Lost,
-        MtuAt, PathAt, PointInfo, Span,
+        Answers, ClassAt, ClassChange, ClassSeen, CnpDelivery, CountedLoss, DeliveryAt, FlowReport,
+        JoinStats, Lost, MtuAt, PathAt, PointInfo, Span,
     },
     observation::CounterDelta,
 };
@@ -83,6 +83,7 @@ fn flow(a: u8, b: u8, sport: u16, spine: Option<u8>) -> FlowReport {
             })
             .collect(),
         cnp_class: Vec::new(),
+        class_seen: Vec::new(),
         max_frame: path.iter().map(|p| (p.clone(), 1100)).collect(),
         delivery: steady(),
         class_changes: Vec::new(),
@@ -318,6 +319,76 @@ fn cnps_that_never_reach_the_sender_fail_cnp_answers_ce_and_loss_naming_the_leaf
             .iter()
             .any(|e| e.at == ["l1:s1:ingress", "h1:eth0:ingress"] && e.detail.contains("200 CNPs lost here"))
     );
+}
+
+/// A spine rewrote DSCP 26 → 0 for 8 s in the middle of the window, then stopped: each
+/// point shows DSCP 26 at the end, but the class it had for a while fails data_class.
+#[test]
+fn a_class_rewrite_for_part_of_the_window_fails_data_class() {
+    let mut v = healthy();
+    for f in v.iter_mut() {
+        f.class_seen = f
+            .class
+            .iter()
+            .map(|c| ClassSeen {
+                point: c.point.clone(),
+                cnp: false,
+                dscp: 26,
+                pcp: None,
+                span: Span {
+                    first_ns: 0,
+                    last_ns: 24_000_000_000,
+                    packets: 150,
+                },
+            })
+            .collect();
+    }
+    assert_eq!(failing(v.clone(), Load::Idle), set(&[]));
+    for f in v.iter_mut().filter(|f| via_s1(f) && f.src_ip == h(1)) {
+        for p in f.path[3..].iter().cloned() {
+            f.class_seen.push(ClassSeen {
+                point: p,
+                cnp: false,
+                dscp: 0,
+                pcp: None,
+                span: Span {
+                    first_ns: 8_000_000_000,
+                    last_ns: 16_000_000_000,
+                    packets: 100,
+                },
+            });
+        }
+    }
+    let p = Policy::parse(POLICY).unwrap();
+    let c = judge(&p, &report(v), Load::Idle);
+    let d = c.iter().find(|c| c.check == "data_class").unwrap();
+    assert_eq!(d.status, Status::Fail);
+    assert_eq!(d.evidence.len(), 8, "4 flows × 2 points past s1");
+    assert!(
+        d.evidence[0]
+            .detail
+            .contains("DSCP 0 (expected 26), 100 packet(s) over 8.0 s"),
+        "{}",
+        d.evidence[0].detail
+    );
+}
+
+/// CNPs dropped for a third of the window: two thirds still reach the sender, well
+/// above the per-mark minimum, yet the senders went unthrottled meanwhile.
+#[test]
+fn cnps_lost_for_part_of_the_window_fail_cnp_answers_ce() {
+    let mut v = healthy();
+    let f = &mut v[0];
+    f.counters.get_mut("h3:eth0:ingress").unwrap().ecn = [0, 0, 800, 200];
+    f.answered_by.ce_marks = 200;
+    f.answered_by.cnps_sent = 200;
+    f.answered_by.cnps = 133;
+    assert_eq!(failing(v.clone(), Load::Congested), set(&[]));
+    v[0].answered_by.cnps_lost = vec![CountedLoss {
+        between: ["l1:s1:ingress".into(), "h1:eth0:ingress".into()],
+        packets: 67,
+    }];
+    assert_eq!(failing(v, Load::Congested), set(&["cnp_answers_ce"]));
 }
 
 #[test]
