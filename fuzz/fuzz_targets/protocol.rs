@@ -229,7 +229,7 @@ fn wire_len(f: &Frame) -> usize {
     13 + match f {
         Frame::Hello { node, token, .. } => 3 + 2 + node.len() + 2 + token.len(),
         Frame::Welcome { .. } => 2 + 3 * 8,
-        Frame::Points(p) => 2 + p.iter().map(|p| 11 + p.node.len() + p.iface.len()).sum::<usize>(),
+        Frame::Points(p) => 2 + p.iter().map(|p| 15 + p.node.len() + p.iface.len()).sum::<usize>(),
         Frame::Observations(o) => 4 + 69 * o.len(),
         Frame::Counters { deltas, .. } => 12 + 148 * deltas.len(),
         Frame::Dropped { .. } => 16,
