@@ -739,6 +739,29 @@ impl Lab {
             &format!("s{spine}"),
             &["ip", "link", "set", &format!("l{leaf}"), "mtu", &m],
         )?;
+        // Below 1280 the kernel takes IPv6 off the link, addresses and routes with it:
+        // back at a size IPv6 can use, the link gets them again.
+        if mtu >= 1280 {
+            for (node, ifname, host) in [
+                (format!("l{leaf}"), format!("s{spine}"), 1),
+                (format!("s{spine}"), format!("l{leaf}"), 2),
+            ] {
+                self.exec(
+                    &node,
+                    &[
+                        "ip",
+                        "-6",
+                        "addr",
+                        "replace",
+                        &format!("fd00:2{leaf}:{spine}::{host}/64"),
+                        "dev",
+                        &ifname,
+                        "nodad",
+                    ],
+                )?;
+            }
+            self.routes()?;
+        }
         Ok(())
     }
 
