@@ -186,6 +186,7 @@ fn frame(u: &mut Unstructured) -> Result<Frame> {
                 start_ns: u.arbitrary()?,
                 end_ns: u.arbitrary()?,
                 ringbuf_full: u.arbitrary()?,
+                unparsed: u.arbitrary()?,
                 agent_dropped: u.arbitrary()?,
                 if_rx_dropped: u.arbitrary()?,
                 if_tx_dropped: u.arbitrary()?,
@@ -238,7 +239,7 @@ fn wire_len(f: &Frame) -> usize {
         Frame::TraceRequest { .. } => 4 + FLOW + 2,
         Frame::TraceResult(r) => 4 + FLOW + 4 + 24 * r.hops.len(),
         Frame::Ack { .. } => 8,
-        Frame::Health(v) => 4 + 58 * v.len(),
+        Frame::Health(v) => 4 + 66 * v.len(),
     }
 }
 

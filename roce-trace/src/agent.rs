@@ -241,12 +241,8 @@ pub async fn run(
                             table.set_mtu(i, m);
                         }
                     }
-                    let ringbuf = [
-                        globals.get(GlobalCounter::RingbufFull, DIR_INGRESS),
-                        globals.get(GlobalCounter::RingbufFull, DIR_EGRESS),
-                    ];
                     let dropped = ob.dropped().0 + shared.unplaced.load(std::sync::atomic::Ordering::Relaxed);
-                    for h in health.interval(table.decls(), ringbuf, dropped) {
+                    for h in health.interval(table.decls(), &globals, dropped) {
                         ob.push_health(h);
                     }
                     table.decls().to_vec()
@@ -272,12 +268,8 @@ pub async fn run(
     if let Ok(globals) = dp.globals() {
         let table = shared.points.lock().expect("points");
         let mut ob = shared.outbox.lock().expect("outbox");
-        let ringbuf = [
-            globals.get(GlobalCounter::RingbufFull, DIR_INGRESS),
-            globals.get(GlobalCounter::RingbufFull, DIR_EGRESS),
-        ];
         let dropped = ob.dropped().0 + shared.unplaced.load(std::sync::atomic::Ordering::Relaxed);
-        for h in health.interval(table.decls(), ringbuf, dropped) {
+        for h in health.interval(table.decls(), &globals, dropped) {
             ob.push_health(h);
         }
     }
@@ -288,6 +280,8 @@ fn drain(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, clock: &KernelClock,
     let mut batch = Vec::new();
     while let Some(item) = ring.next() {
         if item.len() < std::mem::size_of::<Sample>() {
+            // Not a sample this agent can read: lost, and said so in every point's health.
+            sh.unplaced.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             continue;
         }
         // SAFETY: a whole Sample (size checked); read_unaligned copes with any alignment.
@@ -574,6 +568,7 @@ async fn send(
 struct HealthMeter {
     since_ns: u64,
     ringbuf: [u64; 2],
+    unparsed: [u64; 2],
     dropped: u64,
     ifs: HashMap<String, crate::netstat::IfDrops>,
     qdiscs: HashMap<u32, u64>,
@@ -585,6 +580,7 @@ impl HealthMeter {
         let mut m = Self {
             since_ns: unix_now(),
             ringbuf: [0; 2],
+            unparsed: [0; 2],
             dropped: 0,
             ifs: HashMap::new(),
             qdiscs: HashMap::new(),
@@ -608,9 +604,15 @@ impl HealthMeter {
         (ifs.unwrap_or_default(), qd.unwrap_or_default())
     }
 
-    /// Every point's health since the last call: `ringbuf` the datapath's ring-buffer
-    /// failures by direction, `dropped` what the agent gave up (running totals).
-    fn interval(&mut self, points: &[PointDecl], ringbuf: [u64; 2], dropped: u64) -> Vec<PointHealth> {
+    /// Every point's health since the last call, from the datapath's counters (by
+    /// direction: ring-buffer failures, RoCE packets it could not parse) and what the
+    /// agent gave up (running totals).
+    fn interval(&mut self, points: &[PointDecl], globals: &GlobalTotals, dropped: u64) -> Vec<PointHealth> {
+        let by_dir = |c: &[GlobalCounter]| {
+            [DIR_INGRESS, DIR_EGRESS].map(|d| c.iter().map(|&c| globals.get(c, d)).sum::<u64>())
+        };
+        let ringbuf = by_dir(&[GlobalCounter::RingbufFull]);
+        let unparsed = by_dir(&[GlobalCounter::TruncatedBth, GlobalCounter::TruncatedExtHeader]);
         let now = unix_now();
         let (ifs, qdiscs) = self.kernel();
         let agent_dropped = dropped.saturating_sub(self.dropped);
@@ -623,6 +625,7 @@ impl HealthMeter {
                     start_ns: self.since_ns,
                     end_ns: now,
                     ringbuf_full: ringbuf[dir].saturating_sub(self.ringbuf[dir]),
+                    unparsed: unparsed[dir].saturating_sub(self.unparsed[dir]),
                     agent_dropped,
                     ..Default::default()
                 };
@@ -644,6 +647,7 @@ impl HealthMeter {
             .collect();
         self.since_ns = now;
         self.ringbuf = ringbuf;
+        self.unparsed = unparsed;
         self.dropped = dropped;
         self.ifs = ifs;
         self.qdiscs = qdiscs;

@@ -367,8 +367,11 @@ pub struct PointHealth {
     /// Samples the kernel could not hand over: the ring buffer was full (counted per
     /// direction on the host: every point of that direction gets it).
     pub ringbuf_full: u64,
+    /// RoCEv2 packets the datapath could not parse (BTH or extension headers cut short),
+    /// so it sampled none of them (counted per direction, like `ringbuf_full`).
+    pub unparsed: u64,
     /// Observations the agent gave up (its queue was full), and samples it could not
-    /// place at a point: agent-wide, every point gets them.
+    /// read or place at a point: agent-wide, every point gets them.
     pub agent_dropped: u64,
     /// The interface's own drop counters (`/proc/net/dev` drop columns) and its root
     /// qdisc's drops; zero for points that are not a local interface.
@@ -380,7 +383,7 @@ pub struct PointHealth {
 impl PointHealth {
     /// Samples from this point that never reached the collector.
     pub fn samples_lost(&self) -> u64 {
-        self.ringbuf_full + self.agent_dropped
+        self.ringbuf_full + self.unparsed + self.agent_dropped
     }
 }
 

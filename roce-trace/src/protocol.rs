@@ -144,7 +144,7 @@ pub enum ProtoError {
 const OBS_LEN: usize = 2 + 8 + 16 + 16 + 1 + 2 + 4 + 4 + 1 + 4 + 2 + 1 + 1 + 1 + 1 + 2 + 1 + 1 + 1;
 const FLOW_LEN: usize = 16 + 16 + 1 + 2 + 4;
 const DELTA_LEN: usize = 2 + FLOW_LEN + 8 * 13 + 3;
-const HEALTH_LEN: usize = 2 + 8 * 7;
+const HEALTH_LEN: usize = 2 + 8 * 8;
 // A full batch of either fits one frame.
 const _: () =
     assert!(13 + 4 + MAX_BATCH * OBS_LEN <= MAX_FRAME && 13 + 12 + MAX_BATCH * DELTA_LEN <= MAX_FRAME);
@@ -357,6 +357,7 @@ pub fn encode(f: &Frame, seq: u64) -> Result<Bytes, ProtoError> {
                     h.start_ns,
                     h.end_ns,
                     h.ringbuf_full,
+                    h.unparsed,
                     h.agent_dropped,
                     h.if_rx_dropped,
                     h.if_tx_dropped,
@@ -656,7 +657,7 @@ impl Decoder {
                 let mut v = Vec::with_capacity(n);
                 for _ in 0..n {
                     let point = b.get_u16();
-                    let mut x = [0u64; 7];
+                    let mut x = [0u64; 8];
                     for y in &mut x {
                         *y = b.get_u64();
                     }
@@ -665,10 +666,11 @@ impl Decoder {
                         start_ns: x[0],
                         end_ns: x[1],
                         ringbuf_full: x[2],
-                        agent_dropped: x[3],
-                        if_rx_dropped: x[4],
-                        if_tx_dropped: x[5],
-                        qdisc_dropped: x[6],
+                        unparsed: x[3],
+                        agent_dropped: x[4],
+                        if_rx_dropped: x[5],
+                        if_tx_dropped: x[6],
+                        qdisc_dropped: x[7],
                     });
                 }
                 Frame::Health(v)
@@ -833,6 +835,7 @@ mod tests {
                 start_ns: 1,
                 end_ns: 2,
                 ringbuf_full: 3,
+                unparsed: 7,
                 agent_dropped: 4,
                 if_rx_dropped: 5,
                 if_tx_dropped: 6,
