@@ -303,6 +303,9 @@ fn a_healthy_fabric_passes_and_each_fault_fails_exactly_its_checks() {
                 "rate_stability",
             ],
             evidence: &[("loss", "kernel: l2:h3:egress qdisc_dropped")],
+            // A QP stalled by the collapse (go-back-N, 2 s ACK timeouts) may send too few
+            // sampled packets to be placed on a spine: the share is then short of flows.
+            no_data: &["ecmp_spread"],
             ..Default::default()
         },
         Scenario {
