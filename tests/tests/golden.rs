@@ -1,0 +1,425 @@
+//! Goldens: what a user reads from roce-trace — capture's JSON Lines, the collector's
+//! report, HTTP views and closing table, verify's table, JSON and JUnit — byte for byte on
+//! fixed input (`tests/golden/`). Code may move between crates; these outputs may not
+//! change unless a golden is re-blessed on purpose (`ROCE_TRACE_BLESS=1`, then review
+//! the diff). A mismatch leaves the output beside the golden as `NAME.actual`.
+//!
+//! The input is a mirror capture of a three-switch path (ERSPAN II from s1, s2, s3):
+//! a data QP whose DSCP is rewritten at s3, CE-marked from s3 on for its second half and
+//! with six packets missing at s3; its ACKs and CNPs coming back; a second data QP
+//! (large frames) and an IPv6 QP that cross healthy.
+
+use std::{
+    io::{BufRead, BufReader, Read, Write},
+    net::{IpAddr, SocketAddr, TcpStream},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use roce_trace::frame::{Mirror, RoceFrame, ext};
+use roce_trace_common::roce::{OP_CNP, op};
+use roce_trace_tests::*;
+use serde_json::Value;
+
+fn golden_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("golden")
+}
+
+fn bless() -> bool {
+    std::env::var_os("ROCE_TRACE_BLESS").is_some_and(|v| v == "1")
+}
+
+/// Compares `actual` with the golden `name` (or writes it, when blessing).
+fn check(name: &str, actual: &[u8]) {
+    let path = golden_dir().join(name);
+    if bless() {
+        std::fs::write(&path, actual).unwrap();
+        return;
+    }
+    let want = std::fs::read(&path)
+        .unwrap_or_else(|e| panic!("golden {} ({e}): bless it with ROCE_TRACE_BLESS=1", path.display()));
+    if want != actual {
+        let out = golden_dir().join(format!("{name}.actual"));
+        std::fs::write(&out, actual).unwrap();
+        let (w, a) = (String::from_utf8_lossy(&want), String::from_utf8_lossy(actual));
+        let line = w
+            .lines()
+            .zip(a.lines())
+            .position(|(x, y)| x != y)
+            .unwrap_or(w.lines().count().min(a.lines().count()));
+        panic!(
+            "{name} differs from its golden at line {}:\n  golden: {}\n  actual: {}\n(whole output in {})",
+            line + 1,
+            w.lines().nth(line).unwrap_or("<end>"),
+            a.lines().nth(line).unwrap_or("<end>"),
+            out.display()
+        );
+    }
+}
+
+/// Writes frames with their capture times to a classic pcap.
+fn pcap_bytes(frames: &[(Duration, Vec<u8>)]) -> Vec<u8> {
+    use pcap_file::pcap::{PcapHeader, PcapPacket, PcapWriter};
+    let mut w = PcapWriter::with_header(
+        Vec::new(),
+        PcapHeader {
+            snaplen: 65535,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    for (ts, fr) in frames {
+        w.write_packet(&PcapPacket::new(*ts, fr.len() as u32, fr)).unwrap();
+    }
+    w.into_writer()
+}
+
+const SWITCHES: [&str; 3] = ["198.51.100.1", "198.51.100.2", "198.51.100.3"];
+
+/// The fabric seen through three switches' mirror sessions, in capture order.
+fn fabric_frames() -> Vec<(Duration, Vec<u8>)> {
+    let analyser: IpAddr = "192.0.2.100".parse().unwrap();
+    let sw: Vec<IpAddr> = SWITCHES.iter().map(|s| s.parse().unwrap()).collect();
+    let mut out = Vec::new();
+    let mut seq = [0u32; 3];
+    let base = Duration::from_secs(1_700_000_000);
+    // One packet crossing switches `hops` in order, 2 µs per hop, each copy as that
+    // switch mirrors it (TTL one less per switch, `class(hop)` its DSCP/ECN there).
+    let mut cross = |t_us: u64, hops: &[usize], f: &RoceFrame, class: &dyn Fn(usize) -> (u8, u8)| {
+        for (n, &s) in hops.iter().enumerate() {
+            let (dscp, ecn) = class(n);
+            let copy = RoceFrame {
+                ttl: f.ttl - n as u8,
+                dscp,
+                ecn,
+                ..f.clone()
+            }
+            .build();
+            seq[s] += 1;
+            let m = Mirror::ErspanII {
+                session: 10 + s as u16,
+                seq: seq[s],
+                index: 1,
+            };
+            out.push((
+                base + Duration::from_micros(t_us + 2 * n as u64),
+                m.encapsulate(sw[s], analyser, &copy),
+            ));
+        }
+    };
+    let h1: IpAddr = "10.0.0.1".parse().unwrap();
+    let h2: IpAddr = "10.0.0.2".parse().unwrap();
+    let h3: IpAddr = "10.0.0.3".parse().unwrap();
+    for i in 0..120u32 {
+        let t = 100 * i as u64;
+        // The faulty QP: DSCP 26 rewritten to 0 at s3, CE from s3 on in its second half,
+        // PSNs 90..96 never reach s3.
+        let data = RoceFrame {
+            src: h1,
+            dst: h2,
+            ttl: 64,
+            dscp: 26,
+            ecn: 0b10,
+            udp_sport: 49152,
+            opcode: if i % 4 == 0 { op::WRITE_FIRST } else { op::WRITE_MIDDLE },
+            ext: if i % 4 == 0 { ext::reth(0x1000, 7, 4096) } else { Vec::new() },
+            dest_qp: 0x100,
+            ack_req: i % 4 == 3,
+            psn: i,
+            payload: vec![i as u8; 512],
+            ..Default::default()
+        };
+        let hops: &[usize] = if (90..96).contains(&i) { &[0, 1] } else { &[0, 1, 2] };
+        cross(t, hops, &data, &|n| {
+            let ecn = if n == 2 && i >= 60 { 0b11 } else { 0b10 };
+            (if n == 2 { 0 } else { 26 }, ecn)
+        });
+        // Its ACK every fourth packet, back through s3, s2, s1 in class 26.
+        if i % 4 == 3 {
+            let ack = RoceFrame {
+                src: h2,
+                dst: h1,
+                ttl: 64,
+                dscp: 26,
+                ecn: 0b10,
+                udp_sport: 49153,
+                opcode: op::ACKNOWLEDGE,
+                ext: ext::aeth(0x1f, i / 4),
+                dest_qp: 0x200,
+                psn: i,
+                ..Default::default()
+            };
+            cross(t + 50, &[2, 1, 0], &ack, &|_| (26, 0b10));
+        }
+        // A CNP for every eighth CE mark, class 48.
+        if i >= 60 && i % 8 == 0 && !(90..96).contains(&i) {
+            let cnp = RoceFrame {
+                src: h2,
+                dst: h1,
+                ttl: 64,
+                dscp: 48,
+                ecn: 0b01,
+                udp_sport: 49154,
+                opcode: OP_CNP,
+                ext: ext::cnp(),
+                dest_qp: 0x100,
+                psn: 0,
+                ..Default::default()
+            };
+            cross(t + 60, &[2, 1, 0], &cnp, &|_| (48, 0b01));
+        }
+        // A healthy QP with large frames, every fourth slot.
+        if i % 4 == 1 {
+            let big = RoceFrame {
+                src: h3,
+                dst: h2,
+                ttl: 64,
+                dscp: 26,
+                ecn: 0b10,
+                udp_sport: 50000,
+                opcode: op::SEND_MIDDLE,
+                dest_qp: 0x300,
+                psn: 1000 + i / 4,
+                payload: vec![0xab; 2048],
+                ..Default::default()
+            };
+            cross(t + 20, &[0, 1, 2], &big, &|_| (26, 0b10));
+        }
+        // An IPv6 QP, every sixth slot, crossing s2 then s1.
+        if i % 6 == 0 {
+            let v6 = RoceFrame {
+                src: "fd00::1".parse().unwrap(),
+                dst: "fd00::2".parse().unwrap(),
+                ttl: 64,
+                dscp: 26,
+                ecn: 0b01,
+                udp_sport: 51000,
+                opcode: op::SEND_ONLY,
+                dest_qp: 0x400,
+                psn: i / 6,
+                payload: vec![0x66; 256],
+                ..Default::default()
+            };
+            cross(t + 30, &[1, 0], &v6, &|_| (26, 0b01));
+        }
+    }
+    out
+}
+
+/// The input: the checked-in capture, which the frame builder must still make.
+fn fabric_pcap() -> PathBuf {
+    let path = golden_dir().join("fabric.pcap");
+    check("fabric.pcap", &pcap_bytes(&fabric_frames()));
+    path
+}
+
+#[test]
+fn the_frame_builder_makes_the_golden_capture() {
+    fabric_pcap();
+}
+
+/// Runs roce-trace in the golden directory (input paths, as outputs name them, are
+/// relative: the same in every checkout).
+fn run(args: &[&str]) -> (Vec<u8>, String) {
+    let out = Command::new(roce_trace_bin())
+        .args(args)
+        .current_dir(golden_dir())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.code().is_some_and(|c| c <= 1), "{args:?}: {err}");
+    (out.stdout, err)
+}
+
+/// The summary line's own clock (`time_ns`, `duration_s`: when the capture ran, how long
+/// reading took) zeroed; every other byte as printed.
+fn capture_clock_zeroed(out: &[u8]) -> Vec<u8> {
+    let text = String::from_utf8(out.to_vec()).unwrap();
+    let mut v = String::new();
+    for line in text.lines() {
+        let mut l = line.to_owned();
+        if l.starts_with(r#"{"type":"summary""#) {
+            for key in [r#""time_ns":"#, r#""duration_s":"#] {
+                let at = l.find(key).expect(key) + key.len();
+                let end = at + l[at..].find([',', '}']).unwrap();
+                l.replace_range(at..end, "0");
+            }
+        }
+        v.push_str(&l);
+        v.push('\n');
+    }
+    v.into_bytes()
+}
+
+#[test]
+fn capture_json_lines_are_golden() {
+    fabric_pcap();
+    let p = "fabric.pcap";
+    let (out, err) = run(&["capture", "-r", p, "--json", "--sample-rate", "1"]);
+    assert!(!out.is_empty(), "{err}");
+    check("capture-rate1.jsonl", &capture_clock_zeroed(&out));
+    let (out, _) = run(&["capture", "-r", p, "--json", "--sample-rate", "8"]);
+    check("capture-rate8.jsonl", &capture_clock_zeroed(&out));
+    let (out, _) = run(&["capture", "-r", p]);
+    check("capture-table.txt", &out);
+}
+
+/// Fields that hold the collector's own clock (when something reached it): they differ
+/// from run to run, so they are zeroed before comparing.
+/// (`peer` is the agent's ephemeral address.)
+const COLLECTOR_TIME: &[&str] = &["at_ns", "since_ns", "peer"];
+
+fn normalize(v: &mut Value) {
+    match v {
+        Value::Object(m) => {
+            for (k, x) in m.iter_mut() {
+                if COLLECTOR_TIME.contains(&k.as_str()) && !x.is_null() {
+                    *x = if x.is_string() { Value::from("-") } else { Value::from(0) };
+                } else {
+                    normalize(x);
+                }
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(normalize),
+        _ => {}
+    }
+}
+
+fn pretty(body: &str) -> Vec<u8> {
+    let mut v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    normalize(&mut v);
+    let mut s = serde_json::to_string_pretty(&v).unwrap();
+    s.push('\n');
+    s.into_bytes()
+}
+
+fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, out.split_once("\r\n\r\n").unwrap().1.to_owned())
+}
+
+#[test]
+fn the_collector_report_views_and_table_are_golden() {
+    fabric_pcap();
+    let dir = TempDir::new("golden-collector");
+    let report = dir.path("report.json");
+    let mut collector = Proc::spawn(
+        Command::new(roce_trace_bin())
+            .args(["collect", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"])
+            .args(["--token", "tk", "--quiet", "--trajectory-timeout", "100ms", "--report"])
+            .arg(&report)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
+    let mut lines = BufReader::new(collector.stderr.take().unwrap()).lines();
+    let (listen, http) = loop {
+        let l = lines.next().expect("collector exited").unwrap();
+        if let Some(rest) = l.split("collecting on ").nth(1) {
+            let (a, h) = rest.split_once(", API on http://").unwrap();
+            break (
+                a.trim().to_owned(),
+                h.trim_end_matches("/flows").parse::<SocketAddr>().unwrap(),
+            );
+        }
+    };
+    std::thread::spawn(move || lines.for_each(drop));
+    let agent = Command::new(roce_trace_bin())
+        .current_dir(golden_dir())
+        .args(["agent", "-r", "fabric.pcap", "--collector", &listen])
+        .args(["--node", "sniffer", "--token", "tk", "--sample-rate", "1", "--interval", "1h"])
+        .output()
+        .unwrap();
+    assert!(agent.status.success(), "{}", String::from_utf8_lossy(&agent.stderr));
+    // Everything is in the join and every trajectory complete.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, s) = http_get(http, "/stats");
+        let st: Value = serde_json::from_str(&s).unwrap();
+        if st["pending"] == 0 && st["flows"].as_u64() > Some(0) && st["trajectories"].as_u64() > Some(0) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the join never settled: {s}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // CNP delivery compares counts three seconds old (by arrival): past that, all are.
+    std::thread::sleep(Duration::from_millis(3500));
+    let flows: Value = serde_json::from_str(&http_get(http, "/flows").1).unwrap();
+    let first = flows[0]["id"].as_str().unwrap().to_owned();
+    for (name, path) in [
+        ("collector-flows.json", "/flows".to_owned()),
+        ("collector-flow.json", format!("/flow?id={first}")),
+        ("collector-anomalies.json", "/anomalies".into()),
+        ("collector-stats.json", "/stats".into()),
+        ("collector-agents.json", "/agents".into()),
+        ("collector-report-http.json", "/report".into()),
+    ] {
+        let (status, body) = http_get(http, &path);
+        assert_eq!(status, 200, "{path}: {body}");
+        check(name, &pretty(&body));
+    }
+    let (status, metrics) = http_get(http, "/metrics");
+    assert_eq!(status, 200);
+    check("collector-metrics.txt", metrics.as_bytes());
+    let (status, body) = http_get(http, "/flow?id=nope");
+    check("collector-flow-404.txt", format!("{status} {body}").as_bytes());
+    let mut table = String::new();
+    let mut stdout = collector.stdout.take().unwrap();
+    assert!(collector.interrupt().success());
+    stdout.read_to_string(&mut table).unwrap();
+    check("collector-table.txt", table.as_bytes());
+    let written = std::fs::read_to_string(&report).unwrap();
+    check("collector-report.json", &pretty(&written));
+}
+
+/// verify on a fixed report: the table, `--json` and `--junit`, for each load.
+#[test]
+fn verify_table_json_and_junit_are_golden() {
+    let dir = TempDir::new("golden-verify");
+    for (tag, report, load) in [
+        ("mirror-idle", "collector-report.json", "idle"),
+        ("mirror-congested", "collector-report.json", "congested"),
+    ] {
+        let (json, junit) = (dir.path("v.json"), dir.path("v.xml"));
+        let base = dir.path("baseline.json");
+        let (out, err) = run(&[
+            "verify",
+            "--policy",
+            "policy.toml",
+            "--report",
+            report,
+            "--load",
+            load,
+            "--json",
+            json.to_str().unwrap(),
+            "--junit",
+            junit.to_str().unwrap(),
+            "--save-baseline",
+            base.to_str().unwrap(),
+        ]);
+        assert!(!out.is_empty(), "{err}");
+        check(&format!("verify-{tag}.txt"), &out);
+        check(&format!("verify-{tag}.json"), &std::fs::read(&json).unwrap());
+        check(&format!("verify-{tag}.junit.xml"), &std::fs::read(&junit).unwrap());
+        check(&format!("verify-{tag}.baseline.json"), &std::fs::read(&base).unwrap());
+        let (out, _) = run(&[
+            "verify",
+            "--policy",
+            "policy.toml",
+            "--report",
+            report,
+            "--load",
+            load,
+            "--baseline",
+            base.to_str().unwrap(),
+            "--json-stdout",
+        ]);
+        check(&format!("verify-{tag}-vs-baseline.json"), &out);
+    }
+}
