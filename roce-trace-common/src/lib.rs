@@ -8,6 +8,9 @@
 
 pub mod account;
 pub mod datapath;
+pub mod flow;
+#[cfg(feature = "icrc")]
+pub mod icrc;
 pub mod parse;
 pub mod roce;
 pub mod sampling;

@@ -729,7 +729,7 @@ fn trace_for_collector(sh: &Arc<Shared>, id: u32, flow: crate::observation::Flow
                     });
                 sh.notify.notify_one();
             }
-            Err(e) => tracing::warn!("trace of {} asked by the collector: {e:#}", flow.label()),
+            Err(e) => tracing::warn!("trace of {} asked by the collector: {e:#}", flow),
         }
     });
 }

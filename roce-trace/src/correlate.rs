@@ -1114,7 +1114,7 @@ impl Joiner {
             (f.path.clone(), h)
         };
         Some(FlowReport {
-            id: id.label(),
+            id: id.to_string(),
             src_ip: id.src_ip().to_string(),
             dst_ip: id.dst_ip().to_string(),
             udp_sport: id.udp_sport,
@@ -1203,7 +1203,7 @@ impl Joiner {
             probe: None,
             cnp_delivery: self.cnp_delivery(id, f),
             answered_by: Answers {
-                flows: cnp_flows.iter().map(|(rid, _)| rid.label()).collect(),
+                flows: cnp_flows.iter().map(|(rid, _)| rid.to_string()).collect(),
                 cnps_sent,
                 cnps,
                 cnps_lost,
@@ -1229,7 +1229,11 @@ impl Joiner {
     }
 
     pub fn find(&self, label: &str) -> Option<FlowId> {
-        self.flows.keys().find(|k| k.label() == label).copied()
+        // The label's own form (IPv4 mapped, as the datapath keys it) in one look-up; a flow
+        // keyed otherwise (an IPv4 address not mapped) by its label.
+        let id: Option<FlowId> = label.parse().ok();
+        id.filter(|id| self.flows.contains_key(id))
+            .or_else(|| self.flows.keys().find(|k| k.to_string() == label).copied())
     }
 
     /// What is wrong, fabric-wide: class changes, losses, CE onsets, path changes.
@@ -2223,7 +2227,7 @@ mod tests {
         );
         j.tick(500 * MS);
         let r = j.flow_report(&flow()).unwrap();
-        assert_eq!(r.answered_by.flows, [rev(40000).label()]);
+        assert_eq!(r.answered_by.flows, [rev(40000).to_string()]);
         assert_eq!((r.answered_by.cnps, r.answered_by.ce_marks), (2, 2));
         assert_eq!(r.answered_by.cnps_per_ce_mark, Some(1.0));
         let d = r.answered_by.ce_to_cnp.unwrap();

@@ -10,10 +10,10 @@ use std::{
 use roce_trace_common::datapath::*;
 use serde::Serialize;
 
-use crate::{
-    record::{ip_of, ip_of_mapped},
-    sys::KernelClock,
-};
+use roce_trace_common::flow::ip_of_mapped;
+pub use roce_trace_common::flow::{FlowId, PacketId};
+
+use crate::sys::KernelClock;
 
 /// A mirror session as an observation point: the switch (outer source) that mirrored the
 /// packets, its session id (ERSPAN) or key (GRE), and the encapsulation.
@@ -153,54 +153,6 @@ impl MirrorTable {
             }
         }
     }
-}
-
-/// What stays the same for one RDMA QP direction everywhere in the fabric.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct FlowId {
-    pub src: [u8; 16],
-    pub dst: [u8; 16],
-    pub ip_version: u8,
-    pub udp_sport: u16,
-    pub dest_qp: u32,
-}
-
-impl FlowId {
-    pub fn of_key(k: &FlowKey) -> Self {
-        Self {
-            src: k.src,
-            dst: k.dst,
-            ip_version: k.ip_version,
-            udp_sport: k.udp_sport,
-            dest_qp: k.dest_qp,
-        }
-    }
-    pub fn src_ip(&self) -> IpAddr {
-        ip_of(self.ip_version, &self.src)
-    }
-    pub fn dst_ip(&self) -> IpAddr {
-        ip_of(self.ip_version, &self.dst)
-    }
-    /// A stable text id, for URLs and reports: `src:sport>dst/qp`.
-    pub fn label(&self) -> String {
-        format!(
-            "{}:{}>{}/{:#x}",
-            self.src_ip(),
-            self.udp_sport,
-            self.dst_ip(),
-            self.dest_qp
-        )
-    }
-}
-
-/// What stays the same for one packet everywhere: flow, PSN, opcode and the ICRC (over
-/// exactly the fields the fabric may not change). Retransmissions share it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PacketId {
-    pub flow: FlowId,
-    pub psn: u32,
-    pub opcode: u8,
-    pub icrc: [u8; 4],
 }
 
 pub const OBS_HAS_PCP: u8 = 1;

@@ -1,8 +1,9 @@
 //! The observation records roce-trace emits (JSON Lines): one definition, used by
 //! `capture` and by everything later that reads or forwards observations.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::IpAddr;
 
+pub use roce_trace_common::flow::{ip_of, ip_of_mapped};
 use roce_trace_common::{datapath::*, roce};
 use serde::{Deserialize, Serialize};
 
@@ -10,22 +11,6 @@ use crate::{
     observation::{MirrorSession, MirrorTable},
     sys::KernelClock,
 };
-
-pub fn ip_of(version: u8, a: &[u8; 16]) -> IpAddr {
-    if version == 4 {
-        IpAddr::V4(Ipv4Addr::new(a[12], a[13], a[14], a[15]))
-    } else {
-        IpAddr::V6(Ipv6Addr::from(*a))
-    }
-}
-
-/// An address the datapath stored IPv4-mapped (`::ffff:a.b.c.d`), as written.
-pub fn ip_of_mapped(a: &[u8; 16]) -> IpAddr {
-    match Ipv6Addr::from(*a).to_ipv4_mapped() {
-        Some(v4) => IpAddr::V4(v4),
-        None => IpAddr::V6(Ipv6Addr::from(*a)),
-    }
-}
 
 pub fn direction_name(d: u8) -> &'static str {
     match d {

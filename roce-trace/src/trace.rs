@@ -25,8 +25,7 @@ use crate::frame::RoceFrame;
 mod paths;
 pub use paths::{PathPorts, PathsReport, UnresolvedPort, paths, render_paths};
 
-/// The DestQP of probes: the largest QPN, which no RoCE NIC hands out.
-pub const PROBE_QP: u32 = 0xff_ffff;
+pub use roce_trace_common::flow::PROBE_QP;
 
 #[derive(Debug, Error)]
 pub enum TraceError {
