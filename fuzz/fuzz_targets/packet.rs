@@ -77,7 +77,7 @@ fn raw(data: &[u8], vlan_tci: Option<u16>, off: usize) {
         let _ = sample_icrc_ok(s);
         let r = SampleRecord::from_sample(s, &KernelClock::UNIX, "eth0");
         serde_json::to_string(&r).expect("a record serialises");
-        let _ = Observation::from_sample(s, 0, &KernelClock::UNIX);
+        let _ = Observation::from_sample(s, 0, KernelClock::UNIX.to_unix_ns(s.ts_ns));
     }
 }
 

@@ -287,7 +287,7 @@ fn drain(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, clock: &KernelClock,
         // SAFETY: a whole Sample (size checked); read_unaligned copes with any alignment.
         let s: Sample = unsafe { std::ptr::read_unaligned(item.as_ptr() as *const Sample) };
         if let Some(p) = sh.points.lock().expect("points").index_of_sample(&s) {
-            batch.push(Observation::from_sample(&s, p, clock));
+            batch.push(Observation::from_sample(&s, p, clock.to_unix_ns(s.ts_ns)));
         } else {
             sh.unplaced.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
@@ -976,7 +976,7 @@ pub async fn run_pcap(
         let result = crate::pcap::read_frames(reader, |fr| {
             offline.frame(&fr, |s| {
                 if let Some(p) = sh.points.lock().expect("points").index_of_sample(s) {
-                    let o = Observation::from_sample(s, p, &KernelClock::UNIX);
+                    let o = Observation::from_sample(s, p, KernelClock::UNIX.to_unix_ns(s.ts_ns));
                     let c = covered.get_or_insert((o.time_ns, o.time_ns));
                     c.1 = c.1.max(o.time_ns);
                     sh.outbox.lock().expect("outbox").push_obs(o);

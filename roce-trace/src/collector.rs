@@ -1,6 +1,7 @@
 //! `roce-trace collect`: accepts many agents, joins what they observe (correlate.rs), and
 //! serves the result: a live view, JSON over HTTP, Prometheus metrics, a report on exit.
 
+pub use roce_trace_correlate::report::{AgentInfo, CollectorReport};
 use std::{
     collections::{BTreeMap, HashMap},
     future::Future,
@@ -15,14 +16,14 @@ use std::{
 
 use anyhow::Context as _;
 use bytes::BytesMut;
-use serde::Serialize;
+
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpListener, TcpStream},
 };
 
 use crate::{
-    correlate::{Anomaly, FlowReport, JoinConfig, JoinStats, Joiner, PointId, PointInfo},
+    correlate::{FlowReport, JoinConfig, Joiner, PointId, PointInfo},
     http::{self, Response},
     protocol::{Decoder, Encoder, Frame, ProtoError, VERSION},
     record::direction_name,
@@ -40,22 +41,6 @@ pub struct CollectorOptions {
     /// Ask each flow's source agent to trace it once (in-band probes); hops in the report.
     pub trace: bool,
     pub interval: Duration,
-}
-
-/// What the collector knows of one agent.
-#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
-pub struct AgentInfo {
-    pub node: String,
-    pub peer: String,
-    pub connected: bool,
-    pub connections: u64,
-    pub clock_synced: bool,
-    pub observations: u64,
-    pub counter_deltas: u64,
-    /// What the agent reported it had to drop (its queue was full while we were away).
-    pub dropped_observations: u64,
-    pub dropped_counters: u64,
-    pub last_disconnect: Option<String>,
 }
 
 /// A connection, as the node's next connection needs it: the next one's WELCOME says
@@ -128,21 +113,6 @@ impl State {
 }
 
 type Shared = Arc<Mutex<State>>;
-
-#[derive(Clone, Debug, Serialize, serde::Deserialize)]
-pub struct CollectorReport {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub stats: JoinStats,
-    pub refused_connections: u64,
-    pub agents: Vec<AgentInfo>,
-    pub points: Vec<PointInfo>,
-    /// Each point's health as its agent reported it (what proves a loss).
-    #[serde(default)]
-    pub health: Vec<crate::correlate::HealthSummary>,
-    pub flows: Vec<FlowReport>,
-    pub anomalies: Vec<Anomaly>,
-}
 
 fn now_ns(start: Instant) -> u64 {
     start.elapsed().as_nanos() as u64

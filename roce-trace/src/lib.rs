@@ -7,7 +7,6 @@
 pub mod agent;
 pub mod capture;
 pub mod collector;
-pub mod correlate;
 pub mod datapath;
 pub mod frame;
 #[doc(hidden)]
@@ -22,3 +21,5 @@ pub mod sys;
 pub mod trace;
 pub mod traffic;
 pub mod verify;
+
+pub use roce_trace_correlate as correlate;

@@ -3,6 +3,7 @@
 //! shared token. Decoding never trusts a length or a count it has not checked.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+pub use roce_trace_correlate::report::{ProbeHop, ProbeResult};
 use thiserror::Error;
 
 use crate::observation::{CounterDelta, FlowId, Observation, PacketId, PointDecl, PointHealth};
@@ -67,28 +68,6 @@ pub enum Frame {
     },
     /// Agent → collector: each point's health over the agent's last interval.
     Health(Vec<PointHealth>),
-}
-
-/// What in-band probes found along one flow, as carried back to the collector.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct ProbeResult {
-    #[serde(skip)]
-    pub id: u32,
-    #[serde(skip)]
-    pub flow: FlowId,
-    pub reached: bool,
-    /// First hop (TTL) whose quoted class differs from the flow's.
-    pub class_changed_at: Option<u8>,
-    pub hops: Vec<ProbeHop>,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct ProbeHop {
-    pub ttl: u8,
-    pub addr: Option<std::net::IpAddr>,
-    pub dscp: Option<u8>,
-    pub ecn: Option<u8>,
-    pub rtt_avg_us: Option<u32>,
 }
 
 impl Frame {

@@ -37,8 +37,12 @@ fn check(name: &str, actual: &[u8]) {
         std::fs::write(&path, actual).unwrap();
         return;
     }
-    let want = std::fs::read(&path)
-        .unwrap_or_else(|e| panic!("golden {} ({e}): bless it with ROCE_TRACE_BLESS=1", path.display()));
+    let want = std::fs::read(&path).unwrap_or_else(|e| {
+        panic!(
+            "golden {} ({e}): bless it with ROCE_TRACE_BLESS=1",
+            path.display()
+        )
+    });
     if want != actual {
         let out = golden_dir().join(format!("{name}.actual"));
         std::fs::write(&out, actual).unwrap();
@@ -70,7 +74,8 @@ fn pcap_bytes(frames: &[(Duration, Vec<u8>)]) -> Vec<u8> {
     )
     .unwrap();
     for (ts, fr) in frames {
-        w.write_packet(&PcapPacket::new(*ts, fr.len() as u32, fr)).unwrap();
+        w.write_packet(&PcapPacket::new(*ts, fr.len() as u32, fr))
+            .unwrap();
     }
     w.into_writer()
 }
@@ -122,15 +127,27 @@ fn fabric_frames() -> Vec<(Duration, Vec<u8>)> {
             dscp: 26,
             ecn: 0b10,
             udp_sport: 49152,
-            opcode: if i % 4 == 0 { op::WRITE_FIRST } else { op::WRITE_MIDDLE },
-            ext: if i % 4 == 0 { ext::reth(0x1000, 7, 4096) } else { Vec::new() },
+            opcode: if i % 4 == 0 {
+                op::WRITE_FIRST
+            } else {
+                op::WRITE_MIDDLE
+            },
+            ext: if i % 4 == 0 {
+                ext::reth(0x1000, 7, 4096)
+            } else {
+                Vec::new()
+            },
             dest_qp: 0x100,
             ack_req: i % 4 == 3,
             psn: i,
             payload: vec![i as u8; 512],
             ..Default::default()
         };
-        let hops: &[usize] = if (90..96).contains(&i) { &[0, 1] } else { &[0, 1, 2] };
+        let hops: &[usize] = if (90..96).contains(&i) {
+            &[0, 1]
+        } else {
+            &[0, 1, 2]
+        };
         cross(t, hops, &data, &|n| {
             let ecn = if n == 2 && i >= 60 { 0b11 } else { 0b10 };
             (if n == 2 { 0 } else { 26 }, ecn)
@@ -276,7 +293,11 @@ fn normalize(v: &mut Value) {
         Value::Object(m) => {
             for (k, x) in m.iter_mut() {
                 if COLLECTOR_TIME.contains(&k.as_str()) && !x.is_null() {
-                    *x = if x.is_string() { Value::from("-") } else { Value::from(0) };
+                    *x = if x.is_string() {
+                        Value::from("-")
+                    } else {
+                        Value::from(0)
+                    };
                 } else {
                     normalize(x);
                 }
@@ -312,7 +333,14 @@ fn the_collector_report_views_and_table_are_golden() {
     let mut collector = Proc::spawn(
         Command::new(roce_trace_bin())
             .args(["collect", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"])
-            .args(["--token", "tk", "--quiet", "--trajectory-timeout", "100ms", "--report"])
+            .args([
+                "--token",
+                "tk",
+                "--quiet",
+                "--trajectory-timeout",
+                "100ms",
+                "--report",
+            ])
             .arg(&report)
             .env("RUST_LOG", "info")
             .stdout(Stdio::piped())
@@ -333,10 +361,23 @@ fn the_collector_report_views_and_table_are_golden() {
     let agent = Command::new(roce_trace_bin())
         .current_dir(golden_dir())
         .args(["agent", "-r", "fabric.pcap", "--collector", &listen])
-        .args(["--node", "sniffer", "--token", "tk", "--sample-rate", "1", "--interval", "1h"])
+        .args([
+            "--node",
+            "sniffer",
+            "--token",
+            "tk",
+            "--sample-rate",
+            "1",
+            "--interval",
+            "1h",
+        ])
         .output()
         .unwrap();
-    assert!(agent.status.success(), "{}", String::from_utf8_lossy(&agent.stderr));
+    assert!(
+        agent.status.success(),
+        "{}",
+        String::from_utf8_lossy(&agent.stderr)
+    );
     // Everything is in the join and every trajectory complete.
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -406,8 +447,14 @@ fn verify_table_json_and_junit_are_golden() {
         assert!(!out.is_empty(), "{err}");
         check(&format!("verify-{tag}.txt"), &out);
         check(&format!("verify-{tag}.json"), &std::fs::read(&json).unwrap());
-        check(&format!("verify-{tag}.junit.xml"), &std::fs::read(&junit).unwrap());
-        check(&format!("verify-{tag}.baseline.json"), &std::fs::read(&base).unwrap());
+        check(
+            &format!("verify-{tag}.junit.xml"),
+            &std::fs::read(&junit).unwrap(),
+        );
+        check(
+            &format!("verify-{tag}.baseline.json"),
+            &std::fs::read(&base).unwrap(),
+        );
         let (out, _) = run(&[
             "verify",
             "--policy",

@@ -1,4 +1,4 @@
-//! The collector's join: observations of one packet identity from many points become a
+//! The join: observations of one packet identity from many points become a
 //! trajectory (ordered by TTL, then time); trajectories make each flow's path, its class
 //! at each point and where it changed, where CE marks begin, where sampled packets were
 //! lost, one-way delays, and path changes over time. Counters explain how much. Pure
@@ -6,68 +6,19 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
+use roce_trace_common::flow::{FlowId, PROBE_QP, PacketId};
 use roce_trace_common::{datapath::PCP_NONE, roce};
-use serde::{Deserialize, Serialize};
 
-use crate::observation::{CounterDelta, FlowId, Observation, PacketId, PointHealth};
+use crate::{
+    observation::{CounterDelta, OBS_HAS_PCP, Observation, PointHealth},
+    report::*,
+};
 
 /// An observation point, collector-wide.
 pub type PointId = u32;
 
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PointInfo {
-    pub node: String,
-    pub iface: String,
-    pub direction: String,
-    pub clock_synced: bool,
-    /// The port's MTU (IP bytes) as its agent last declared it; absent when not known.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mtu: Option<u32>,
-    /// Every MTU the port was declared with, and when (collector time): a port whose MTU
-    /// was lowered for a while could not carry big frames then.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub mtu_history: Vec<MtuAt>,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct MtuAt {
-    pub at_ns: u64,
-    pub mtu: u32,
-}
-
 /// MTU changes kept per point.
 const MTU_HISTORY: usize = 16;
-
-impl PointInfo {
-    pub fn label(&self) -> String {
-        format!("{}:{}:{}", self.node, self.iface, self.direction)
-    }
-}
-
-/// A point label's (node, interface, direction), split from the right: a node may be an
-/// IPv6 address (a mirroring switch), interfaces and directions hold no `:`.
-pub fn split_label(label: &str) -> Option<(&str, &str, &str)> {
-    let mut it = label.rsplitn(3, ':');
-    let (d, i, n) = (it.next()?, it.next()?, it.next()?);
-    Some((n, i, d))
-}
-
-/// The node of a point label (the whole label when it is not one).
-pub fn node_of(label: &str) -> &str {
-    split_label(label).map_or(label, |(n, _, _)| n)
-}
-
-/// The nodes a path crosses, in order, each once per visit.
-pub fn path_nodes(path: &[String]) -> Vec<&str> {
-    let mut v: Vec<&str> = Vec::new();
-    for p in path {
-        let n = node_of(p);
-        if v.last() != Some(&n) {
-            v.push(n);
-        }
-    }
-    v
-}
 
 #[derive(Clone, Copy, Debug)]
 pub struct JoinConfig {
@@ -96,32 +47,6 @@ impl Default for JoinConfig {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct JoinStats {
-    pub observations: u64,
-    /// Observations of roce-trace's own probes (QP 0xFFFFFF), left out of the join.
-    pub probe_observations: u64,
-    pub duplicates: u64,
-    pub trajectories: u64,
-    pub retransmissions: u64,
-    /// Trajectories that were only the tail of the flow's path (observations that came
-    /// after their packet's trajectory was complete): neither a path nor a loss. (Absent
-    /// from reports of older collectors: read as 0.)
-    #[serde(default)]
-    pub fragments: u64,
-    /// Of those, the ones that showed a packet judged lost had arrived after all (the
-    /// loss was taken back).
-    #[serde(default)]
-    pub late_arrivals: u64,
-    /// Identities dropped unjoined because `max_pending` was reached.
-    pub pending_dropped: u64,
-    pub flows_expired: u64,
-    /// Observations of new flows refused because `max_flows` was reached.
-    pub flows_refused: u64,
-    pub pending: u64,
-    pub flows: u64,
-}
-
 #[derive(Clone, Copy, Debug)]
 struct Obs {
     point: PointId,
@@ -136,44 +61,6 @@ struct Obs {
 struct Pending {
     /// Every observation of this identity; split into transmissions when complete.
     obs: Vec<Obs>,
-}
-
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub struct Span {
-    pub first_ns: u64,
-    pub last_ns: u64,
-    pub packets: u64,
-}
-
-impl Span {
-    fn hit(&mut self, t: u64) {
-        if self.packets == 0 || t < self.first_ns {
-            self.first_ns = t;
-        }
-        self.last_ns = self.last_ns.max(t);
-        self.packets += 1;
-    }
-}
-
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub struct Delay {
-    pub min_ns: i64,
-    pub max_ns: i64,
-    pub sum_ns: i64,
-    pub n: u64,
-}
-
-impl Delay {
-    fn add(&mut self, d: i64) {
-        if self.n == 0 {
-            self.min_ns = d;
-            self.max_ns = d;
-        }
-        self.min_ns = self.min_ns.min(d);
-        self.max_ns = self.max_ns.max(d);
-        self.sum_ns += d;
-        self.n += 1;
-    }
 }
 
 const RECENT: usize = 64;
@@ -249,26 +136,6 @@ struct Missing {
     frame_len: u16,
     /// Collector time after which it is judged with whatever health is in.
     deadline_ns: u64,
-}
-
-/// Why a sampled packet that went missing between two points is not counted as lost.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Unseen {
-    /// The agent of the next point sent no health for that time (an older agent, a
-    /// disconnection, or its report is late): nothing proves it would have seen it.
-    NoReport,
-    /// The agent of the next point lost samples then (ring buffer or queue full).
-    SamplesLost,
-}
-
-impl Unseen {
-    pub fn reason(self) -> &'static str {
-        match self {
-            Unseen::NoReport => "no health report from that point's agent for that time",
-            Unseen::SamplesLost => "that point's agent lost samples then (ring buffer or queue full)",
-        }
-    }
 }
 
 /// Running CNP counts kept per point (16 s of 1 s intervals; the settle time is 3 s).
@@ -392,7 +259,7 @@ impl Joiner {
     /// collector time `now_ns`.
     pub fn add(&mut self, point: PointId, o: &Observation, now_ns: u64) {
         self.stats.observations += 1;
-        if o.id.flow.dest_qp == crate::trace::PROBE_QP {
+        if o.id.flow.dest_qp == PROBE_QP {
             // Our own in-band probes: they expire on purpose, so they are no flow's loss.
             self.stats.probe_observations += 1;
             return;
@@ -404,7 +271,7 @@ impl Joiner {
             dscp: o.dscp,
             ecn: o.ecn,
             ttl: o.ttl,
-            pcp: if o.flags & crate::observation::OBS_HAS_PCP != 0 {
+            pcp: if o.flags & OBS_HAS_PCP != 0 {
                 o.pcp
             } else {
                 PCP_NONE
@@ -519,7 +386,7 @@ impl Joiner {
 
     /// Counter deltas from `point`.
     pub fn add_counters(&mut self, point: PointId, d: &CounterDelta, now_ns: u64) {
-        if d.flow.dest_qp == crate::trace::PROBE_QP {
+        if d.flow.dest_qp == PROBE_QP {
             return;
         }
         let not_egress = self
@@ -1282,220 +1149,6 @@ impl Joiner {
         }
         v
     }
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct ClassAt {
-    pub point: String,
-    pub dscp: u8,
-    pub ecn: u8,
-    pub pcp: Option<u8>,
-}
-
-impl ClassAt {
-    /// From the join's (DSCP, ECN, PCP or `PCP_NONE`).
-    fn new(point: String, (dscp, ecn, pcp): (u8, u8, u8)) -> Self {
-        Self {
-            point,
-            dscp,
-            ecn,
-            pcp: (pcp != PCP_NONE).then_some(pcp),
-        }
-    }
-}
-
-/// One class at one point over a stretch of the window.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct ClassSeen {
-    pub point: String,
-    /// CNPs (their class is judged apart from the flow's other packets).
-    pub cnp: bool,
-    pub dscp: u8,
-    pub pcp: Option<u8>,
-    #[serde(flatten)]
-    pub span: Span,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct ClassChange {
-    pub between: [String; 2],
-    pub from_dscp: u8,
-    pub to_dscp: u8,
-    #[serde(flatten)]
-    pub span: Span,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct CeOnset {
-    /// The last point that saw the packet unmarked (null: marked before the first point).
-    pub after: Option<String>,
-    pub at: String,
-    #[serde(flatten)]
-    pub span: Span,
-}
-
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub struct Lost {
-    pub between: [String; 2],
-    #[serde(flatten)]
-    pub span: Span,
-    /// The largest frame (bytes) among the packets lost there.
-    #[serde(default)]
-    pub largest_frame: Option<u16>,
-    /// The kernel's drop counters at the two ends around that time (what moved, or zero;
-    /// absent when an end is not a local interface of a reporting agent).
-    #[serde(default)]
-    pub kernel_drops: Vec<KernelDrop>,
-}
-
-/// A kernel drop counter at one point over a span of time.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct KernelDrop {
-    pub point: String,
-    /// `tx_dropped`, `qdisc_dropped` (sending end) or `rx_dropped` (receiving end).
-    pub counter: String,
-    pub packets: u64,
-}
-
-/// One point's health over the intervals the collector keeps (five minutes).
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct HealthSummary {
-    pub point: String,
-    pub intervals: u64,
-    pub from_ns: u64,
-    pub to_ns: u64,
-    /// Places where one interval does not start where the one before ended (the agent
-    /// was away): losses there are unobserved.
-    pub gaps: u64,
-    pub samples_lost: u64,
-    pub rx_dropped: u64,
-    pub tx_dropped: u64,
-    pub qdisc_dropped: u64,
-}
-
-/// Sampled packets missing between two points whose absence proves no loss: the
-/// second point's agent could not have reported them.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct Unobserved {
-    pub between: [String; 2],
-    pub why: Unseen,
-    pub reason: String,
-    #[serde(flatten)]
-    pub span: Span,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct DelayReport {
-    pub between: [String; 2],
-    #[serde(flatten)]
-    pub delay: Delay,
-}
-
-/// Bytes one counter delta reported at a flow's last point, and when it reached the
-/// collector (ns since the collector started).
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub struct DeliveryAt {
-    pub at_ns: u64,
-    pub bytes: u64,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct PathAt {
-    pub since_ns: u64,
-    pub path: Vec<String>,
-}
-
-/// Packets that vanished between two points, by exact counts (not samples).
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct CountedLoss {
-    pub between: [String; 2],
-    pub packets: u64,
-}
-
-/// Where one flow's CNPs went, by exact per-point counts.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct CnpDelivery {
-    /// CNPs counted at the first point that saw them (the notifying host's side).
-    pub sent: u64,
-    pub sent_at: String,
-    /// CNPs counted arriving at the host of the sender they throttle; null when that
-    /// host is not watched.
-    pub reached: Option<u64>,
-    pub reached_at: Option<String>,
-    /// Where the others vanished. Counts a point had three seconds ago (all of them
-    /// once the collector has stopped) against what the next point has counted, so
-    /// CNPs in flight are not lost.
-    pub lost: Vec<CountedLoss>,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct Answers {
-    /// Reverse flows carrying this flow's CNPs.
-    pub flows: Vec<String>,
-    /// CNPs those flows carried as they left the notifying host.
-    #[serde(default)]
-    pub cnps_sent: u64,
-    /// CNPs that reached this flow's sender (its host's ingress; where its host is not
-    /// watched, the most downstream point that counted them).
-    pub cnps: u64,
-    /// Where the others vanished.
-    #[serde(default)]
-    pub cnps_lost: Vec<CountedLoss>,
-    pub ce_marks: u64,
-    pub cnps_per_ce_mark: Option<f64>,
-    pub ce_to_cnp: Option<Delay>,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct FlowReport {
-    pub id: String,
-    pub src_ip: String,
-    pub dst_ip: String,
-    pub udp_sport: u16,
-    pub dest_qp: u32,
-    /// Observation points in order, and hops (TTL decrements) between neighbours.
-    pub path: Vec<String>,
-    pub hops: Vec<u8>,
-    pub class: Vec<ClassAt>,
-    /// Class of this flow's CNPs at each point that saw them.
-    #[serde(default)]
-    pub cnp_class: Vec<ClassAt>,
-    /// A flow that carries CNPs: how many left, how many reached the sender they
-    /// throttle, and where the rest vanished (exact counts).
-    #[serde(default)]
-    pub cnp_delivery: Option<CnpDelivery>,
-    /// Largest frame (bytes) seen at each point.
-    #[serde(default)]
-    pub max_frame: BTreeMap<String, u16>,
-    /// Every class each point saw over the window (CNPs apart), with when and how many
-    /// packets: what checks of class judge.
-    #[serde(default)]
-    pub class_seen: Vec<ClassSeen>,
-    /// Bytes delivered at its most downstream point, per counter interval (the last 64).
-    #[serde(default)]
-    pub delivery: Vec<DeliveryAt>,
-    pub class_changes: Vec<ClassChange>,
-    pub ce_onset: Vec<CeOnset>,
-    pub lost: Vec<Lost>,
-    /// Sampled packets missing where nothing proves they were lost.
-    #[serde(default)]
-    pub unobserved: Vec<Unobserved>,
-    pub delays: Vec<DelayReport>,
-    pub path_history: Vec<PathAt>,
-    pub counters: BTreeMap<String, CounterDelta>,
-    pub trajectories: u64,
-    pub answered_by: Answers,
-    /// Hops found by in-band probes from the flow's source (`collect --trace`).
-    pub probe: Option<crate::protocol::ProbeResult>,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct Anomaly {
-    pub kind: String,
-    pub flow: String,
-    pub between: Vec<String>,
-    pub detail: String,
-    pub packets: u64,
 }
 
 #[cfg(test)]

@@ -1,0 +1,10 @@
+//! roce-trace's correlate stage: observations from many points → each flow's path,
+//! class, CE onsets, losses and delays ([`join`]), as a typed report ([`report`]) the
+//! judge reads. Pure logic with time passed in: no I/O, no async runtime, no kernel.
+
+pub mod join;
+pub mod observation;
+pub mod report;
+
+pub use join::*;
+pub use report::*;

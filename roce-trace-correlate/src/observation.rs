@@ -1,0 +1,194 @@
+//! Observations as they leave a host: one sampled packet at one observation point,
+//! per-flow counter deltas, and each point's health. The agent makes them from the
+//! datapath's records; the wire protocol carries them; the join consumes them.
+
+use roce_trace_common::{
+    datapath::*,
+    flow::{FlowId, PacketId},
+};
+use serde::{Deserialize, Serialize};
+
+pub const OBS_HAS_PCP: u8 = 1;
+pub const OBS_HAS_AETH: u8 = 2;
+
+/// One packet at one observation point (the point is an index the agent declared).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Observation {
+    pub point: u16,
+    /// Unix nanoseconds by the agent's clock.
+    pub time_ns: u64,
+    pub id: PacketId,
+    pub udp_dport: u16,
+    pub dscp: u8,
+    pub ecn: u8,
+    pub ttl: u8,
+    pub pcp: u8,
+    pub frame_len: u16,
+    /// `REASON_*` bits of the datapath.
+    pub reasons: u8,
+    pub aeth_syndrome: u8,
+    /// `OBS_HAS_*` bits.
+    pub flags: u8,
+}
+
+impl Observation {
+    /// `time_ns`: the sample's time on the agent's clock, Unix nanoseconds.
+    pub fn from_sample(s: &Sample, point: u16, time_ns: u64) -> Self {
+        let mut flags = 0;
+        if s.present & HAS_PCP != 0 {
+            flags |= OBS_HAS_PCP;
+        }
+        if s.present & HAS_AETH != 0 {
+            flags |= OBS_HAS_AETH;
+        }
+        Self {
+            point,
+            time_ns,
+            id: PacketId {
+                flow: FlowId::of_key(&s.key),
+                psn: s.psn,
+                opcode: s.opcode,
+                icrc: s.icrc,
+            },
+            udp_dport: s.udp_dport,
+            dscp: s.dscp,
+            ecn: s.ecn,
+            ttl: s.ttl,
+            pcp: s.pcp,
+            frame_len: s.frame_len.min(u16::MAX as u32) as u16,
+            reasons: s.reasons as u8,
+            aeth_syndrome: s.aeth_syndrome,
+            flags,
+        }
+    }
+
+    /// Selected by the shared hash (as opposed to reported only as an anomaly): only such
+    /// packets are expected at every point, so only they say "lost".
+    pub fn hash_sampled(&self) -> bool {
+        self.reasons as u32 & REASON_HASH != 0
+    }
+}
+
+/// Change of one flow's exact counters at one point over an interval.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CounterDelta {
+    #[serde(skip)]
+    pub point: u16,
+    #[serde(skip)]
+    pub flow: FlowId,
+    pub packets: u64,
+    pub bytes: u64,
+    pub ecn: [u64; 4],
+    pub cnp: u64,
+    pub ack: u64,
+    pub nak_psn_seq_err: u64,
+    pub nak_rnr: u64,
+    pub nak_other: u64,
+    pub psn_gaps: u64,
+    pub dscp_changed: u64,
+    pub last_dscp: u8,
+    pub last_pcp: u8,
+    pub last_ttl: u8,
+}
+
+impl CounterDelta {
+    /// A flow's running totals at one point, as the kernel keeps them.
+    pub fn totals(point: u16, key: &FlowKey, c: &FlowCounters) -> Self {
+        Self {
+            point,
+            flow: FlowId::of_key(key),
+            packets: c.packets,
+            bytes: c.bytes,
+            ecn: c.ecn,
+            cnp: c.cnp,
+            ack: c.ack,
+            nak_psn_seq_err: c.nak_psn_seq_err,
+            nak_rnr: c.nak_rnr,
+            nak_other: c.nak_other,
+            psn_gaps: c.psn_gaps,
+            dscp_changed: c.dscp_changed,
+            last_dscp: c.last_dscp,
+            last_pcp: c.last_pcp,
+            last_ttl: c.last_ttl,
+        }
+    }
+
+    /// `now - before` (a flow the LRU evicted and re-created counts from zero again).
+    pub fn between(point: u16, key: &FlowKey, now: &FlowCounters, before: Option<&FlowCounters>) -> Self {
+        let now_t = Self::totals(point, key, now);
+        match before {
+            Some(b) if b.packets <= now.packets => now_t.less(&Self::totals(point, key, b)),
+            _ => now_t,
+        }
+    }
+
+    /// `self - before` of two running totals of one flow at one point (the last-seen
+    /// fields are `self`'s).
+    pub fn less(&self, before: &CounterDelta) -> Self {
+        let d = |x: u64, y: u64| x.saturating_sub(y);
+        Self {
+            packets: d(self.packets, before.packets),
+            bytes: d(self.bytes, before.bytes),
+            ecn: [0, 1, 2, 3].map(|i| d(self.ecn[i], before.ecn[i])),
+            cnp: d(self.cnp, before.cnp),
+            ack: d(self.ack, before.ack),
+            nak_psn_seq_err: d(self.nak_psn_seq_err, before.nak_psn_seq_err),
+            nak_rnr: d(self.nak_rnr, before.nak_rnr),
+            nak_other: d(self.nak_other, before.nak_other),
+            psn_gaps: d(self.psn_gaps, before.psn_gaps),
+            dscp_changed: d(self.dscp_changed, before.dscp_changed),
+            ..*self
+        }
+    }
+
+    pub fn add(&mut self, o: &CounterDelta) {
+        self.packets += o.packets;
+        self.bytes += o.bytes;
+        for i in 0..4 {
+            self.ecn[i] += o.ecn[i];
+        }
+        self.cnp += o.cnp;
+        self.ack += o.ack;
+        self.nak_psn_seq_err += o.nak_psn_seq_err;
+        self.nak_rnr += o.nak_rnr;
+        self.nak_other += o.nak_other;
+        self.psn_gaps += o.psn_gaps;
+        self.dscp_changed += o.dscp_changed;
+        self.last_dscp = o.last_dscp;
+        self.last_pcp = o.last_pcp;
+        self.last_ttl = o.last_ttl;
+    }
+}
+
+/// One observation point over one agent interval: what the agent could not deliver from
+/// it, and what the kernel dropped on its interface. The collector needs it to tell a
+/// packet lost in the fabric from a sample lost on the way (a loss is proven only where
+/// the downstream point reported a clean interval), and quotes the kernel's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PointHealth {
+    pub point: u16,
+    /// The interval, Unix nanoseconds by the agent's clock (as observations).
+    pub start_ns: u64,
+    pub end_ns: u64,
+    /// Samples the kernel could not hand over: the ring buffer was full (counted per
+    /// direction on the host: every point of that direction gets it).
+    pub ringbuf_full: u64,
+    /// RoCEv2 packets the datapath could not parse (BTH or extension headers cut short),
+    /// so it sampled none of them (counted per direction, like `ringbuf_full`).
+    pub unparsed: u64,
+    /// Observations the agent gave up (its queue was full), and samples it could not
+    /// read or place at a point: agent-wide, every point gets them.
+    pub agent_dropped: u64,
+    /// The interface's own drop counters (`/proc/net/dev` drop columns) and its root
+    /// qdisc's drops; zero for points that are not a local interface.
+    pub if_rx_dropped: u64,
+    pub if_tx_dropped: u64,
+    pub qdisc_dropped: u64,
+}
+
+impl PointHealth {
+    /// Samples from this point that never reached the collector.
+    pub fn samples_lost(&self) -> u64 {
+        self.ringbuf_full + self.unparsed + self.agent_dropped
+    }
+}
