@@ -12,6 +12,7 @@ pub mod frame;
 #[doc(hidden)]
 pub mod fuzz_api;
 pub mod http;
+pub mod local;
 pub mod netstat;
 pub mod observation;
 pub mod pcap;
@@ -20,6 +21,6 @@ pub mod record;
 pub mod sys;
 pub mod trace;
 pub mod traffic;
-pub mod verify;
 
 pub use roce_trace_correlate as correlate;
+pub use roce_trace_verify as verify;

@@ -58,8 +58,8 @@ struct VerifyArgs {
     window: Duration,
     /// What the traffic in the window was meant to be: CE marks are a fault when idle,
     /// expected when congested.
-    #[arg(long, value_enum, default_value_t = roce_trace::verify::checks::Load::Idle)]
-    load: roce_trace::verify::checks::Load,
+    #[arg(long, value_enum, default_value_t = LoadArg::Idle)]
+    load: LoadArg,
     /// Also write the verdict as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -253,6 +253,24 @@ struct CollectArgs {
     /// Live view refresh.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
     interval: Duration,
+}
+
+/// What the traffic in the window was meant to be.
+#[derive(Clone, Copy, ValueEnum)]
+enum LoadArg {
+    /// No congestion: CE marks are a fault.
+    Idle,
+    /// Deliberate congestion (incast, a bottleneck): CE marks are expected.
+    Congested,
+}
+
+impl From<LoadArg> for roce_trace::verify::checks::Load {
+    fn from(l: LoadArg) -> Self {
+        match l {
+            LoadArg::Idle => Self::Idle,
+            LoadArg::Congested => Self::Congested,
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -762,8 +780,12 @@ async fn run_collect(a: CollectArgs) -> anyhow::Result<()> {
 }
 
 fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
-    use roce_trace::verify::{self, Source, baseline::Baseline, drill, output, policy::Policy};
-    let policy = Policy::load(&a.policy)?;
+    use roce_trace::{
+        local::{self, Source},
+        verify::{self, baseline::Baseline, drill, output},
+    };
+    let load: verify::checks::Load = a.load.into();
+    let policy = local::load_policy(&a.policy)?;
     let source = if let Some(r) = a.report.clone() {
         anyhow::ensure!(!a.drill, "--drill needs a live window: --collector-http or -i");
         Source::Report(r)
@@ -798,24 +820,24 @@ fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
             window: a.window,
         }
     };
-    let baseline = a.baseline.as_deref().map(Baseline::load).transpose()?;
+    let baseline = a.baseline.as_deref().map(local::load_baseline).transpose()?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("starting runtime")?;
     let min_packets = policy.stability.as_ref().map_or(100, |s| s.min_packets);
     let (checks, flows) = if a.drill {
-        let opts = drill::DrillOptions {
+        let opts = local::DrillOptions {
             down: a.down.clone(),
             up: a.up.clone(),
             hold: a.hold,
         };
         let snaps = rt.block_on(async {
             match &source {
-                Source::Collector { http, .. } => drill::run(*http, &opts).await,
+                Source::Collector { http, .. } => local::run_drill(*http, &opts).await,
                 Source::Local { agent, .. } => {
                     Ok(
-                        verify::with_local(agent, |http| async move { drill::run(http, &opts).await })
+                        local::with_local(agent, |http| async move { local::run_drill(http, &opts).await })
                             .await?
                             .0,
                     )
@@ -827,20 +849,20 @@ fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
         let d = drill::measure(&snaps, &via);
         (drill::judge(&policy, &d), snaps.during.flows.len())
     } else {
-        let report = rt.block_on(verify::window_report(&source))?;
-        let mut checks = verify::checks::judge(&policy, &report, a.load);
+        let report = rt.block_on(local::window_report(&source))?;
+        let mut checks = verify::checks::judge(&policy, &report, load);
         let now = Baseline::of(&report, min_packets);
         if let Some(b) = &baseline {
             let growth = policy.baseline.as_ref().map_or(0.1, |b| b.max_spread_growth.0);
             checks.push(b.compare(&now, growth));
         }
         if let Some(p) = &a.save_baseline {
-            now.save(p)?;
+            local::save_baseline(&now, p)?;
             tracing::info!("baseline written to {}", p.display());
         }
         (checks, report.flows.len())
     };
-    let v = output::Verdict::new(source.describe(), a.load, flows, checks);
+    let v = output::Verdict::new(source.describe(), load, flows, checks);
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_vec_pretty(&v)?)
             .with_context(|| format!("writing {}", p.display()))?;

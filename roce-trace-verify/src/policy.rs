@@ -3,9 +3,8 @@
 //! with the file, line and column (the value types below check their own ranges, so the
 //! TOML parser reports where).
 
-use std::{fmt, net::IpAddr, path::Path};
+use std::{fmt, net::IpAddr};
 
-use anyhow::Context as _;
 use serde::{Deserialize, Deserializer, Serialize, de};
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
@@ -162,12 +161,6 @@ pub struct BaselinePolicy {
 }
 
 impl Policy {
-    pub fn load(path: &Path) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading the policy {}", path.display()))?;
-        Self::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
-    }
-
     /// Parses policy text; the error names the line and column.
     pub fn parse(text: &str) -> Result<Self, String> {
         let p: Policy = toml::from_str(text).map_err(|e| e.to_string().trim_end().to_owned())?;
@@ -282,7 +275,7 @@ mod tests {
 
     #[test]
     fn the_shipped_example_policy_parses() {
-        let text = include_str!("../../../dist/fabric-policy.toml");
+        let text = include_str!("../../dist/fabric-policy.toml");
         let p = Policy::parse(text).unwrap();
         assert_eq!(p.class.unwrap().data_dscp, Some(Dscp(26)));
         assert_eq!(p.hops.len(), 2);

@@ -1,17 +1,19 @@
-//! `roce-trace verify`: the fabric's regression tests. The last stage — it judges what
-//! the collector correlated (a saved report, a live collector, or an in-process
-//! collector fed by this host's own datapath) against a policy, and reports pass/fail
-//! with evidence; baselines say what changed, drills measure a failure.
+//! Where `verify`'s windows come from — a saved report, a live collector, or an
+//! in-process collector fed by this host's own datapath — and a drill's actions and
+//! timing. The judge (`roce-trace-verify`) does no I/O: everything it reads is fetched
+//! here.
 
-pub mod baseline;
-pub mod checks;
-pub mod drill;
-pub mod output;
-pub mod policy;
-
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
 
 use anyhow::Context as _;
+use roce_trace_verify::{
+    drill::{self, Snapshots},
+    window::since,
+};
 
 use crate::{
     agent::AgentOptions,
@@ -52,21 +54,17 @@ impl Source {
     }
 }
 
+/// A report the collector wrote (`-`: stdin).
 pub fn read_report(path: &std::path::Path) -> anyhow::Result<CollectorReport> {
     let text = if path.as_os_str() == "-" {
         std::io::read_to_string(std::io::stdin()).context("reading the report from stdin")?
     } else {
         std::fs::read_to_string(path).with_context(|| format!("reading the report {}", path.display()))?
     };
-    let r: CollectorReport = serde_json::from_str(&text)
-        .with_context(|| format!("{} is not a roce-trace collector report", path.display()))?;
-    anyhow::ensure!(
-        r.kind == "collector_report",
-        "{} is not a collector report (type `{}`)",
-        path.display(),
-        r.kind
-    );
-    Ok(r)
+    Ok(roce_trace_verify::parse_report(
+        &text,
+        &path.display().to_string(),
+    )?)
 }
 
 /// The collector's current report, over its HTTP API.
@@ -152,113 +150,6 @@ where
     Ok((out?, report))
 }
 
-/// `end` less what `start` already held: counters, losses, class changes, CE onsets and
-/// trajectories count only what happened in between; flows with nothing new are left
-/// out. Paths, classes and sizes are the latest view.
-pub fn since(start: &CollectorReport, mut end: CollectorReport) -> CollectorReport {
-    use std::collections::HashMap;
-
-    use crate::correlate::Span;
-    let before: HashMap<&str, &crate::correlate::FlowReport> =
-        start.flows.iter().map(|f| (f.id.as_str(), f)).collect();
-    let less_counted = |now: &mut Vec<crate::correlate::CountedLoss>,
-                        was: &[crate::correlate::CountedLoss]| {
-        for l in now.iter_mut() {
-            if let Some(w) = was.iter().find(|w| w.between == l.between) {
-                l.packets = l.packets.saturating_sub(w.packets);
-            }
-        }
-        now.retain(|l| l.packets > 0);
-    };
-    let less = |now: &mut Span, was: Option<&Span>| {
-        if let Some(w) = was {
-            now.packets = now.packets.saturating_sub(w.packets);
-        }
-    };
-    // A port's MTUs in the window: the one in force at its start and those declared since.
-    for p in &mut end.points {
-        let Some(was) = start.points.iter().find(|x| x.label() == p.label()) else {
-            continue;
-        };
-        let seen = was.mtu_history.last().map(|m| m.at_ns);
-        p.mtu_history.retain(|m| seen.is_none_or(|t| m.at_ns > t));
-        if let Some(m) = was.mtu {
-            p.mtu_history.insert(
-                0,
-                crate::correlate::MtuAt {
-                    at_ns: seen.unwrap_or(0),
-                    mtu: m,
-                },
-            );
-        }
-    }
-    end.flows.retain_mut(|f| {
-        let Some(b) = before.get(f.id.as_str()) else {
-            return true;
-        };
-        for (point, c) in f.counters.iter_mut() {
-            if let Some(w) = b.counters.get(point) {
-                *c = c.less(w);
-            }
-        }
-        f.counters.retain(|_, c| c.packets > 0);
-        f.trajectories = f.trajectories.saturating_sub(b.trajectories);
-        for l in &mut f.lost {
-            less(
-                &mut l.span,
-                b.lost.iter().find(|x| x.between == l.between).map(|x| &x.span),
-            );
-        }
-        f.lost.retain(|l| l.span.packets > 0);
-        for c in &mut f.class_seen {
-            let was = b
-                .class_seen
-                .iter()
-                .find(|x| x.point == c.point && x.cnp == c.cnp && x.dscp == c.dscp && x.pcp == c.pcp);
-            less(&mut c.span, was.map(|x| &x.span));
-        }
-        f.class_seen.retain(|c| c.span.packets > 0);
-        for u in &mut f.unobserved {
-            let was = b
-                .unobserved
-                .iter()
-                .find(|x| x.between == u.between && x.why == u.why);
-            less(&mut u.span, was.map(|x| &x.span));
-        }
-        f.unobserved.retain(|u| u.span.packets > 0);
-        for c in &mut f.class_changes {
-            let was = b
-                .class_changes
-                .iter()
-                .find(|x| x.between == c.between && x.from_dscp == c.from_dscp && x.to_dscp == c.to_dscp);
-            less(&mut c.span, was.map(|x| &x.span));
-        }
-        f.class_changes.retain(|c| c.span.packets > 0);
-        for o in &mut f.ce_onset {
-            let was = b.ce_onset.iter().find(|x| x.after == o.after && x.at == o.at);
-            less(&mut o.span, was.map(|x| &x.span));
-        }
-        f.ce_onset.retain(|o| o.span.packets > 0);
-        let seen = b.delivery.iter().map(|x| x.at_ns).max().unwrap_or(0);
-        f.delivery.retain(|x| x.at_ns > seen);
-        if let (Some(d), Some(w)) = (&mut f.cnp_delivery, &b.cnp_delivery) {
-            d.sent = d.sent.saturating_sub(w.sent);
-            if let (Some(n), Some(m)) = (&mut d.reached, w.reached) {
-                *n = n.saturating_sub(m);
-            }
-            less_counted(&mut d.lost, &w.lost);
-        }
-        let a = &mut f.answered_by;
-        a.cnps_sent = a.cnps_sent.saturating_sub(b.answered_by.cnps_sent);
-        less_counted(&mut a.cnps_lost, &b.answered_by.cnps_lost);
-        a.cnps = a.cnps.saturating_sub(b.answered_by.cnps);
-        a.ce_marks = a.ce_marks.saturating_sub(b.answered_by.ce_marks);
-        a.cnps_per_ce_mark = (a.ce_marks > 0).then(|| a.cnps as f64 / a.ce_marks as f64);
-        !f.counters.is_empty() || f.trajectories > 0
-    });
-    end
-}
-
 /// One window's report from `source`.
 pub async fn window_report(source: &Source) -> anyhow::Result<CollectorReport> {
     match source {
@@ -282,5 +173,113 @@ pub async fn window_report(source: &Source) -> anyhow::Result<CollectorReport> {
     }
 }
 
-#[cfg(test)]
-mod tests;
+#[derive(Clone, Debug)]
+pub struct DrillOptions {
+    /// Shell command that causes the failure; none: the user is asked to.
+    pub down: Option<String>,
+    /// Shell command that repairs it; none: the user is asked to.
+    pub up: Option<String>,
+    /// How long traffic runs before, during and after the failure.
+    pub hold: Duration,
+}
+
+fn unix_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+async fn act(cmd: &Option<String>, what: &str) -> anyhow::Result<u64> {
+    match cmd {
+        Some(c) => {
+            let t = unix_ns();
+            tracing::info!("drill: {what}: running `{c}`");
+            let c2 = c.clone();
+            let st = tokio::task::spawn_blocking(move || {
+                std::process::Command::new("sh").args(["-c", &c2]).status()
+            })
+            .await?
+            .with_context(|| format!("running `{c}`"))?;
+            anyhow::ensure!(st.success(), "drill: `{c}` failed ({st})");
+            Ok(t)
+        }
+        None => {
+            // The event happens somewhere between the question and the answer: times are
+            // measured from the question, so they include the operator's delay.
+            let t = unix_ns();
+            eprintln!("drill: {what} now, then press Enter");
+            let n = tokio::task::spawn_blocking(|| {
+                let mut l = String::new();
+                std::io::stdin().read_line(&mut l)
+            })
+            .await?
+            .context("waiting for Enter")?;
+            anyhow::ensure!(
+                n > 0,
+                "drill: stdin closed while waiting for Enter (use --down/--up to run commands)"
+            );
+            Ok(t)
+        }
+    }
+}
+
+/// Runs the drill against a collector reachable at `http`: the collector's reports
+/// before, through and after the failure, for [`drill::measure`].
+pub async fn run_drill(http: std::net::SocketAddr, opts: &DrillOptions) -> anyhow::Result<Snapshots> {
+    let fetch = || fetch_report(http);
+    let start = fetch().await?;
+    tracing::info!(
+        "drill: traffic for {} before the failure",
+        humantime::format_duration(opts.hold)
+    );
+    tokio::time::sleep(opts.hold).await;
+    let before = fetch().await?;
+    anyhow::ensure!(
+        drill::data(&since(&start, before.clone())).next().is_some(),
+        "drill: no RDMA data flow ran before the failure; start the traffic first"
+    );
+    let down_at_ns = act(&opts.down, "cause the failure").await?;
+    let half = opts.hold / 2;
+    tokio::time::sleep(half).await;
+    let settled = fetch().await?;
+    tokio::time::sleep(opts.hold - half).await;
+    let during = fetch().await?;
+    let up_at_ns = act(&opts.up, "repair it").await?;
+    tokio::time::sleep(opts.hold).await;
+    let after = fetch().await?;
+    Ok(Snapshots {
+        start,
+        before,
+        settled,
+        during,
+        after,
+        down_at_ns,
+        up_at_ns,
+    })
+}
+
+/// The policy file, parsed and checked.
+pub fn load_policy(path: &std::path::Path) -> anyhow::Result<roce_trace_verify::policy::Policy> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading the policy {}", path.display()))?;
+    roce_trace_verify::policy::Policy::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+}
+
+/// A baseline `verify --save-baseline` wrote.
+pub fn load_baseline(path: &std::path::Path) -> anyhow::Result<roce_trace_verify::baseline::Baseline> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading the baseline {}", path.display()))?;
+    Ok(roce_trace_verify::baseline::Baseline::from_json(
+        &text,
+        &path.display().to_string(),
+    )?)
+}
+
+/// Writes a baseline.
+pub fn save_baseline(
+    b: &roce_trace_verify::baseline::Baseline,
+    path: &std::path::Path,
+) -> anyhow::Result<()> {
+    std::fs::write(path, b.to_json()).with_context(|| format!("writing {}", path.display()))
+}

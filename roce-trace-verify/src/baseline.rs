@@ -4,11 +4,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use anyhow::Context as _;
 use serde::{Deserialize, Serialize};
 
-use super::checks::{CheckResult, Evidence, Role, Status, role, stability};
-use crate::{collector::CollectorReport, correlate::path_nodes};
+use crate::checks::{CheckResult, Evidence, Role, Status, role, stability};
+use roce_trace_correlate::{CollectorReport, path_nodes};
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct FlowBase {
@@ -67,22 +66,23 @@ impl Baseline {
         b
     }
 
-    pub fn save(&self, path: &std::path::Path) -> anyhow::Result<()> {
-        std::fs::write(path, serde_json::to_vec_pretty(self)?)
-            .with_context(|| format!("writing {}", path.display()))
+    /// The baseline as written to a file (pretty JSON).
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec_pretty(self).expect("a baseline serialises")
     }
 
-    pub fn load(path: &std::path::Path) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading the baseline {}", path.display()))?;
-        let b: Baseline = serde_json::from_str(&text)
-            .with_context(|| format!("{} is not a roce-trace baseline", path.display()))?;
-        anyhow::ensure!(
-            b.kind == "verify_baseline",
-            "{} is not a roce-trace baseline (type `{}`)",
-            path.display(),
-            b.kind
-        );
+    /// A baseline read back; `name` (its file) is quoted in errors.
+    pub fn from_json(text: &str, name: &str) -> Result<Self, BaselineError> {
+        let b: Baseline = serde_json::from_str(text).map_err(|source| BaselineError::NotJson {
+            name: name.into(),
+            source,
+        })?;
+        if b.kind != "verify_baseline" {
+            return Err(BaselineError::WrongType {
+                name: name.into(),
+                kind: b.kind,
+            });
+        }
         Ok(b)
     }
 
@@ -166,4 +166,17 @@ impl Baseline {
         };
         r
     }
+}
+
+/// A file that is not a baseline.
+#[derive(Debug, thiserror::Error)]
+pub enum BaselineError {
+    #[error("{name} is not a roce-trace baseline")]
+    NotJson {
+        name: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("{name} is not a roce-trace baseline (type `{kind}`)")]
+    WrongType { name: String, kind: String },
 }

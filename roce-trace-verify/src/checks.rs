@@ -5,15 +5,14 @@ use std::{collections::BTreeMap, net::IpAddr};
 
 use serde::{Deserialize, Serialize};
 
-use super::policy::{HopRule, Policy};
-use crate::{
-    collector::CollectorReport,
-    correlate::{FlowReport, PointInfo, Span, node_of},
-    observation::CounterDelta,
+use roce_trace_correlate::{
+    CollectorReport, FlowReport, PointInfo, Span, node_of, observation::CounterDelta,
 };
 
+use crate::policy::{HopRule, Policy};
+
 /// What the traffic in the window was meant to be.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Load {
     /// No congestion: CE marks are a fault.

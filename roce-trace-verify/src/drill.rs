@@ -14,32 +14,16 @@
 //! from the agents' clocks, so they must agree with this host's (NTP/PTP; in the lab they
 //! are one clock).
 
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    time::{Duration, SystemTime, UNIX_EPOCH},
-};
+use std::collections::{BTreeMap, BTreeSet};
 
-use anyhow::Context as _;
+use roce_trace_correlate::{CollectorReport, FlowReport, Lost, node_of, path_nodes};
 use serde::{Deserialize, Serialize};
 
-use super::{
-    checks::{CheckResult, Evidence, Role, Status, ecmp_shares, role},
-    policy::Policy,
-};
 use crate::{
-    collector::CollectorReport,
-    correlate::{FlowReport, Lost, node_of, path_nodes},
+    checks::{CheckResult, Evidence, Role, Status, ecmp_shares, role},
+    policy::{DrillPolicy, Policy},
+    window::since,
 };
-
-#[derive(Clone, Debug)]
-pub struct DrillOptions {
-    /// Shell command that causes the failure; none: the user is asked to.
-    pub down: Option<String>,
-    /// Shell command that repairs it; none: the user is asked to.
-    pub up: Option<String>,
-    /// How long traffic runs before, during and after the failure.
-    pub hold: Duration,
-}
 
 /// Which way a flow goes in its connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
@@ -140,47 +124,6 @@ impl DrillReport {
     }
 }
 
-fn unix_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
-}
-
-async fn act(cmd: &Option<String>, what: &str) -> anyhow::Result<u64> {
-    match cmd {
-        Some(c) => {
-            let t = unix_ns();
-            tracing::info!("drill: {what}: running `{c}`");
-            let c2 = c.clone();
-            let st = tokio::task::spawn_blocking(move || {
-                std::process::Command::new("sh").args(["-c", &c2]).status()
-            })
-            .await?
-            .with_context(|| format!("running `{c}`"))?;
-            anyhow::ensure!(st.success(), "drill: `{c}` failed ({st})");
-            Ok(t)
-        }
-        None => {
-            // The event happens somewhere between the question and the answer: times are
-            // measured from the question, so they include the operator's delay.
-            let t = unix_ns();
-            eprintln!("drill: {what} now, then press Enter");
-            let n = tokio::task::spawn_blocking(|| {
-                let mut l = String::new();
-                std::io::stdin().read_line(&mut l)
-            })
-            .await?
-            .context("waiting for Enter")?;
-            anyhow::ensure!(
-                n > 0,
-                "drill: stdin closed while waiting for Enter (use --down/--up to run commands)"
-            );
-            Ok(t)
-        }
-    }
-}
-
 /// The collector's view through the drill, and when the failure began and ended (Unix
 /// ns).
 pub struct Snapshots {
@@ -200,41 +143,7 @@ pub struct Snapshots {
     pub up_at_ns: u64,
 }
 
-/// Runs the drill against a collector reachable at `http`.
-pub async fn run(http: std::net::SocketAddr, opts: &DrillOptions) -> anyhow::Result<Snapshots> {
-    let fetch = || super::fetch_report(http);
-    let start = fetch().await?;
-    tracing::info!(
-        "drill: traffic for {} before the failure",
-        humantime::format_duration(opts.hold)
-    );
-    tokio::time::sleep(opts.hold).await;
-    let before = fetch().await?;
-    anyhow::ensure!(
-        data(&super::since(&start, before.clone())).next().is_some(),
-        "drill: no RDMA data flow ran before the failure; start the traffic first"
-    );
-    let down_at_ns = act(&opts.down, "cause the failure").await?;
-    let half = opts.hold / 2;
-    tokio::time::sleep(half).await;
-    let settled = fetch().await?;
-    tokio::time::sleep(opts.hold - half).await;
-    let during = fetch().await?;
-    let up_at_ns = act(&opts.up, "repair it").await?;
-    tokio::time::sleep(opts.hold).await;
-    let after = fetch().await?;
-    Ok(Snapshots {
-        start,
-        before,
-        settled,
-        during,
-        after,
-        down_at_ns,
-        up_at_ns,
-    })
-}
-
-fn data(r: &CollectorReport) -> impl Iterator<Item = &FlowReport> {
+pub fn data(r: &CollectorReport) -> impl Iterator<Item = &FlowReport> {
     r.flows.iter().filter(|f| role(f) == Some(Role::Data))
 }
 
@@ -418,7 +327,7 @@ pub fn measure(s: &Snapshots, via: &[String]) -> DrillReport {
     };
     // Roles and paths from everything seen up to the failure; the flows judged are those
     // that ran in the hold before it.
-    let ran = super::since(&s.start, s.before.clone());
+    let ran = since(&s.start, s.before.clone());
     let before = by_id(&s.before);
     let judged: Vec<(&FlowReport, Way)> = ran
         .flows
@@ -430,8 +339,8 @@ pub fn measure(s: &Snapshots, via: &[String]) -> DrillReport {
         .collect();
     let peers = connections(&judged);
     // What happened while the failure lasted, and once it had settled.
-    let window = super::since(&s.before, s.during.clone());
-    let settled = super::since(&s.settled, s.during.clone());
+    let window = since(&s.before, s.during.clone());
+    let settled = since(&s.settled, s.during.clone());
     let views = Views {
         before,
         failure: by_id(&window),
@@ -520,7 +429,7 @@ fn count<'a>(it: impl Iterator<Item = &'a DrillFlow>) -> (usize, usize) {
 
 /// The drill's checks, from the policy's `[drill]` section.
 pub fn judge(policy: &Policy, d: &DrillReport) -> Vec<CheckResult> {
-    let p = policy.drill.clone().unwrap_or(super::policy::DrillPolicy {
+    let p = policy.drill.clone().unwrap_or(DrillPolicy {
         max_lost: None,
         max_recovery_ms: None,
         must_return: false,
@@ -528,7 +437,7 @@ pub fn judge(policy: &Policy, d: &DrillReport) -> Vec<CheckResult> {
     vec![loss(&p, d), recovery(&p, d), ret(&p, d)]
 }
 
-fn loss(p: &super::policy::DrillPolicy, d: &DrillReport) -> CheckResult {
+fn loss(p: &DrillPolicy, d: &DrillReport) -> CheckResult {
     let lost = |replies: bool| -> u64 {
         d.flows
             .values()
@@ -597,7 +506,7 @@ fn loss(p: &super::policy::DrillPolicy, d: &DrillReport) -> CheckResult {
     r
 }
 
-fn recovery(p: &super::policy::DrillPolicy, d: &DrillReport) -> CheckResult {
+fn recovery(p: &DrillPolicy, d: &DrillReport) -> CheckResult {
     let moved = count(d.flows.values().filter(|f| f.moved_after_ms.is_some()));
     let worst = d
         .flows
@@ -662,7 +571,7 @@ fn recovery(p: &super::policy::DrillPolicy, d: &DrillReport) -> CheckResult {
     r
 }
 
-fn ret(p: &super::policy::DrillPolicy, d: &DrillReport) -> CheckResult {
+fn ret(p: &DrillPolicy, d: &DrillReport) -> CheckResult {
     let not_back = count(d.flows.values().filter(|f| f.not_back));
     let mut r = CheckResult {
         check: "drill_return".into(),
