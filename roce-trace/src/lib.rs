@@ -8,7 +8,6 @@ pub mod agent;
 pub mod capture;
 pub mod collector;
 pub mod datapath;
-pub mod frame;
 #[doc(hidden)]
 pub mod fuzz_api;
 pub mod http;
@@ -20,7 +19,7 @@ pub mod protocol;
 pub mod record;
 pub mod sys;
 pub mod trace;
-pub mod traffic;
 
 pub use roce_trace_correlate as correlate;
+pub use roce_trace_gen::{frame, traffic};
 pub use roce_trace_verify as verify;

@@ -413,7 +413,8 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
         ..
     }) = &opts.sender
     {
-        let ifindex = crate::sys::ifindex(iface).map_err(|e| GenError::Invalid(e.to_string()))?;
+        let ifindex = net::ifindex(iface)
+            .ok_or_else(|| GenError::Invalid(format!("unknown interface `{iface}` (see `ip link`)")))?;
         let src_mac = net::mac_of(iface).map_err(io_err(format!("reading the MAC of {iface}")))?;
         let tags: Vec<(u16, u16)> = vlan
             .iter()

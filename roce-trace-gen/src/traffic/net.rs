@@ -406,3 +406,13 @@ pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
         .collect::<Option<_>>()?;
     v.try_into().ok()
 }
+
+/// An interface's index (`if_nametoindex`); `None` when there is no such interface.
+pub fn ifindex(name: &str) -> Option<u32> {
+    let c = std::ffi::CString::new(name).ok()?;
+    // SAFETY: `c` is a valid NUL-terminated string.
+    match unsafe { libc::if_nametoindex(c.as_ptr()) } {
+        0 => None,
+        i => Some(i),
+    }
+}
