@@ -7,19 +7,15 @@
 pub mod agent;
 pub mod capture;
 pub mod collector;
-pub mod datapath;
 #[doc(hidden)]
 pub mod fuzz_api;
 pub mod http;
 pub mod local;
-pub mod netstat;
 pub mod observation;
-pub mod pcap;
 pub mod protocol;
-pub mod record;
-pub mod sys;
 pub mod trace;
 
 pub use roce_trace_correlate as correlate;
+pub use roce_trace_datapath::{loader as datapath, netstat, pcap, record, sys};
 pub use roce_trace_gen::{frame, traffic};
 pub use roce_trace_verify as verify;

@@ -41,7 +41,7 @@ enum Cmd {
     },
 }
 
-/// Keep in step with scripts/setup and roce-trace/build.rs.
+/// Keep in step with scripts/setup and roce-trace-datapath/build.rs.
 pub const EBPF_TOOLCHAIN: &str = "nightly-2026-05-15";
 
 fn main() -> ExitCode {

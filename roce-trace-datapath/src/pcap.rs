@@ -17,8 +17,8 @@ use roce_trace_common::{
 use thiserror::Error;
 
 use crate::{
-    datapath::{DatapathOptions, GlobalTotals},
-    observation::MirrorTable,
+    loader::{DatapathOptions, GlobalTotals},
+    mirror::MirrorTable,
 };
 
 #[derive(Debug, Error)]
@@ -298,7 +298,8 @@ impl Offline {
             &update,
         );
         // The ICRC, recomputed over the whole IP packet; one captured short counts as wrong.
-        let icrc_ok = crate::frame::check_icrc(&fr.data, p.l3_off as usize, p.icrc()) == Some(true);
+        let icrc_ok =
+            roce_trace_common::icrc::check_icrc(&fr.data, p.l3_off as usize, p.icrc()) == Some(true);
         let e = self.icrc_errors.entry(key).or_default();
         if !icrc_ok {
             *e += 1;

@@ -11,9 +11,9 @@ use aya::{
 use roce_trace_common::{datapath::*, sampling::threshold_for_rate};
 use thiserror::Error;
 
-use crate::sys;
+use crate::{mirror::MirrorTable, sys};
 
-/// The datapath object, built by build.rs and embedded in the binary.
+/// The datapath object, built by this crate's build.rs and embedded in the binary.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/roce-trace"));
 
 #[derive(Debug, Error)]
@@ -419,7 +419,7 @@ impl Datapath {
     /// (the map is read only then), and warns about any it still cannot.
     pub fn resolve_mirrors<'a>(
         &self,
-        t: &mut crate::observation::MirrorTable,
+        t: &mut MirrorTable,
         keys: impl Iterator<Item = &'a FlowKey> + Clone,
     ) -> Result<(), DatapathError> {
         if keys.clone().any(|k| t.missing(k)) {

@@ -8,7 +8,7 @@ use roce_trace_common::{datapath::*, roce};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    observation::{MirrorSession, MirrorTable},
+    mirror::{MirrorSession, MirrorTable},
     sys::KernelClock,
 };
 
@@ -178,7 +178,7 @@ pub fn sample_icrc_ok(s: &Sample) -> Option<bool> {
         return None;
     }
     let head = &s.head[..(s.head_len as usize).min(SAMPLE_HEAD_LEN)];
-    crate::frame::check_icrc(head, s.l3_off as usize, Some(s.icrc))
+    roce_trace_common::icrc::check_icrc(head, s.l3_off as usize, Some(s.icrc))
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]

@@ -1,5 +1,5 @@
 //! Builds the eBPF object with a pinned nightly (its LLVM must match bpf-linker's) and
-//! embeds it in the roce-trace binary.
+//! embeds it in roce-trace-datapath (and so in the roce-trace binary).
 //!
 //! `ROCE_TRACE_EBPF_OBJECT=PATH` embeds an object built before instead (another build of
 //! this crate made it, e.g. the main workspace's for the fuzz harnesses: scripts/fuzz),
@@ -8,7 +8,7 @@ use aya_build::{Package, Toolchain};
 
 /// Keep in step with scripts/setup.
 const EBPF_TOOLCHAIN: &str = "nightly-2026-05-15";
-/// What `EBPF_OBJECT` in src/datapath.rs includes from OUT_DIR.
+/// What `EBPF_OBJECT` in src/loader.rs includes from OUT_DIR.
 const OBJECT: &str = "roce-trace";
 
 fn main() -> anyhow::Result<()> {

@@ -1,0 +1,12 @@
+//! roce-trace's kernel boundary and packet sources: the embedded eBPF object loaded,
+//! attached and read ([`loader`]), the host checks it needs ([`sys`]), mirror sessions
+//! ([`mirror`]), pcap/pcapng input through the same parser and accounting ([`pcap`]),
+//! the records `capture` prints ([`record`]) and the kernel's own drop counters
+//! ([`netstat`]). The only crate whose build script builds the eBPF object.
+
+pub mod loader;
+pub mod mirror;
+pub mod netstat;
+pub mod pcap;
+pub mod record;
+pub mod sys;
