@@ -1,0 +1,145 @@
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::Context as _;
+
+use super::*;
+
+#[derive(clap::Args)]
+pub struct AgentArgs {
+    /// The collector, host:port.
+    #[arg(long)]
+    collector: Option<String>,
+    /// Interface to observe (repeat for several).
+    #[arg(short = 'i', long = "interface")]
+    interfaces: Vec<String>,
+    /// Observe a pcap/pcapng stream instead (`-` for stdin), e.g. an RDMA NIC's sniffer:
+    /// `tcpdump -i mlx5_0 -w - | roce-trace agent -r - …`.
+    #[arg(short = 'r', long, conflicts_with = "interfaces")]
+    read: Option<PathBuf>,
+    /// Node name of this host's observation points (default: the hostname).
+    #[arg(long)]
+    node: Option<String>,
+    /// Config file (TOML; see dist/agent.toml). Flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[command(flatten)]
+    token: TokenArgs,
+    #[arg(long)]
+    sample_rate: Option<u32>,
+    #[arg(long)]
+    seed: Option<u32>,
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u8).range(0..=63))]
+    expect_dscp: Vec<u8>,
+    #[arg(long)]
+    port: Option<u16>,
+    /// How often counter deltas are sent.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    interval: Option<Duration>,
+    /// Observations held while the collector is away.
+    #[arg(long)]
+    queue: Option<usize>,
+    /// This host's clock is synchronised (PTP/NTP).
+    #[arg(long)]
+    clock_synced: bool,
+    /// Serve Prometheus metrics on ADDR (e.g. 127.0.0.1:9464).
+    #[arg(long)]
+    metrics: Option<std::net::SocketAddr>,
+    #[command(flatten)]
+    ingress: IngressArgs,
+}
+
+pub(super) async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
+    use roce_trace::agent::{self, AgentConfig, AgentOptions};
+    let cfg = match &a.config {
+        Some(p) => AgentConfig::load(p)?,
+        None => AgentConfig::default(),
+    };
+    let token = read_token(&a.token, cfg.token_file.as_ref(), cfg.token.as_ref())?;
+    let interval = match (a.interval, &cfg.interval) {
+        (Some(i), _) => i,
+        (None, Some(s)) => humantime::parse_duration(s)?,
+        (None, None) => Duration::from_secs(2),
+    };
+    let opts = AgentOptions {
+        collector: a
+            .collector
+            .or(cfg.collector)
+            .context("no collector: --collector HOST:PORT or `collector` in the config")?,
+        ifaces: if a.interfaces.is_empty() {
+            cfg.interfaces.unwrap_or_default()
+        } else {
+            a.interfaces
+        },
+        ingress: Some(a.ingress.hook()?),
+        egress: true,
+        node: a.node.or(cfg.node).unwrap_or_else(roce_trace::sys::hostname),
+        token,
+        datapath: DatapathOptions {
+            udp_port: a.port.or(cfg.port).unwrap_or(4791),
+            sample_rate: a.sample_rate.or(cfg.sample_rate).unwrap_or(1000),
+            seed: a.seed.or(cfg.seed).unwrap_or(0),
+            expected_dscp: if a.expect_dscp.is_empty() {
+                cfg.expect_dscp.unwrap_or_default()
+            } else {
+                a.expect_dscp
+            },
+            batch_wakeups: false,
+            ..DatapathOptions::default()
+        },
+        interval,
+        queue: a.queue.or(cfg.queue).unwrap_or(100_000),
+        clock_synced: a.clock_synced || cfg.clock_synced.unwrap_or(false),
+        metrics: a.metrics.or(cfg.metrics),
+    };
+    let node = opts.node.clone();
+    let collector = opts.collector.clone();
+    if let Some(input) = a.read {
+        let stats = agent::run_pcap(opts, input, shutdown_signal(), |hooks, _| {
+            tracing::info!(
+                "agent `{node}` reading {}, streaming to {collector}",
+                hooks[0].iface
+            );
+        })
+        .await?;
+        log_agent_stats(&stats);
+        return Ok(());
+    }
+    let stats = agent::run(opts, shutdown_signal(), |hooks, metrics| {
+        let list: Vec<String> = hooks
+            .iter()
+            .map(|h| format!("{} {} ({})", h.iface, h.hook, h.mode))
+            .collect();
+        tracing::info!(
+            "agent `{node}` observing on {}, streaming to {collector}{}",
+            list.join(", "),
+            metrics
+                .map(|m| format!(", metrics on http://{m}/metrics"))
+                .unwrap_or_default()
+        );
+    })
+    .await?;
+    log_agent_stats(&stats);
+    Ok(())
+}
+
+/// The agent's last line (tests read it).
+pub(super) fn log_agent_stats(stats: &roce_trace::agent::AgentStats) {
+    let d = |d: &roce_trace::agent::Delivery| {
+        format!(
+            "{} made, {} sent, {} resent, {} acknowledged, {} dropped, {} undelivered",
+            d.made,
+            d.sent,
+            d.resent,
+            d.acked,
+            d.dropped,
+            d.pending()
+        )
+    };
+    tracing::info!(
+        "agent stopped: observations {}; counter deltas {}; {} connections, {} ring-buffer drops",
+        d(&stats.observations),
+        d(&stats.counters),
+        stats.connections,
+        stats.ringbuf_drops
+    );
+}

@@ -1,0 +1,77 @@
+use std::{path::PathBuf, time::Duration};
+
+use super::*;
+
+#[derive(clap::Args)]
+pub struct CollectArgs {
+    /// Address agents connect to.
+    #[arg(long, default_value = "0.0.0.0:4792")]
+    listen: std::net::SocketAddr,
+    /// Serve the JSON API and Prometheus metrics on ADDR.
+    #[arg(long)]
+    http: Option<std::net::SocketAddr>,
+    #[command(flatten)]
+    token: TokenArgs,
+    /// Write the final report (JSON) here on exit.
+    #[arg(long, default_value = "roce-trace-report.json")]
+    report: PathBuf,
+    /// Stop after this long.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    duration: Option<Duration>,
+    /// A packet's trajectory is complete this long after its first observation.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
+    trajectory_timeout: Duration,
+    /// Flows tracked at most (more are refused and counted).
+    #[arg(long, default_value_t = 100_000)]
+    max_flows: usize,
+    /// Forget flows idle this long.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "5m")]
+    flow_idle: Duration,
+    /// No live view on stdout.
+    #[arg(long)]
+    quiet: bool,
+    /// Have each flow traced once from its source agent (in-band probes), and attach the
+    /// hops to its path.
+    #[arg(long)]
+    trace: bool,
+    /// Live view refresh.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
+    interval: Duration,
+}
+
+pub(super) async fn run_collect(a: CollectArgs) -> anyhow::Result<()> {
+    use roce_trace::{collector, correlate::JoinConfig};
+    let token = read_token(&a.token, None, None)?;
+    let opts = collector::CollectorOptions {
+        listen: a.listen,
+        http: a.http,
+        token,
+        report: Some(a.report.clone()),
+        join: JoinConfig {
+            trajectory_timeout_ns: a.trajectory_timeout.as_nanos() as u64,
+            flow_idle_ns: a.flow_idle.as_nanos() as u64,
+            max_flows: a.max_flows,
+            ..JoinConfig::default()
+        },
+        live: !a.quiet,
+        trace: a.trace,
+        interval: a.interval,
+    };
+    let stop = async {
+        match a.duration {
+            Some(d) => tokio::select! { _ = tokio::time::sleep(d) => {}, _ = shutdown_signal() => {} },
+            None => shutdown_signal().await,
+        }
+    };
+    let r = collector::run(opts, stop, |listen, http| {
+        tracing::info!(
+            "collecting on {listen}{}",
+            http.map(|h| format!(", API on http://{h}/flows"))
+                .unwrap_or_default()
+        );
+    })
+    .await?;
+    print!("{}", collector::render(&r));
+    tracing::info!("report written to {}", a.report.display());
+    Ok(())
+}

@@ -1,0 +1,169 @@
+//! The command line: one module per subcommand, each its flags and what it runs.
+
+pub mod agent;
+pub mod capture;
+pub mod collect;
+pub mod generate;
+pub mod trace;
+pub mod verify;
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand, ValueEnum};
+use roce_trace::{
+    capture::{self as capture_lib, CaptureOptions},
+    datapath::{DatapathOptions, IngressHook, XdpModeChoice},
+};
+use roce_trace_common::datapath::DEFAULT_MAX_FLOWS;
+
+use self::{
+    agent::AgentArgs, capture::CaptureArgs, collect::CollectArgs, generate::GenArgs, trace::TraceArgs,
+    verify::VerifyArgs,
+};
+
+#[derive(Parser)]
+#[command(
+    name = "roce-trace",
+    version,
+    about = "See what a RoCE fabric does to RDMA traffic"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub cmd: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Count and sample RoCEv2 traffic on this host's interfaces.
+    Capture(CaptureArgs),
+    /// Send RoCEv2 like an RDMA NIC (RC requester with DCQCN) and answer it like one
+    /// (ACK, NAK, CNP), for fabrics and hosts without RDMA NICs.
+    Gen(GenArgs),
+    /// Continuous sampling service: stream observations and counters to a collector.
+    Agent(AgentArgs),
+    /// Join what the agents observe into each flow's path and class.
+    Collect(CollectArgs),
+    /// In-band probes on a flow's own 5-tuple and class: its hops, and its class at each.
+    Trace(TraceArgs),
+    /// Check the fabric against a policy: pass/fail per rule with evidence (exit 0 pass,
+    /// 1 a check failed, 2 error, 3 a check could not be made).
+    Verify(VerifyArgs),
+}
+
+#[derive(clap::Args)]
+struct TokenArgs {
+    /// Shared secret of agents and collector (or ROCE_TRACE_TOKEN).
+    #[arg(long, env = "ROCE_TRACE_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Read the token from FILE (first line).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+}
+
+fn read_token(
+    t: &TokenArgs,
+    file_from_config: Option<&PathBuf>,
+    from_config: Option<&String>,
+) -> anyhow::Result<String> {
+    if let Some(t) = &t.token {
+        return Ok(t.clone());
+    }
+    if let Some(f) = t.token_file.as_ref().or(file_from_config) {
+        let s =
+            std::fs::read_to_string(f).with_context(|| format!("reading the token file {}", f.display()))?;
+        let tok = s.lines().next().unwrap_or("").trim().to_owned();
+        anyhow::ensure!(!tok.is_empty(), "the token file {} is empty", f.display());
+        return Ok(tok);
+    }
+    from_config
+        .cloned()
+        .ok_or_else(|| anyhow::anyhow!("a token is required: --token, --token-file or ROCE_TRACE_TOKEN"))
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum EcnArg {
+    NotEct,
+    Ect1,
+    Ect0,
+    Ce,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum XdpModeArg {
+    /// Native (driver) XDP, falling back to generic with a warning.
+    Auto,
+    Native,
+    Generic,
+}
+
+#[derive(Clone, Copy, Default, ValueEnum)]
+enum IngressArg {
+    /// Native XDP; TC on veth (XDP there makes the kernel copy every packet) and where
+    /// native XDP is unavailable.
+    #[default]
+    Auto,
+    /// XDP, in the mode `--xdp-mode` gives (auto: native, else generic).
+    Xdp,
+    /// TC ingress (a tcx link; a clsact filter before Linux 6.6).
+    Tc,
+}
+
+/// How arriving packets are observed (capture and agent).
+#[derive(clap::Args)]
+struct IngressArgs {
+    /// Hook observing arriving packets.
+    #[arg(long, value_enum, default_value_t)]
+    ingress_hook: IngressArg,
+    /// XDP attachment mode (implies `--ingress-hook xdp`).
+    #[arg(long, value_enum)]
+    xdp_mode: Option<XdpModeArg>,
+}
+
+impl IngressArgs {
+    /// The ingress hook the flags ask for: `--xdp-mode` alone means XDP in that mode.
+    fn hook(&self) -> anyhow::Result<IngressHook> {
+        let mode = |m: XdpModeArg| match m {
+            XdpModeArg::Auto => XdpModeChoice::Auto,
+            XdpModeArg::Native => XdpModeChoice::Native,
+            XdpModeArg::Generic => XdpModeChoice::Generic,
+        };
+        Ok(match (self.ingress_hook, self.xdp_mode) {
+            (IngressArg::Auto, None) => IngressHook::Auto,
+            (IngressArg::Auto | IngressArg::Xdp, Some(m)) => IngressHook::Xdp(mode(m)),
+            (IngressArg::Xdp, None) => IngressHook::Xdp(XdpModeChoice::Auto),
+            (IngressArg::Tc, None) => IngressHook::Tc,
+            (IngressArg::Tc, Some(_)) => anyhow::bail!("--xdp-mode applies to XDP, not to --ingress-hook tc"),
+        })
+    }
+}
+
+/// Runs a subcommand but `verify` (see [`run_verify`]).
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting runtime")?;
+    match cli.cmd {
+        Command::Gen(a) => rt.block_on(generate::run_gen(a)),
+        Command::Agent(a) => rt.block_on(agent::run_agent(a)),
+        Command::Collect(a) => rt.block_on(collect::run_collect(a)),
+        Command::Trace(a) => trace::run_trace(a),
+        Command::Verify(_) => unreachable!("handled in main"),
+        Command::Capture(a) => capture::run_capture(a, &rt),
+    }
+}
+
+/// `verify`, with its own exit codes: 0 pass, 1 a check failed, 3 could not check.
+pub fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
+    verify::run_verify(a)
+}
+
+/// Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+    }
+}

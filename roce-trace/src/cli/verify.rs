@@ -1,0 +1,181 @@
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::Context as _;
+use clap::ValueEnum;
+
+use super::*;
+
+#[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["report", "collector_http", "interfaces"])))]
+pub struct VerifyArgs {
+    /// The policy (TOML; see dist/fabric-policy.toml).
+    #[arg(long)]
+    policy: PathBuf,
+    /// Judge a report the collector wrote (`collect --report`), `-` for stdin.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Judge a running collector (its --http address) after --window.
+    #[arg(long)]
+    collector_http: Option<std::net::SocketAddr>,
+    /// Judge this host alone: observe these interfaces for --window (repeat -i).
+    #[arg(short = 'i', long = "interface")]
+    interfaces: Vec<String>,
+    /// How long to observe (live collector or local interfaces).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "10s")]
+    window: Duration,
+    /// What the traffic in the window was meant to be: CE marks are a fault when idle,
+    /// expected when congested.
+    #[arg(long, value_enum, default_value_t = LoadArg::Idle)]
+    load: LoadArg,
+    /// Also write the verdict as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Also write the verdict as JUnit XML (one test case per check).
+    #[arg(long)]
+    junit: Option<PathBuf>,
+    /// Record this window's paths, classes and spreads as a baseline.
+    #[arg(long)]
+    save_baseline: Option<PathBuf>,
+    /// Report what changed since this baseline.
+    #[arg(long)]
+    baseline: Option<PathBuf>,
+    /// Failure drill (needs --collector-http or -i): measure a failure while traffic runs.
+    #[arg(long)]
+    drill: bool,
+    /// Drill: shell command that causes the failure (else you are asked to).
+    #[arg(long, requires = "drill")]
+    down: Option<String>,
+    /// Drill: shell command that repairs it (else you are asked to).
+    #[arg(long, requires = "drill")]
+    up: Option<String>,
+    /// Drill: traffic time before, during and after the failure (at least twice the
+    /// agents' counter interval: the failure's second half is judged on its own).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
+    hold: Duration,
+    /// Local capture: 1 in N packets sampled.
+    #[arg(long, default_value_t = 16)]
+    sample_rate: u32,
+    /// Local capture: the RoCEv2 UDP port.
+    #[arg(long, default_value_t = 4791)]
+    port: u16,
+    /// Print the verdict as JSON on stdout instead of the table.
+    #[arg(long)]
+    json_stdout: bool,
+}
+
+/// What the traffic in the window was meant to be.
+#[derive(Clone, Copy, ValueEnum)]
+pub(super) enum LoadArg {
+    /// No congestion: CE marks are a fault.
+    Idle,
+    /// Deliberate congestion (incast, a bottleneck): CE marks are expected.
+    Congested,
+}
+
+impl From<LoadArg> for roce_trace::verify::checks::Load {
+    fn from(l: LoadArg) -> Self {
+        match l {
+            LoadArg::Idle => Self::Idle,
+            LoadArg::Congested => Self::Congested,
+        }
+    }
+}
+
+pub(super) fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
+    use roce_trace::{
+        local::{self, Source},
+        verify::{self, baseline::Baseline, drill, output},
+    };
+    let load: verify::checks::Load = a.load.into();
+    let policy = local::load_policy(&a.policy)?;
+    let source = if let Some(r) = a.report.clone() {
+        anyhow::ensure!(!a.drill, "--drill needs a live window: --collector-http or -i");
+        Source::Report(r)
+    } else if let Some(http) = a.collector_http {
+        Source::Collector {
+            http,
+            window: a.window,
+        }
+    } else {
+        anyhow::ensure!(a.sample_rate > 0, "--sample-rate must be at least 1");
+        Source::Local {
+            agent: Box::new(roce_trace::agent::AgentOptions {
+                collector: String::new(),
+                ifaces: a.interfaces.clone(),
+                ingress: Some(IngressHook::Auto),
+                egress: true,
+                node: roce_trace::sys::hostname(),
+                token: String::new(),
+                datapath: DatapathOptions {
+                    udp_port: a.port,
+                    sample_rate: a.sample_rate,
+                    seed: 0,
+                    expected_dscp: Vec::new(),
+                    batch_wakeups: false,
+                    ..DatapathOptions::default()
+                },
+                interval: Duration::from_millis(500),
+                queue: 1_000_000,
+                clock_synced: true,
+                metrics: None,
+            }),
+            window: a.window,
+        }
+    };
+    let baseline = a.baseline.as_deref().map(local::load_baseline).transpose()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting runtime")?;
+    let min_packets = policy.stability.as_ref().map_or(100, |s| s.min_packets);
+    let (checks, flows) = if a.drill {
+        let opts = local::DrillOptions {
+            down: a.down.clone(),
+            up: a.up.clone(),
+            hold: a.hold,
+        };
+        let snaps = rt.block_on(async {
+            match &source {
+                Source::Collector { http, .. } => local::run_drill(*http, &opts).await,
+                Source::Local { agent, .. } => {
+                    Ok(
+                        local::with_local(agent, |http| async move { local::run_drill(http, &opts).await })
+                            .await?
+                            .0,
+                    )
+                }
+                Source::Report(_) => unreachable!("refused above"),
+            }
+        })?;
+        let via = policy.ecmp.as_ref().map(|e| e.via.clone()).unwrap_or_default();
+        let d = drill::measure(&snaps, &via);
+        (drill::judge(&policy, &d), snaps.during.flows.len())
+    } else {
+        let report = rt.block_on(local::window_report(&source))?;
+        let mut checks = verify::checks::judge(&policy, &report, load);
+        let now = Baseline::of(&report, min_packets);
+        if let Some(b) = &baseline {
+            let growth = policy.baseline.as_ref().map_or(0.1, |b| b.max_spread_growth.0);
+            checks.push(b.compare(&now, growth));
+        }
+        if let Some(p) = &a.save_baseline {
+            local::save_baseline(&now, p)?;
+            tracing::info!("baseline written to {}", p.display());
+        }
+        (checks, report.flows.len())
+    };
+    let v = output::Verdict::new(source.describe(), load, flows, checks);
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_vec_pretty(&v)?)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    if let Some(p) = &a.junit {
+        std::fs::write(p, output::junit(&v)).with_context(|| format!("writing {}", p.display()))?;
+    }
+    if a.json_stdout {
+        println!("{}", serde_json::to_string(&v)?);
+    } else {
+        print!("{}", output::table(&v));
+    }
+    Ok(v.exit_code())
+}
