@@ -226,8 +226,10 @@ fn losses_are_naked_and_retransmitted() {
     for q in senders {
         let rq = responder_of(&r, q);
         let sent = n(&q["messages_sent"]);
-        // 20 Mbit/s for 2 s of 16 KiB messages (16 frames of 1098 bytes): ~140 each.
-        assert!(sent > 100, "{sent} messages sent: {q}");
+        // 20 Mbit/s for 2 s of 16 KiB messages (16 frames of 1098 bytes): ~140 each at
+        // full rate, less the go-backs and ACK timeouts; 92 seen once on a CPU shared with
+        // a compiler. At least 60: enough messages that each QP met several losses.
+        assert!(sent > 60, "{sent} messages sent: {q}");
         assert_eq!(n(&q["messages_acked"]), sent, "every message completed: {q}");
         assert_eq!(
             n(&rq["messages"]),
