@@ -1,33 +1,96 @@
-//! Builds the eBPF object with a pinned nightly (its LLVM must match bpf-linker's) and
-//! embeds it in roce-trace-datapath (and so in the roce-trace binary).
+//! Builds the eBPF object with the eBPF crate's pinned nightly (its LLVM must match
+//! bpf-linker's; `roce-trace-ebpf/rust-toolchain.toml` names it) and embeds it in
+//! roce-trace-datapath, and so in the roce-trace binary. Quiet when it works: the nested
+//! cargo's output is shown only when the eBPF build fails.
 //!
 //! `ROCE_TRACE_EBPF_OBJECT=PATH` embeds an object built before instead (another build of
 //! this crate made it, e.g. the main workspace's for the fuzz harnesses: scripts/fuzz),
 //! sparing a second eBPF build.
-use aya_build::{Package, Toolchain};
 
-/// Keep in step with scripts/setup.
-const EBPF_TOOLCHAIN: &str = "nightly-2026-05-15";
-/// What `EBPF_OBJECT` in src/loader.rs includes from OUT_DIR.
+use std::{
+    ffi::OsString,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+/// What `EBPF_OBJECT` in src/loader.rs includes from OUT_DIR (the eBPF crate's binary).
 const OBJECT: &str = "roce-trace";
+const EBPF_CRATE: &str = "roce-trace-ebpf";
 
-fn main() -> anyhow::Result<()> {
+/// The `channel` of a rust-toolchain.toml.
+fn channel(toolchain_toml: &str) -> Option<&str> {
+    toolchain_toml.lines().find_map(|l| {
+        let v = l.trim().strip_prefix("channel")?.trim_start().strip_prefix('=')?;
+        Some(v.trim().trim_matches('"'))
+    })
+}
+
+fn main() -> Result<(), String> {
+    let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     println!("cargo:rerun-if-env-changed=ROCE_TRACE_EBPF_OBJECT");
     if let Some(prebuilt) = std::env::var_os("ROCE_TRACE_EBPF_OBJECT") {
-        let out =
-            std::path::Path::new(&std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR")).join(OBJECT);
-        println!("cargo:rerun-if-changed={}", prebuilt.display());
-        std::fs::copy(&prebuilt, &out)
-            .map_err(|e| anyhow::anyhow!("ROCE_TRACE_EBPF_OBJECT={}: {e}", prebuilt.display()))?;
+        println!("cargo:rerun-if-changed={}", Path::new(&prebuilt).display());
+        std::fs::copy(&prebuilt, out.join(OBJECT))
+            .map_err(|e| format!("ROCE_TRACE_EBPF_OBJECT={}: {e}", Path::new(&prebuilt).display()))?;
         return Ok(());
     }
-    let root_dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../roce-trace-ebpf");
-    aya_build::build_ebpf(
-        [Package {
-            name: "roce-trace-ebpf",
-            root_dir,
-            ..Default::default()
-        }],
-        Toolchain::Custom(EBPF_TOOLCHAIN),
-    )
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(EBPF_CRATE);
+    let toolchain_file = root.join("rust-toolchain.toml");
+    let text =
+        std::fs::read_to_string(&toolchain_file).map_err(|e| format!("{}: {e}", toolchain_file.display()))?;
+    let toolchain = channel(&text).ok_or_else(|| format!("{}: no channel", toolchain_file.display()))?;
+    // Cargo rebuilds us when the eBPF crate's library changes (a build-dependency); its
+    // binary and the toolchain pin need saying.
+    println!("cargo:rerun-if-changed={}", root.display());
+    let target_dir = out.join("ebpf-target");
+    let mut flags = OsString::from("--cfg=bpf_target_arch=\"x86_64\"");
+    for f in ["-Cdebuginfo=2", "-Clink-arg=--btf"] {
+        flags.push("\x1f");
+        flags.push(f);
+    }
+    let mut cmd = Command::new("rustup");
+    cmd.args([
+        "run",
+        toolchain,
+        "cargo",
+        "build",
+        "--package",
+        EBPF_CRATE,
+        "--bins",
+        "--release",
+    ])
+    .args([
+        "--target",
+        "bpfel-unknown-none",
+        "-Z",
+        "build-std=core",
+        "--target-dir",
+    ])
+    .arg(&target_dir)
+    .current_dir(&root)
+    .env("CARGO_ENCODED_RUSTFLAGS", flags);
+    // The outer build's compiler is not the pinned nightly.
+    for key in [
+        "RUSTC",
+        "RUSTC_WORKSPACE_WRAPPER",
+        "RUSTFLAGS",
+        "CARGO_TARGET_DIR",
+    ] {
+        cmd.env_remove(key);
+    }
+    let run = cmd.output().map_err(|e| {
+        format!("running rustup for the eBPF build ({toolchain}; scripts/setup installs it): {e}")
+    })?;
+    if !run.status.success() {
+        for line in String::from_utf8_lossy(&run.stderr).lines() {
+            println!("cargo:warning={line}");
+        }
+        return Err(format!(
+            "building {EBPF_CRATE} with {toolchain} failed ({}): its output is above",
+            run.status
+        ));
+    }
+    let built = target_dir.join("bpfel-unknown-none/release").join(OBJECT);
+    std::fs::copy(&built, out.join(OBJECT)).map_err(|e| format!("{}: {e}", built.display()))?;
+    Ok(())
 }

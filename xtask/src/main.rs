@@ -41,8 +41,21 @@ enum Cmd {
     },
 }
 
-/// Keep in step with scripts/setup and roce-trace-datapath/build.rs.
-pub const EBPF_TOOLCHAIN: &str = "nightly-2026-05-15";
+/// The eBPF crate's pinned nightly, as `roce-trace-ebpf/rust-toolchain.toml` names it
+/// (the one place it is written).
+pub fn ebpf_toolchain() -> anyhow::Result<String> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../roce-trace-ebpf/rust-toolchain.toml"
+    );
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+    text.lines()
+        .find_map(|l| {
+            let v = l.trim().strip_prefix("channel")?.trim_start().strip_prefix('=')?;
+            Some(v.trim().trim_matches('"').to_owned())
+        })
+        .with_context(|| format!("{path}: no channel"))
+}
 
 fn main() -> ExitCode {
     match run(Cli::parse()) {
@@ -80,7 +93,7 @@ fn lint() -> anyhow::Result<()> {
     step(Command::new("cargo").args(["clippy", "--all-targets", "--", "-D", "warnings"]))?;
     step(
         Command::new("cargo")
-            .arg(format!("+{EBPF_TOOLCHAIN}"))
+            .arg(format!("+{}", ebpf_toolchain()?))
             .args([
                 "clippy",
                 "-p",
