@@ -14,7 +14,8 @@ use roce_trace::{
     frame::{RoceFrame, ext},
 };
 use roce_trace_common::{datapath::PROGRAMS, roce::op};
-use roce_trace_tests::{ProgTest, VethPair, lab::Lab};
+use roce_trace_lab::Lab;
+use roce_trace_tests::{ProgTest, VethPair};
 use serde_json::Value;
 
 pub fn run(which: &str, repeat: u32) -> anyhow::Result<()> {

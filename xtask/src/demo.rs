@@ -12,7 +12,7 @@ use std::{
 };
 
 use anyhow::{Context as _, bail, ensure};
-use roce_trace_tests::lab::{Fault, Lab, MGMT_COLLECTOR};
+use roce_trace_lab::{Fault, Lab, MGMT_COLLECTOR};
 use serde_json::Value;
 
 fn say(s: &str) {

@@ -1,7 +1,7 @@
 //! `cargo xtask lab up|down|status|fault|clear`: the virtual leaf-spine fabric.
 
 use clap::{Args, Subcommand};
-use roce_trace_tests::lab::{Fault, Lab};
+use roce_trace_lab::{Fault, Lab};
 
 #[derive(Args)]
 pub struct LabArgs {
