@@ -353,7 +353,7 @@ impl Joiner {
         let key = |o: &Obs| {
             (
                 self.point_node[o.point as usize],
-                self.points[o.point as usize].direction == "ingress",
+                self.points[o.point as usize].direction == Direction::Ingress,
             )
         };
         let hops = self.flows.get(flow).map(|f| &f.hops);
@@ -392,7 +392,7 @@ impl Joiner {
         let not_egress = self
             .points
             .get(point as usize)
-            .is_some_and(|p| p.direction != "egress");
+            .is_some_and(|p| p.direction != Direction::Egress);
         let node = self.point_node.get(point as usize).copied();
         let max_hosts = self.cfg.max_flows;
         if let Some(node) = node
@@ -505,7 +505,7 @@ impl Joiner {
             let run = t[i..].iter().take_while(|o| o.ttl == t[i].ttl).count();
             if run == 2 {
                 let (a, b) = (&t[i], &t[i + 1]);
-                let ingress = |o: &Obs| self.points[o.point as usize].direction == "ingress";
+                let ingress = |o: &Obs| self.points[o.point as usize].direction == Direction::Ingress;
                 let same_node = self.point_node[a.point as usize] == self.point_node[b.point as usize];
                 if ingress(a) != ingress(b) && ingress(a) != same_node {
                     t.swap(i, i + 1);
@@ -614,11 +614,11 @@ impl Joiner {
         }
     }
 
-    fn label(&self, p: PointId) -> String {
+    fn label(&self, p: PointId) -> Point {
         self.points
             .get(p as usize)
-            .map(PointInfo::label)
-            .unwrap_or_else(|| format!("point{p}"))
+            .map(PointInfo::point)
+            .unwrap_or_else(|| Point::node(&format!("point{p}")))
     }
 
     /// One point's health over one agent interval.
@@ -748,7 +748,7 @@ impl Joiner {
             let egress = self
                 .points
                 .get(p as usize)
-                .is_some_and(|i| i.direction == "egress");
+                .is_some_and(|i| i.direction == Direction::Egress);
             // A sender's counters mean something at an egress point, a receiver's at an
             // ingress point.
             if (counter == "rx_dropped") == egress {
@@ -777,7 +777,7 @@ impl Joiner {
                 let ingress = self
                     .points
                     .get(*p as usize)
-                    .is_some_and(|i| i.direction != "egress");
+                    .is_some_and(|i| i.direction != Direction::Egress);
                 (*p, c.last_ttl, ingress)
             })
             .collect();
@@ -827,7 +827,7 @@ impl Joiner {
             self.points
                 .iter()
                 .enumerate()
-                .filter(move |(i, p)| self.point_node[*i] == node && p.direction != "egress")
+                .filter(move |(i, p)| self.point_node[*i] == node && p.direction != Direction::Egress)
                 .map(|(i, _)| i as PointId)
         };
         let (mut reached, mut reached_at) = (None, None);
@@ -850,7 +850,7 @@ impl Joiner {
                 let mut ins = watched_in(host);
                 let far = match (ins.next(), ins.next()) {
                     (Some(p), None) => self.label(p),
-                    _ => self.nodes[host as usize].clone(),
+                    _ => Point::node(&self.nodes[host as usize]),
                 };
                 if n > 0 {
                     lost.push(CountedLoss {
@@ -1127,7 +1127,7 @@ impl Joiner {
                 });
             }
             for c in &r.ce_onset {
-                let mut between: Vec<String> = c.after.iter().cloned().collect();
+                let mut between: Vec<Point> = c.after.iter().cloned().collect();
                 between.push(c.at.clone());
                 v.push(Anomaly {
                     kind: "ce_onset".into(),
@@ -1158,21 +1158,36 @@ mod tests {
     use super::*;
 
     #[test]
-    fn labels_split_from_the_right_so_ipv6_switches_stay_whole() {
-        assert_eq!(split_label("h1:eth0:egress"), Some(("h1", "eth0", "egress")));
-        assert_eq!(
-            split_label("2001:db8::7:erspan-5:mirror"),
-            Some(("2001:db8::7", "erspan-5", "mirror"))
-        );
-        assert_eq!(node_of("nolabel"), "nolabel");
+    fn points_read_back_from_the_right_so_ipv6_switches_stay_whole() {
+        let p: Point = "h1:eth0:egress".parse().unwrap();
+        assert_eq!(p, Point::new("h1", "eth0", Direction::Egress));
+        let m: Point = "2001:db8::7:erspan-5:mirror".parse().unwrap();
+        assert_eq!(m, Point::new("2001:db8::7", "erspan-5", Direction::Mirror));
+        assert_eq!(m.to_string(), "2001:db8::7:erspan-5:mirror");
+        // A node alone (no watched point), an IPv6 one too, reads back as itself.
+        for n in ["nolabel", "2001:db8::7", "a:b:c"] {
+            let p: Point = n.parse().unwrap();
+            assert_eq!((p.node.as_str(), p.direction), (n, None), "{n}");
+            assert_eq!(p.to_string(), n);
+        }
         let path = [
             "h1:eth0:egress",
             "l1:h1:ingress",
             "l1:s1:egress",
             "2001:db8::7:erspan-5:mirror",
         ]
-        .map(String::from);
+        .map(|l| l.parse::<Point>().unwrap());
         assert_eq!(path_nodes(&path), vec!["h1", "l1", "2001:db8::7"]);
+        // Ordered as their text: maps keyed by points serialise as before they were typed.
+        let mut by_type = vec!["a-b:x:ingress", "a:x:egress", "a:x-1:egress", "a:x:ingress", "a"]
+            .into_iter()
+            .map(|l| l.parse::<Point>().unwrap())
+            .collect::<Vec<_>>();
+        by_type.sort();
+        let mut by_text: Vec<String> = by_type.iter().map(Point::to_string).collect();
+        let sorted = by_text.clone();
+        by_text.sort();
+        assert_eq!(sorted, by_text);
     }
 
     const MS: u64 = 1_000_000;
@@ -1194,7 +1209,7 @@ mod tests {
             j.point(PointInfo {
                 node: n.into(),
                 iface: i.into(),
-                direction: d.into(),
+                direction: d.parse().unwrap(),
                 clock_synced: true,
                 ..Default::default()
             })
@@ -1225,14 +1240,14 @@ mod tests {
         s2[2] = j.point(PointInfo {
             node: "s2".into(),
             iface: "l1".into(),
-            direction: "ingress".into(),
+            direction: Direction::Ingress,
             clock_synced: true,
             ..Default::default()
         });
         s2[3] = j.point(PointInfo {
             node: "l2".into(),
             iface: "s2".into(),
-            direction: "ingress".into(),
+            direction: Direction::Ingress,
             clock_synced: true,
             ..Default::default()
         });
@@ -1382,14 +1397,14 @@ mod tests {
         let br_in = j.point(PointInfo {
             node: "br".into(),
             iface: "a".into(),
-            direction: "ingress".into(),
+            direction: Direction::Ingress,
             clock_synced: true,
             ..Default::default()
         });
         let br_out = j.point(PointInfo {
             node: "br".into(),
             iface: "b".into(),
-            direction: "egress".into(),
+            direction: Direction::Egress,
             clock_synced: true,
             ..Default::default()
         });
@@ -1515,7 +1530,7 @@ mod tests {
             j.point(PointInfo {
                 node: n.into(),
                 iface: i.into(),
-                direction: d.into(),
+                direction: d.parse().unwrap(),
                 clock_synced: true,
                 ..Default::default()
             })
@@ -1547,7 +1562,7 @@ mod tests {
         let r = j.flow_report(&flow()).unwrap();
         // PSN 5 (at 5 ms: its window [5, 105] ms reaches into the overflow): unobserved;
         // 15, 25, 35: the overflow; 45 .. 95: no report covers them; from 105 on, lost.
-        let between = ["s1:l1:ingress".to_string(), "l2:s1:ingress".to_string()];
+        let between = ["s1:l1:ingress", "l2:s1:ingress"].map(|l| l.parse::<Point>().unwrap());
         assert_eq!(r.lost.len(), 1, "{:?}", r.lost);
         assert_eq!(r.lost[0].between, between);
         assert_eq!(r.lost[0].span.packets, 20, "PSN 105, 115, … 295");
@@ -1574,7 +1589,7 @@ mod tests {
             j.point(PointInfo {
                 node: n.into(),
                 iface: i.into(),
-                direction: d.into(),
+                direction: d.parse().unwrap(),
                 clock_synced: true,
                 ..Default::default()
             })
@@ -1625,7 +1640,7 @@ mod tests {
         let s1_out = j.point(PointInfo {
             node: "s1".into(),
             iface: "l2".into(),
-            direction: "egress".into(),
+            direction: Direction::Egress,
             clock_synced: true,
             ..Default::default()
         });
@@ -1658,17 +1673,17 @@ mod tests {
         let r = j.flow_report(&flow()).unwrap();
         assert_eq!(r.lost.len(), 1);
         assert_eq!(r.lost[0].between, ["s1:l2:egress", "l2:s1:ingress"]);
-        let quoted: Vec<(&str, &str, u64)> = r.lost[0]
+        let quoted: Vec<(String, &str, u64)> = r.lost[0]
             .kernel_drops
             .iter()
-            .map(|d| (d.point.as_str(), d.counter.as_str(), d.packets))
+            .map(|d| (d.point.to_string(), d.counter.as_str(), d.packets))
             .collect();
         assert_eq!(
             quoted,
             [
-                ("s1:l2:egress", "tx_dropped", 2),
-                ("s1:l2:egress", "qdisc_dropped", 1),
-                ("l2:s1:ingress", "rx_dropped", 0)
+                ("s1:l2:egress".to_string(), "tx_dropped", 2),
+                ("s1:l2:egress".to_string(), "qdisc_dropped", 1),
+                ("l2:s1:ingress".to_string(), "rx_dropped", 0)
             ]
         );
     }
@@ -1725,17 +1740,24 @@ mod tests {
             r.class.iter().all(|c| c.dscp == 26),
             "the end shows 26 everywhere"
         );
-        let zero: Vec<(&str, u64, u64, u64)> = r
+        let zero: Vec<(String, u64, u64, u64)> = r
             .class_seen
             .iter()
             .filter(|c| c.dscp == 0)
-            .map(|c| (c.point.as_str(), c.span.packets, c.span.first_ns, c.span.last_ns))
+            .map(|c| {
+                (
+                    c.point.to_string(),
+                    c.span.packets,
+                    c.span.first_ns,
+                    c.span.last_ns,
+                )
+            })
             .collect();
         assert_eq!(
             zero,
             [
-                ("l2:s1:ingress", 10, 10 * MS + 3000, 19 * MS + 3000),
-                ("h3:eth0:ingress", 10, 10 * MS + 4000, 19 * MS + 4000)
+                ("l2:s1:ingress".to_string(), 10, 10 * MS + 3000, 19 * MS + 3000),
+                ("h3:eth0:ingress".to_string(), 10, 10 * MS + 4000, 19 * MS + 4000)
             ]
         );
     }
@@ -1766,7 +1788,10 @@ mod tests {
         j.tick(500 * MS);
         let r = j.flow_report(&flow()).unwrap();
         assert_eq!(r.ce_onset.len(), 1);
-        assert_eq!(r.ce_onset[0].after.as_deref(), Some("s1:l1:ingress"));
+        assert_eq!(
+            r.ce_onset[0].after.as_ref().map(Point::to_string).as_deref(),
+            Some("s1:l1:ingress")
+        );
         assert_eq!(r.ce_onset[0].at, "l2:s1:ingress");
         assert_eq!(r.path_history.len(), 2);
         assert_eq!(r.path[2], "s2:l1:ingress");
@@ -1817,7 +1842,7 @@ mod tests {
         let h3_out = j.point(PointInfo {
             node: "h3".into(),
             iface: "eth0".into(),
-            direction: "egress".into(),
+            direction: Direction::Egress,
             clock_synced: true,
             ..Default::default()
         });
@@ -1905,7 +1930,7 @@ mod tests {
             j.point(PointInfo {
                 node: n.into(),
                 iface: i.into(),
-                direction: d.into(),
+                direction: d.parse().unwrap(),
                 clock_synced: true,
                 ..Default::default()
             })
@@ -1913,7 +1938,7 @@ mod tests {
         let h1_out = j.point(PointInfo {
             node: "h1".into(),
             iface: "eth0".into(),
-            direction: "egress".into(),
+            direction: Direction::Egress,
             clock_synced: true,
             ..Default::default()
         });
@@ -2007,7 +2032,10 @@ mod tests {
         );
         let d = r.cnp_delivery.unwrap();
         assert_eq!((d.sent, d.reached), (500, Some(497)));
-        assert_eq!(d.reached_at.as_deref(), Some("h1:eth0:ingress"));
+        assert_eq!(
+            d.reached_at.as_ref().map(Point::to_string).as_deref(),
+            Some("h1:eth0:ingress")
+        );
         assert_eq!(
             d.lost,
             [CountedLoss {
@@ -2091,7 +2119,7 @@ mod tests {
         let p = j.point(PointInfo {
             node: "h".into(),
             iface: "e".into(),
-            direction: "ingress".into(),
+            direction: Direction::Ingress,
             clock_synced: false,
             ..Default::default()
         });

@@ -3,9 +3,12 @@
 //! found it at, the agents it came from, and in-band probes' hops. The collector serves
 //! and writes it; `verify` judges it.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, fmt, str::FromStr};
 
-use roce_trace_common::{datapath::PCP_NONE, flow::FlowId};
+use roce_trace_common::{
+    datapath::{DIR_INGRESS, DIR_MIRROR, PCP_NONE},
+    flow::FlowId,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::observation::CounterDelta;
@@ -14,7 +17,7 @@ use crate::observation::CounterDelta;
 pub struct PointInfo {
     pub node: String,
     pub iface: String,
-    pub direction: String,
+    pub direction: Direction,
     pub clock_synced: bool,
     /// The port's MTU (IP bytes) as its agent last declared it; absent when not known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -32,31 +35,180 @@ pub struct MtuAt {
 }
 
 impl PointInfo {
-    pub fn label(&self) -> String {
-        format!("{}:{}:{}", self.node, self.iface, self.direction)
+    pub fn point(&self) -> Point {
+        Point::new(&self.node, &self.iface, self.direction)
     }
 }
 
-/// A point label's (node, interface, direction), split from the right: a node may be an
-/// IPv6 address (a mirroring switch), interfaces and directions hold no `:`.
-pub fn split_label(label: &str) -> Option<(&str, &str, &str)> {
-    let mut it = label.rsplitn(3, ':');
-    let (d, i, n) = (it.next()?, it.next()?, it.next()?);
-    Some((n, i, d))
+/// Which way an observation point watches its interface (`mirror`: copies a switch
+/// mirrored to the agent).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Direction {
+    #[default]
+    Ingress,
+    Egress,
+    Mirror,
 }
 
-/// The node of a point label (the whole label when it is not one).
-pub fn node_of(label: &str) -> &str {
-    split_label(label).map_or(label, |(n, _, _)| n)
+impl Direction {
+    /// From the datapath's `DIR_*`.
+    pub fn of_datapath(d: u8) -> Self {
+        match d {
+            DIR_INGRESS => Self::Ingress,
+            DIR_MIRROR => Self::Mirror,
+            _ => Self::Egress,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Ingress => "ingress",
+            Self::Egress => "egress",
+            Self::Mirror => "mirror",
+        }
+    }
+}
+
+impl fmt::Display for Direction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Direction {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s {
+            "ingress" => Ok(Self::Ingress),
+            "egress" => Ok(Self::Egress),
+            "mirror" => Ok(Self::Mirror),
+            _ => Err(()),
+        }
+    }
+}
+
+/// Where something was seen: an observation point — node, interface, direction; in JSON
+/// and text `node:iface:direction` — or, where none of a node's points is watched, the
+/// node alone (`iface` empty, no direction). A node may be an IPv6 address (a mirroring
+/// switch): the text splits from the right, interfaces and directions hold no `:`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Point {
+    pub node: String,
+    pub iface: String,
+    pub direction: Option<Direction>,
+}
+
+impl Point {
+    pub fn new(node: &str, iface: &str, direction: Direction) -> Self {
+        Self {
+            node: node.into(),
+            iface: iface.into(),
+            direction: Some(direction),
+        }
+    }
+
+    /// A node with no watched point.
+    pub fn node(node: &str) -> Self {
+        Self {
+            node: node.into(),
+            ..Self::default()
+        }
+    }
+
+    pub fn is(&self, d: Direction) -> bool {
+        self.direction == Some(d)
+    }
+}
+
+impl fmt::Display for Point {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.direction {
+            Some(d) => write!(f, "{}:{}:{d}", self.node, self.iface),
+            None => f.write_str(&self.node),
+        }
+    }
+}
+
+impl FromStr for Point {
+    type Err = std::convert::Infallible;
+    /// Never fails: text that is no `node:iface:direction` is a node.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut it = s.rsplitn(3, ':');
+        if let (Some(d), Some(i), Some(n)) = (it.next(), it.next(), it.next())
+            && let Ok(d) = d.parse()
+        {
+            return Ok(Self::new(n, i, d));
+        }
+        Ok(Self::node(s))
+    }
+}
+
+/// In the order of their text (reports list points, and key maps by them, as before
+/// points were typed).
+impl Ord for Point {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        self.to_string().cmp(&o.to_string())
+    }
+}
+
+impl PartialOrd for Point {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+
+/// A label read as a point (every text is one: see [`FromStr`]).
+impl From<&str> for Point {
+    fn from(label: &str) -> Self {
+        label
+            .parse()
+            .unwrap_or_else(|e: std::convert::Infallible| match e {})
+    }
+}
+
+/// A point is its label (tests and look-ups compare them to text).
+impl PartialEq<str> for Point {
+    fn eq(&self, label: &str) -> bool {
+        match self.direction {
+            None => self.node == label,
+            Some(d) => {
+                label
+                    .strip_prefix(self.node.as_str())
+                    .and_then(|r| r.strip_prefix(':'))
+                    .and_then(|r| r.strip_prefix(self.iface.as_str()))
+                    .and_then(|r| r.strip_prefix(':'))
+                    == Some(d.name())
+            }
+        }
+    }
+}
+
+impl PartialEq<&str> for Point {
+    fn eq(&self, label: &&str) -> bool {
+        *self == **label
+    }
+}
+
+impl Serialize for Point {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Point {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Ok(s.parse().unwrap_or_else(|e: std::convert::Infallible| match e {}))
+    }
 }
 
 /// The nodes a path crosses, in order, each once per visit.
-pub fn path_nodes(path: &[String]) -> Vec<&str> {
+pub fn path_nodes(path: &[Point]) -> Vec<&str> {
     let mut v: Vec<&str> = Vec::new();
     for p in path {
-        let n = node_of(p);
-        if v.last() != Some(&n) {
-            v.push(n);
+        if v.last() != Some(&p.node.as_str()) {
+            v.push(&p.node);
         }
     }
     v
@@ -148,7 +300,7 @@ impl Unseen {
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct ClassAt {
-    pub point: String,
+    pub point: Point,
     pub dscp: u8,
     pub ecn: u8,
     pub pcp: Option<u8>,
@@ -156,7 +308,7 @@ pub struct ClassAt {
 
 impl ClassAt {
     /// From the join's (DSCP, ECN, PCP or `PCP_NONE`).
-    pub(crate) fn new(point: String, (dscp, ecn, pcp): (u8, u8, u8)) -> Self {
+    pub(crate) fn new(point: Point, (dscp, ecn, pcp): (u8, u8, u8)) -> Self {
         Self {
             point,
             dscp,
@@ -169,7 +321,7 @@ impl ClassAt {
 /// One class at one point over a stretch of the window.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct ClassSeen {
-    pub point: String,
+    pub point: Point,
     /// CNPs (their class is judged apart from the flow's other packets).
     pub cnp: bool,
     pub dscp: u8,
@@ -180,7 +332,7 @@ pub struct ClassSeen {
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct ClassChange {
-    pub between: [String; 2],
+    pub between: [Point; 2],
     pub from_dscp: u8,
     pub to_dscp: u8,
     #[serde(flatten)]
@@ -190,15 +342,15 @@ pub struct ClassChange {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct CeOnset {
     /// The last point that saw the packet unmarked (null: marked before the first point).
-    pub after: Option<String>,
-    pub at: String,
+    pub after: Option<Point>,
+    pub at: Point,
     #[serde(flatten)]
     pub span: Span,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Lost {
-    pub between: [String; 2],
+    pub between: [Point; 2],
     #[serde(flatten)]
     pub span: Span,
     /// The largest frame (bytes) among the packets lost there.
@@ -213,7 +365,7 @@ pub struct Lost {
 /// A kernel drop counter at one point over a span of time.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct KernelDrop {
-    pub point: String,
+    pub point: Point,
     /// `tx_dropped`, `qdisc_dropped` (sending end) or `rx_dropped` (receiving end).
     pub counter: String,
     pub packets: u64,
@@ -222,7 +374,7 @@ pub struct KernelDrop {
 /// One point's health over the intervals the collector keeps (five minutes).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct HealthSummary {
-    pub point: String,
+    pub point: Point,
     pub intervals: u64,
     pub from_ns: u64,
     pub to_ns: u64,
@@ -239,7 +391,7 @@ pub struct HealthSummary {
 /// second point's agent could not have reported them.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Unobserved {
-    pub between: [String; 2],
+    pub between: [Point; 2],
     pub why: Unseen,
     pub reason: String,
     #[serde(flatten)]
@@ -248,7 +400,7 @@ pub struct Unobserved {
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct DelayReport {
-    pub between: [String; 2],
+    pub between: [Point; 2],
     #[serde(flatten)]
     pub delay: Delay,
 }
@@ -264,13 +416,13 @@ pub struct DeliveryAt {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct PathAt {
     pub since_ns: u64,
-    pub path: Vec<String>,
+    pub path: Vec<Point>,
 }
 
 /// Packets that vanished between two points, by exact counts (not samples).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct CountedLoss {
-    pub between: [String; 2],
+    pub between: [Point; 2],
     pub packets: u64,
 }
 
@@ -279,11 +431,11 @@ pub struct CountedLoss {
 pub struct CnpDelivery {
     /// CNPs counted at the first point that saw them (the notifying host's side).
     pub sent: u64,
-    pub sent_at: String,
+    pub sent_at: Point,
     /// CNPs counted arriving at the host of the sender they throttle; null when that
     /// host is not watched.
     pub reached: Option<u64>,
-    pub reached_at: Option<String>,
+    pub reached_at: Option<Point>,
     /// Where the others vanished. Counts a point had three seconds ago (all of them
     /// once the collector has stopped) against what the next point has counted, so
     /// CNPs in flight are not lost.
@@ -316,7 +468,7 @@ pub struct FlowReport {
     pub udp_sport: u16,
     pub dest_qp: u32,
     /// Observation points in order, and hops (TTL decrements) between neighbours.
-    pub path: Vec<String>,
+    pub path: Vec<Point>,
     pub hops: Vec<u8>,
     pub class: Vec<ClassAt>,
     /// Class of this flow's CNPs at each point that saw them.
@@ -328,7 +480,7 @@ pub struct FlowReport {
     pub cnp_delivery: Option<CnpDelivery>,
     /// Largest frame (bytes) seen at each point.
     #[serde(default)]
-    pub max_frame: BTreeMap<String, u16>,
+    pub max_frame: BTreeMap<Point, u16>,
     /// Every class each point saw over the window (CNPs apart), with when and how many
     /// packets: what checks of class judge.
     #[serde(default)]
@@ -344,7 +496,7 @@ pub struct FlowReport {
     pub unobserved: Vec<Unobserved>,
     pub delays: Vec<DelayReport>,
     pub path_history: Vec<PathAt>,
-    pub counters: BTreeMap<String, CounterDelta>,
+    pub counters: BTreeMap<Point, CounterDelta>,
     pub trajectories: u64,
     pub answered_by: Answers,
     /// Hops found by in-band probes from the flow's source (`collect --trace`).
@@ -355,7 +507,7 @@ pub struct FlowReport {
 pub struct Anomaly {
     pub kind: String,
     pub flow: String,
-    pub between: Vec<String>,
+    pub between: Vec<Point>,
     pub detail: String,
     pub packets: u64,
 }

@@ -7,14 +7,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use crate::checks::{CheckResult, Evidence, Role, Status, role, stability};
-use roce_trace_correlate::{CollectorReport, path_nodes};
+use roce_trace_correlate::{CollectorReport, Point, path_nodes};
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct FlowBase {
     /// Nodes in path order (interfaces and directions vary less than names matter).
     pub path: Vec<String>,
     /// DSCP at each point.
-    pub class: BTreeMap<String, u8>,
+    pub class: BTreeMap<Point, u8>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -28,7 +28,7 @@ pub struct Baseline {
     pub spread: Option<f64>,
 }
 
-fn nodes(path: &[String]) -> Vec<String> {
+fn nodes(path: &[Point]) -> Vec<String> {
     path_nodes(path).into_iter().map(str::to_owned).collect()
 }
 
@@ -120,7 +120,7 @@ impl Baseline {
                     && was != dscp
                 {
                     r.evidence
-                        .push(ev(id, vec![point.clone()], format!("DSCP {was} -> {dscp}")));
+                        .push(ev(id, vec![point.to_string()], format!("DSCP {was} -> {dscp}")));
                 }
             }
         }

@@ -6,7 +6,8 @@ use std::{collections::BTreeMap, net::IpAddr};
 use serde::{Deserialize, Serialize};
 
 use roce_trace_correlate::{
-    CollectorReport, FlowReport, PointInfo, Span, node_of, observation::CounterDelta,
+    CollectorReport, Direction as PointDirection, FlowReport, Point, PointInfo, Span,
+    observation::CounterDelta,
 };
 
 use crate::policy::{HopRule, Policy};
@@ -48,7 +49,7 @@ impl Status {
 pub struct Evidence {
     /// Flow id (`src:sport>dst/qp`), or empty for fabric-wide evidence.
     pub flow: String,
-    /// Observation points or hops involved.
+    /// Observation points, nodes, hops or host pairs involved (as text).
     pub at: Vec<String>,
     pub detail: String,
 }
@@ -114,6 +115,11 @@ impl CheckResult {
             detail,
         });
     }
+}
+
+/// Points as evidence names them.
+pub(crate) fn labels(points: &[Point]) -> Vec<String> {
+    points.iter().map(Point::to_string).collect()
 }
 
 /// What a flow carries, from its exact counters.
@@ -251,7 +257,7 @@ fn data_class(data: &[&FlowReport], dscp: Option<u8>, pcp: Option<u8>) -> CheckR
         r.checked += 1;
         // Every class each point showed over the window; the latest one per point only
         // from collectors that do not keep them.
-        let seen: Vec<(&String, u8, Option<u8>, String)> = if f.class_seen.is_empty() {
+        let seen: Vec<(&Point, u8, Option<u8>, String)> = if f.class_seen.is_empty() {
             f.class
                 .iter()
                 .map(|c| (&c.point, c.dscp, c.pcp, String::new()))
@@ -269,7 +275,7 @@ fn data_class(data: &[&FlowReport], dscp: Option<u8>, pcp: Option<u8>) -> CheckR
             {
                 r.evidence(
                     f,
-                    vec![point.clone()],
+                    vec![point.to_string()],
                     format!("DSCP {got_dscp} (expected {want}){when}"),
                 );
             }
@@ -278,7 +284,7 @@ fn data_class(data: &[&FlowReport], dscp: Option<u8>, pcp: Option<u8>) -> CheckR
             {
                 r.evidence(
                     f,
-                    vec![point.clone()],
+                    vec![point.to_string()],
                     format!("PCP {got} (expected {want}){when}"),
                 );
             }
@@ -293,7 +299,7 @@ fn data_class(data: &[&FlowReport], dscp: Option<u8>, pcp: Option<u8>) -> CheckR
             {
                 r.evidence(
                     f,
-                    vec![point.clone()],
+                    vec![point.to_string()],
                     format!("DSCP {} (expected {want}), by counters", c.last_dscp),
                 );
             }
@@ -318,7 +324,7 @@ fn cnp_class(flows: &[FlowReport], want: u8) -> CheckResult {
         .filter(|f| !f.cnp_class.is_empty() || f.class_seen.iter().any(|c| c.cnp))
     {
         r.checked += 1;
-        let seen: Vec<(&String, u8, String)> = if f.class_seen.iter().any(|c| c.cnp) {
+        let seen: Vec<(&Point, u8, String)> = if f.class_seen.iter().any(|c| c.cnp) {
             f.class_seen
                 .iter()
                 .filter(|c| c.cnp)
@@ -334,7 +340,7 @@ fn cnp_class(flows: &[FlowReport], want: u8) -> CheckResult {
             if got != want {
                 r.evidence(
                     f,
-                    vec![point.clone()],
+                    vec![point.to_string()],
                     format!("CNP in DSCP {got} (expected {want}){when}"),
                 );
             }
@@ -353,7 +359,7 @@ fn no_class_change(flows: &[FlowReport]) -> CheckResult {
         for c in &f.class_changes {
             r.evidence(
                 f,
-                c.between.to_vec(),
+                labels(&c.between),
                 format!(
                     "DSCP {} -> {} ({} sampled packets)",
                     c.from_dscp, c.to_dscp, c.span.packets
@@ -373,7 +379,7 @@ fn data_ect(data: &[&FlowReport]) -> CheckResult {
             let at = f.path.first().cloned().unwrap_or_default();
             r.evidence(
                 f,
-                vec![at],
+                vec![at.to_string()],
                 format!("{} of {} packets Not-ECT", c.ecn[0], c.packets),
             );
         }
@@ -381,7 +387,7 @@ fn data_ect(data: &[&FlowReport]) -> CheckResult {
     r.done(Status::NoData, "no RDMA data flow seen")
 }
 
-fn ce_fraction(f: &FlowReport) -> Option<(u64, u64, String)> {
+fn ce_fraction(f: &FlowReport) -> Option<(u64, u64, Point)> {
     let c = counters_at(f, false)?;
     Some((c.ecn[3], c.packets, f.path.last().cloned().unwrap_or_default()))
 }
@@ -412,7 +418,7 @@ fn ce_idle(data: &[&FlowReport], max: f64) -> CheckResult {
             } else {
                 format!("{detail}, marked between {}", onset.join(", "))
             };
-            r.evidence(f, vec![at], detail);
+            r.evidence(f, vec![at.to_string()], detail);
         }
     }
     r.done(Status::NoData, "no RDMA data flow seen")
@@ -437,7 +443,7 @@ fn ce_congested(data: &[&FlowReport], min: f64) -> CheckResult {
         );
         for f in data {
             if let Some((c, p, at)) = ce_fraction(f) {
-                r.evidence(f, vec![at], format!("{c} of {p} packets CE"));
+                r.evidence(f, vec![at.to_string()], format!("{c} of {p} packets CE"));
             }
         }
     } else if n > 0 {
@@ -467,8 +473,8 @@ fn cnp_answers(data: &[&FlowReport], min_per_ce: f64) -> CheckResult {
                 .map(|l| format!("{} lost between {} and {}", l.packets, l.between[0], l.between[1]))
                 .collect();
             let at = match a.cnps_lost.iter().max_by_key(|l| l.packets) {
-                Some(l) => l.between.to_vec(),
-                None => f.path.last().cloned().into_iter().collect(),
+                Some(l) => labels(&l.between),
+                None => f.path.last().map(Point::to_string).into_iter().collect(),
             };
             let mut detail = format!(
                 "{} CE marks; {} CNPs sent back, {} reached the sender ({per:.3} per mark, at least {min_per_ce} expected)",
@@ -518,7 +524,7 @@ fn hops(flows: &[FlowReport], rule: &HopRule) -> CheckResult {
         };
         let short = ends
             .get(f.dst_ip.as_str())
-            .is_some_and(|e| f.path.last().is_some_and(|l| node_of(l) != *e));
+            .is_some_and(|e| f.path.last().is_some_and(|l| l.node != *e));
         if how == "TTL" && short {
             continue;
         }
@@ -526,7 +532,7 @@ fn hops(flows: &[FlowReport], rule: &HopRule) -> CheckResult {
         if n != rule.count {
             r.evidence(
                 f,
-                f.path.clone(),
+                labels(&f.path),
                 format!("{n} hop(s) by {how} (expected {})", rule.count),
             );
         }
@@ -537,7 +543,7 @@ fn hops(flows: &[FlowReport], rule: &HopRule) -> CheckResult {
 /// Which of `via` a flow crosses: a point of its path on that node, or a probe hop.
 fn via_of<'a>(f: &FlowReport, via: &'a [String]) -> Option<&'a String> {
     via.iter().find(|v| {
-        f.path.iter().any(|p| node_of(p) == v.as_str())
+        f.path.iter().any(|p| p.node == v.as_str())
             || f.probe.as_ref().is_some_and(|p| {
                 p.hops
                     .iter()
@@ -659,7 +665,7 @@ fn psn_gaps(data: &[&FlowReport], max: u64) -> CheckResult {
         if c.psn_gaps > 0 && ppm(c.psn_gaps, n) > max {
             r.evidence(
                 f,
-                vec![point.clone()],
+                vec![point.to_string()],
                 format!(
                     "{} PSN gaps in {n} packets ({} ppm)",
                     c.psn_gaps,
@@ -684,9 +690,9 @@ fn terminals(flows: &[FlowReport]) -> BTreeMap<&str, &str> {
     for f in flows {
         let Some(last) = f.path.last() else { continue };
         let hops: u32 = f.hops.iter().map(|&h| h as u32).sum::<u32>() * 1000 + f.path.len() as u32;
-        let e = best.entry(f.dst_ip.as_str()).or_insert((0, node_of(last)));
+        let e = best.entry(f.dst_ip.as_str()).or_insert((0, last.node.as_str()));
         if hops > e.0 {
-            *e = (hops, node_of(last));
+            *e = (hops, last.node.as_str());
         }
     }
     best.into_iter().map(|(d, (_, n))| (d, n)).collect()
@@ -709,7 +715,7 @@ fn loss(flows: &[FlowReport], max: u64) -> CheckResult {
     let mut dirs: BTreeMap<(&str, &str), Direction> = BTreeMap::new();
     for f in flows.iter().filter(|f| f.trajectories > 0 && !f.path.is_empty()) {
         let end = ends.get(f.dst_ip.as_str()).copied();
-        let short = end.filter(|e| f.path.last().is_some_and(|l| node_of(l) != *e));
+        let short = end.filter(|e| f.path.last().is_some_and(|l| l.node != *e));
         if f.path.len() < 2 && short.is_none() {
             continue;
         }
@@ -745,7 +751,7 @@ fn loss(flows: &[FlowReport], max: u64) -> CheckResult {
             for l in f.cnp_delivery.iter().flat_map(|d| &d.lost) {
                 r.evidence(
                     f,
-                    l.between.to_vec(),
+                    labels(&l.between),
                     format!("{} CNPs lost here (counted at every point); {dir}", l.packets),
                 );
             }
@@ -765,7 +771,7 @@ fn loss(flows: &[FlowReport], max: u64) -> CheckResult {
             if let (Some(end), Some(last)) = (short, f.path.last()) {
                 r.evidence(
                     f,
-                    vec![last.clone()],
+                    vec![last.to_string()],
                     format!(
                         "none of its {} sampled packets seen past here (others to {dst} reach {end}); {dir}",
                         f.trajectories
@@ -792,7 +798,7 @@ fn loss(flows: &[FlowReport], max: u64) -> CheckResult {
                 };
                 r.evidence(
                     f,
-                    l.between.to_vec(),
+                    labels(&l.between),
                     format!(
                         "{} of its {} sampled packets lost here{kernel}; {dir}",
                         l.span.packets, f.trajectories
@@ -849,19 +855,19 @@ fn mtu(data: &[&FlowReport], roce_mtu: u16, report: &CollectorReport) -> CheckRe
             "data frames fit a RoCE MTU of {roce_mtu}, every port on their path can carry them, and the largest cross every point"
         ),
     );
-    let points: BTreeMap<String, &PointInfo> = report.points.iter().map(|p| (p.label(), p)).collect();
+    let points: BTreeMap<Point, &PointInfo> = report.points.iter().map(|p| (p.point(), p)).collect();
     // The largest frame of any flow each point passed: a point that carries big frames
     // for someone is no MTU black hole.
-    let mut biggest: BTreeMap<&str, u16> = BTreeMap::new();
+    let mut biggest: BTreeMap<&Point, u16> = BTreeMap::new();
     for f in &report.flows {
         for (p, m) in &f.max_frame {
-            let b = biggest.entry(p.as_str()).or_default();
+            let b = biggest.entry(p).or_default();
             *b = (*b).max(*m);
         }
     }
     let ends = terminals(&report.flows);
     for f in data {
-        let sizes: Vec<(&String, u16)> = f
+        let sizes: Vec<(&Point, u16)> = f
             .path
             .iter()
             .filter_map(|p| f.max_frame.get(p).map(|m| (p, *m)))
@@ -873,7 +879,7 @@ fn mtu(data: &[&FlowReport], roce_mtu: u16, report: &CollectorReport) -> CheckRe
         if sent > roce_mtu + MAX_ROCE_OVERHEAD {
             r.evidence(
                 f,
-                vec![first.clone()],
+                vec![first.to_string()],
                 format!("{sent}-byte frames exceed a RoCE MTU of {roce_mtu}"),
             );
         }
@@ -883,24 +889,24 @@ fn mtu(data: &[&FlowReport], roce_mtu: u16, report: &CollectorReport) -> CheckRe
         // Every port the flow's packets crossed or were lost on the way to, over its
         // paths in the window; and, for a flow that stops short of where the others to
         // its destination arrive, the ports it could leave its last node by.
-        let mut crossed: Vec<&String> = f.path.iter().collect();
+        let mut crossed: Vec<&Point> = f.path.iter().collect();
         crossed.extend(f.path_history.iter().flat_map(|h| &h.path));
         crossed.extend(f.lost.iter().flat_map(|l| &l.between));
         if let (Some(end), Some(last)) = (ends.get(f.dst_ip.as_str()), f.path.last())
-            && node_of(last) != *end
+            && last.node != *end
         {
-            let node = node_of(last);
+            let node = last.node.as_str();
             crossed.extend(
                 points
                     .iter()
-                    .filter(|(_, p)| p.node == node && p.direction == "egress")
+                    .filter(|(_, p)| p.node == node && p.direction == PointDirection::Egress)
                     .map(|(l, _)| l),
             );
         }
         crossed.sort();
         crossed.dedup();
         for p in crossed {
-            let Some(info) = points.get(p.as_str()) else {
+            let Some(info) = points.get(p) else {
                 continue;
             };
             let Some(&low) = mtus(info).first() else { continue };
@@ -911,7 +917,7 @@ fn mtu(data: &[&FlowReport], roce_mtu: u16, report: &CollectorReport) -> CheckRe
                 };
                 r.evidence(
                     f,
-                    vec![p.clone()],
+                    vec![p.to_string()],
                     format!(
                         "{sent}-byte frames ({ip_len}-byte IP packets) cannot cross {p}: its MTU was {low}{now}"
                     ),
@@ -924,7 +930,7 @@ fn mtu(data: &[&FlowReport], roce_mtu: u16, report: &CollectorReport) -> CheckRe
         {
             r.evidence(
                 f,
-                vec![w[0].0.clone(), w[1].0.clone()],
+                vec![w[0].0.to_string(), w[1].0.to_string()],
                 format!(
                     "{sent}-byte frames sent, none larger than {} bytes got past here",
                     w[1].1
@@ -934,13 +940,13 @@ fn mtu(data: &[&FlowReport], roce_mtu: u16, report: &CollectorReport) -> CheckRe
         // Full-size frames lost at a point that carries smaller ones (for anyone) and no
         // frame that big: whatever else the flow sends, the big ones die there.
         for l in &f.lost {
-            let (Some(lost), Some(&seen)) = (l.largest_frame, biggest.get(l.between[1].as_str())) else {
+            let (Some(lost), Some(&seen)) = (l.largest_frame, biggest.get(&l.between[1])) else {
                 continue;
             };
             if lost + SIZE_SLACK >= sent && seen + SIZE_SLACK < sent {
                 r.evidence(
                     f,
-                    l.between.to_vec(),
+                    labels(&l.between),
                     format!(
                         "{} sampled {sent}-byte frames lost here; nothing larger than {seen} bytes got past {}",
                         l.span.packets, l.between[1]
@@ -1048,7 +1054,7 @@ fn rate_over_time(data: &[&FlowReport], max_cv: f64, min_intervals: usize) -> Ch
         if cv > max_cv {
             let lo = rates.iter().cloned().fold(f64::INFINITY, f64::min);
             let hi = rates.iter().cloned().fold(0.0, f64::max);
-            let at = f.path.last().cloned().into_iter().collect();
+            let at = f.path.last().map(Point::to_string).into_iter().collect();
             r.evidence(
                 f,
                 at,

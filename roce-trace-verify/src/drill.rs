@@ -16,11 +16,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use roce_trace_correlate::{CollectorReport, FlowReport, Lost, node_of, path_nodes};
+use roce_trace_correlate::{CollectorReport, FlowReport, Lost, Point, path_nodes};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    checks::{CheckResult, Evidence, Role, Status, ecmp_shares, role},
+    checks::{CheckResult, Evidence, Role, Status, ecmp_shares, labels, role},
     policy::{DrillPolicy, Policy},
     window::since,
 };
@@ -214,7 +214,7 @@ fn sent_delivered(w: &FlowReport, end: &str) -> (u64, u64) {
     let delivered = w
         .counters
         .iter()
-        .filter(|(p, _)| node_of(p) == end)
+        .filter(|(p, _)| p.node == end)
         .map(|(_, c)| c.packets)
         .max()
         .unwrap_or(0);
@@ -229,12 +229,12 @@ fn stops_at(w: &FlowReport, before: &FlowReport) -> Vec<String> {
         .iter()
         .rposition(|p| w.counters.get(p).is_some_and(|c| c.packets > 0))
     {
-        Some(i) => path[i..(i + 2).min(path.len())].to_vec(),
+        Some(i) => labels(&path[i..(i + 2).min(path.len())]),
         None => w
             .lost
             .iter()
             .max_by_key(|l| l.span.packets)
-            .map(|l| l.between.to_vec())
+            .map(|l| labels(&l.between))
             .unwrap_or_default(),
     }
 }
@@ -247,7 +247,7 @@ struct Views<'a> {
     settled: BTreeMap<&'a str, &'a FlowReport>,
     /// Points whose agents reported counters once the failure had settled: a flow absent
     /// there sent nothing (rather than went unreported).
-    reporting: BTreeSet<&'a str>,
+    reporting: BTreeSet<&'a Point>,
 }
 
 impl Views<'_> {
@@ -255,7 +255,7 @@ impl Views<'_> {
     /// had settled, and where.
     fn stopped(&self, b: &FlowReport, way: Way, peers: &[String]) -> Option<Stop> {
         // Where its packets arrived before the failure.
-        let end = node_of(b.path.last()?);
+        let end = b.path.last()?.node.as_str();
         if let Some(l) = self.settled.get(b.id.as_str()) {
             let (sent, delivered) = sent_delivered(l, end);
             return (sent > 0 && delivered == 0).then(|| Stop {
@@ -263,11 +263,7 @@ impl Views<'_> {
                 detail: format!("none of its {sent} packets since the failure settled reached {end}"),
             });
         }
-        if !b
-            .path
-            .first()
-            .is_some_and(|p| self.reporting.contains(p.as_str()))
-        {
+        if !b.path.first().is_some_and(|p| self.reporting.contains(p)) {
             return None;
         }
         match way {
@@ -279,7 +275,7 @@ impl Views<'_> {
                     .filter_map(|id| self.failure.get(id.as_str()))
                     .flat_map(|x| &x.lost)
                     .max_by_key(|l| l.span.packets)
-                    .map(|l| l.between.to_vec())
+                    .map(|l| labels(&l.between))
                     .unwrap_or_default();
                 Some(Stop {
                     at,
@@ -295,7 +291,7 @@ impl Views<'_> {
                     .iter()
                     .map(|p| {
                         let pb = self.before.get(p.as_str())?;
-                        let (_, n) = sent_delivered(self.settled.get(p.as_str())?, node_of(pb.path.last()?));
+                        let (_, n) = sent_delivered(self.settled.get(p.as_str())?, &pb.path.last()?.node);
                         (n > 0).then_some(n)
                     })
                     .collect::<Option<_>>()?;
@@ -345,11 +341,7 @@ pub fn measure(s: &Snapshots, via: &[String]) -> DrillReport {
         before,
         failure: by_id(&window),
         settled: by_id(&settled),
-        reporting: settled
-            .flows
-            .iter()
-            .flat_map(|f| f.counters.keys().map(String::as_str))
-            .collect(),
+        reporting: settled.flows.iter().flat_map(|f| f.counters.keys()).collect(),
     };
     let (w, after) = (&views.failure, by_id(&s.after));
     for &(b, way) in &judged {
@@ -498,7 +490,7 @@ fn loss(p: &DrillPolicy, d: &DrillReport) -> CheckResult {
     for (id, f, l) in losses {
         r.evidence.push(ev(
             id,
-            l.between.to_vec(),
+            labels(&l.between),
             f,
             format!("{} sampled packets lost during the failure", l.span.packets),
         ));
@@ -548,7 +540,7 @@ fn recovery(p: &DrillPolicy, d: &DrillReport) -> CheckResult {
                 } else {
                     "lost packets and never moved to another path"
                 };
-                let at = f.lost.first().map(|l| l.between.to_vec()).unwrap_or_default();
+                let at = f.lost.first().map(|l| labels(&l.between)).unwrap_or_default();
                 r.evidence.push(ev(id, at, f, why.into()));
             }
             Some(ms) if p.max_recovery_ms.is_some_and(|m| ms > m as f64) => {

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use roce_trace_correlate::{
     Answers, ClassAt, ClassChange, ClassSeen, CnpDelivery, CollectorReport, CountedLoss, DeliveryAt,
-    FlowReport, JoinStats, Lost, MtuAt, PathAt, PointInfo, Span, observation::CounterDelta,
+    FlowReport, JoinStats, Lost, MtuAt, PathAt, Point, PointInfo, Span, observation::CounterDelta,
 };
 
 use crate::{
@@ -24,7 +24,7 @@ fn h(n: u8) -> String {
 }
 
 /// Points from host `a` to host `b` through `spine` (None: same leaf).
-fn points(a: u8, b: u8, spine: Option<u8>) -> Vec<String> {
+fn points(a: u8, b: u8, spine: Option<u8>) -> Vec<Point> {
     let la = if a <= 2 { 1 } else { 2 };
     let lb = if b <= 2 { 1 } else { 2 };
     let mut v = vec![format!("h{a}:eth0:egress"), format!("l{la}:h{a}:ingress")];
@@ -33,7 +33,7 @@ fn points(a: u8, b: u8, spine: Option<u8>) -> Vec<String> {
         v.push(format!("l{lb}:s{s}:ingress"));
     }
     v.push(format!("h{b}:eth0:ingress"));
-    v
+    v.iter().map(|l| Point::from(l.as_str())).collect()
 }
 
 /// One counter delta a second at the flow's last point, a partial one first and last.
@@ -164,7 +164,7 @@ fn set(v: &[&str]) -> BTreeSet<String> {
 }
 
 fn via_s1(f: &FlowReport) -> bool {
-    f.path.iter().any(|p| p.starts_with("s1:"))
+    f.path.iter().any(|p| p.node == "s1")
 }
 
 #[test]
@@ -220,7 +220,7 @@ fn a_dscp_rewrite_at_a_spine_fails_the_class_rules_with_where() {
 fn ce_marks_on_an_idle_fabric_fail_and_unanswered_ones_fail_twice() {
     let mut v = healthy();
     let f = &mut v[0];
-    f.counters.get_mut("h3:eth0:ingress").unwrap().ecn = [0, 0, 900, 100];
+    f.counters.get_mut(&Point::from("h3:eth0:ingress")).unwrap().ecn = [0, 0, 900, 100];
     f.answered_by.ce_marks = 100;
     assert_eq!(
         failing(v.clone(), Load::Idle),
@@ -261,7 +261,7 @@ fn cnps_that_never_reach_the_sender_fail_cnp_answers_ce_and_loss_naming_the_leaf
     let mut v = healthy();
     let ce = |v: &mut Vec<FlowReport>, cnps: u64, lost: Vec<CountedLoss>| {
         let f = &mut v[0];
-        f.counters.get_mut("h3:eth0:ingress").unwrap().ecn = [0, 0, 800, 200];
+        f.counters.get_mut(&Point::from("h3:eth0:ingress")).unwrap().ecn = [0, 0, 800, 200];
         f.answered_by.ce_marks = 200;
         f.answered_by.cnps_sent = 200;
         f.answered_by.cnps = cnps;
@@ -377,7 +377,7 @@ fn a_class_rewrite_for_part_of_the_window_fails_data_class() {
 fn cnps_lost_for_part_of_the_window_fail_cnp_answers_ce() {
     let mut v = healthy();
     let f = &mut v[0];
-    f.counters.get_mut("h3:eth0:ingress").unwrap().ecn = [0, 0, 800, 200];
+    f.counters.get_mut(&Point::from("h3:eth0:ingress")).unwrap().ecn = [0, 0, 800, 200];
     f.answered_by.ce_marks = 200;
     f.answered_by.cnps_sent = 200;
     f.answered_by.cnps = 133;
@@ -435,7 +435,10 @@ fn a_small_link_mtu_fails_the_path_mtu_at_the_link() {
             },
             ..Default::default()
         });
-        f.counters.get_mut("h3:eth0:ingress").unwrap().psn_gaps = 50;
+        f.counters
+            .get_mut(&Point::from("h3:eth0:ingress"))
+            .unwrap()
+            .psn_gaps = 50;
     }
     // The big frames vanish at the small link; the losses and gaps are its doing too.
     assert_eq!(
@@ -458,7 +461,7 @@ fn a_flow_black_holed_from_its_start_is_loss_where_it_stops() {
     f.hops.truncate(1);
     f.class.truncate(2);
     f.path_history[0].path.truncate(2);
-    let kept: Vec<String> = f.path.clone();
+    let kept: Vec<Point> = f.path.clone();
     f.counters.retain(|p, _| kept.contains(p));
     f.max_frame.retain(|p, _| kept.contains(p));
     let p = Policy::parse(POLICY).unwrap();
@@ -526,7 +529,7 @@ fn port(label: &str, mtu: Option<u32>, history: &[u32]) -> PointInfo {
     PointInfo {
         node: it.next().unwrap().into(),
         iface: it.next().unwrap().into(),
-        direction: it.next().unwrap().into(),
+        direction: it.next().unwrap().parse().unwrap(),
         clock_synced: true,
         mtu,
         mtu_history: history
@@ -637,7 +640,7 @@ fn naks_hops_ect_and_spread_fail_on_their_own() {
     );
 
     let mut v = healthy();
-    v[0].counters.get_mut("h1:eth0:egress").unwrap().ecn = [1000, 0, 0, 0];
+    v[0].counters.get_mut(&Point::from("h1:eth0:egress")).unwrap().ecn = [1000, 0, 0, 0];
     assert_eq!(failing(v, Load::Idle), set(&["data_ect"]));
 
     let mut v = healthy();
@@ -691,7 +694,7 @@ fn no_traffic_cannot_be_checked_and_says_so() {
 #[test]
 fn junit_has_one_case_per_check_and_escapes_evidence() {
     let mut v = healthy();
-    v[0].counters.get_mut("h1:eth0:egress").unwrap().ecn = [1000, 0, 0, 0];
+    v[0].counters.get_mut(&Point::from("h1:eth0:egress")).unwrap().ecn = [1000, 0, 0, 0];
     v[0].id = "<odd & \"id\">".into();
     let p = Policy::parse(POLICY).unwrap();
     let verdict = Verdict::new("a&b".into(), Load::Idle, 1, judge(&p, &report(v), Load::Idle));

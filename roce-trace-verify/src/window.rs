@@ -25,7 +25,7 @@ pub fn since(start: &CollectorReport, mut end: CollectorReport) -> CollectorRepo
     };
     // A port's MTUs in the window: the one in force at its start and those declared since.
     for p in &mut end.points {
-        let Some(was) = start.points.iter().find(|x| x.label() == p.label()) else {
+        let Some(was) = start.points.iter().find(|x| x.point() == p.point()) else {
             continue;
         };
         let seen = was.mtu_history.last().map(|m| m.at_ns);

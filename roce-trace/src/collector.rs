@@ -23,10 +23,9 @@ use tokio::{
 };
 
 use crate::{
-    correlate::{FlowReport, JoinConfig, Joiner, PointId, PointInfo},
+    correlate::{Direction, FlowReport, JoinConfig, Joiner, Point, PointId, PointInfo},
     http::{self, Response},
     protocol::{Decoder, Encoder, Frame, ProtoError, VERSION},
-    record::direction_name,
 };
 
 #[derive(Clone, Debug)]
@@ -482,7 +481,7 @@ async fn serve_frames(
                             d.node
                         },
                         iface: d.iface,
-                        direction: direction_name(d.direction).into(),
+                        direction: Direction::of_datapath(d.direction),
                         clock_synced,
                         mtu: (d.mtu != 0).then_some(d.mtu),
                         mtu_history: Vec::new(),
@@ -704,11 +703,16 @@ fn metrics(s: &State) -> String {
     m
 }
 
-fn short(point: &str) -> String {
-    // node:iface:direction → node/iface(in|out)
-    match crate::correlate::split_label(point) {
-        Some((n, i, d)) => format!("{n}/{i}{}", if d == "ingress" { "<" } else { ">" }),
-        None => point.to_owned(),
+/// `node/iface<` (ingress) or `node/iface>` (egress, mirror); a node alone as itself.
+fn short(point: &Point) -> String {
+    match point.direction {
+        Some(d) => format!(
+            "{}/{}{}",
+            point.node,
+            point.iface,
+            if d == Direction::Ingress { "<" } else { ">" }
+        ),
+        None => point.node.clone(),
     }
 }
 
@@ -727,7 +731,7 @@ pub fn render(r: &CollectorReport) -> String {
         s.push_str(&format!(
             "{:<44} path {}  dscp {}",
             f.id,
-            f.path.iter().map(|p| short(p)).collect::<Vec<_>>().join(" "),
+            f.path.iter().map(short).collect::<Vec<_>>().join(" "),
             dscps.join("/")
         ));
         for c in &f.class_changes {

@@ -659,7 +659,11 @@ fn collector() -> anyhow::Result<()> {
             j.point(PointInfo {
                 node: format!("node{n}"),
                 iface: format!("p{}", i / 2),
-                direction: if i % 2 == 0 { "ingress" } else { "egress" }.into(),
+                direction: if i % 2 == 0 {
+                    roce_trace::correlate::Direction::Ingress
+                } else {
+                    roce_trace::correlate::Direction::Egress
+                },
                 clock_synced: true,
                 ..Default::default()
             })
