@@ -1110,7 +1110,7 @@ impl Joiner {
             let Some(r) = self.flow_report(&id) else { continue };
             for c in &r.class_changes {
                 v.push(Anomaly {
-                    kind: "class_change".into(),
+                    kind: AnomalyKind::ClassChange,
                     flow: r.id.clone(),
                     between: c.between.to_vec(),
                     detail: format!("DSCP {} -> {}", c.from_dscp, c.to_dscp),
@@ -1119,7 +1119,7 @@ impl Joiner {
             }
             for l in &r.lost {
                 v.push(Anomaly {
-                    kind: "lost".into(),
+                    kind: AnomalyKind::Lost,
                     flow: r.id.clone(),
                     between: l.between.to_vec(),
                     detail: String::new(),
@@ -1130,7 +1130,7 @@ impl Joiner {
                 let mut between: Vec<Point> = c.after.iter().cloned().collect();
                 between.push(c.at.clone());
                 v.push(Anomaly {
-                    kind: "ce_onset".into(),
+                    kind: AnomalyKind::CeOnset,
                     flow: r.id.clone(),
                     between,
                     detail: String::new(),
@@ -1139,7 +1139,7 @@ impl Joiner {
             }
             if r.path_history.len() > 1 {
                 v.push(Anomaly {
-                    kind: "path_change".into(),
+                    kind: AnomalyKind::PathChange,
                     flow: r.id.clone(),
                     between: r.path.clone(),
                     detail: format!("{} paths over time", r.path_history.len()),
@@ -1156,6 +1156,21 @@ mod tests {
     use roce_trace_common::datapath::{REASON_CE, REASON_CNP, REASON_HASH};
 
     use super::*;
+
+    #[test]
+    fn anomaly_kinds_order_as_their_names() {
+        let kinds = [
+            AnomalyKind::PathChange,
+            AnomalyKind::Lost,
+            AnomalyKind::ClassChange,
+            AnomalyKind::CeOnset,
+        ];
+        let mut by_kind = kinds;
+        by_kind.sort();
+        let mut by_name = kinds;
+        by_name.sort_by_key(|k| k.name());
+        assert_eq!(by_kind, by_name, "metrics list kinds in this order");
+    }
 
     #[test]
     fn points_read_back_from_the_right_so_ipv6_switches_stay_whole() {
@@ -1715,7 +1730,7 @@ mod tests {
         let a = j.anomalies();
         assert!(
             a.iter()
-                .any(|a| a.kind == "class_change" && a.detail == "DSCP 26 -> 0")
+                .any(|a| a.kind == AnomalyKind::ClassChange && a.detail == "DSCP 26 -> 0")
         );
     }
 

@@ -3,7 +3,7 @@
 //! found it at, the agents it came from, and in-band probes' hops. The collector serves
 //! and writes it; `verify` judges it.
 
-use std::{collections::BTreeMap, fmt, str::FromStr};
+use std::{collections::BTreeMap, fmt, net::IpAddr, str::FromStr};
 
 use roce_trace_common::{
     datapath::{DIR_INGRESS, DIR_MIRROR, PCP_NONE},
@@ -505,11 +505,43 @@ pub struct FlowReport {
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Anomaly {
-    pub kind: String,
+    pub kind: AnomalyKind,
     pub flow: String,
     pub between: Vec<Point>,
     pub detail: String,
     pub packets: u64,
+}
+
+/// What is wrong with a flow, fabric-wide (`/anomalies`, the collector's metrics).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+/// (Declared in the order of their names: metrics list them so.)
+pub enum AnomalyKind {
+    /// CE marks begin at a point.
+    CeOnset,
+    /// Its DSCP changed between two points.
+    ClassChange,
+    /// Sampled packets seen at one point never reached the next.
+    Lost,
+    /// It took more than one path over the window.
+    PathChange,
+}
+
+impl AnomalyKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::ClassChange => "class_change",
+            Self::Lost => "lost",
+            Self::CeOnset => "ce_onset",
+            Self::PathChange => "path_change",
+        }
+    }
+}
+
+impl fmt::Display for AnomalyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// The collector's report: everything it joined (`collect --report`, `/report`), what
@@ -561,7 +593,7 @@ pub struct ProbeResult {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProbeHop {
     pub ttl: u8,
-    pub addr: Option<std::net::IpAddr>,
+    pub addr: Option<IpAddr>,
     pub dscp: Option<u8>,
     pub ecn: Option<u8>,
     pub rtt_avg_us: Option<u32>,

@@ -23,7 +23,7 @@ use tokio::{
 };
 
 use crate::{
-    correlate::{Direction, FlowReport, JoinConfig, Joiner, Point, PointId, PointInfo},
+    correlate::{AnomalyKind, Direction, FlowReport, JoinConfig, Joiner, Point, PointId, PointInfo},
     http::{self, Response},
     protocol::{Decoder, Encoder, Frame, ProtoError, VERSION},
 };
@@ -692,7 +692,7 @@ fn metrics(s: &State) -> String {
             a.node, a.connected as u8
         ));
     }
-    let mut kinds: BTreeMap<String, u64> = BTreeMap::new();
+    let mut kinds: BTreeMap<AnomalyKind, u64> = BTreeMap::new();
     for a in j.anomalies() {
         *kinds.entry(a.kind).or_default() += 1;
     }
