@@ -72,18 +72,13 @@ impl Baseline {
     }
 
     /// A baseline read back; `name` (its file) is quoted in errors.
-    pub fn from_json(text: &str, name: &str) -> Result<Self, BaselineError> {
-        let b: Baseline = serde_json::from_str(text).map_err(|source| BaselineError::NotJson {
-            name: name.into(),
-            source,
-        })?;
-        if b.kind != "verify_baseline" {
-            return Err(BaselineError::WrongType {
-                name: name.into(),
-                kind: b.kind,
-            });
-        }
-        Ok(b)
+    pub fn from_json(text: &str, name: &str) -> Result<Self, crate::DocumentError> {
+        crate::document(
+            text,
+            name,
+            ("baseline", "roce-trace baseline", "verify_baseline"),
+            |b: &Baseline| &b.kind,
+        )
     }
 
     /// What changed from this baseline to `now`.
@@ -166,17 +161,4 @@ impl Baseline {
         };
         r
     }
-}
-
-/// A file that is not a baseline.
-#[derive(Debug, thiserror::Error)]
-pub enum BaselineError {
-    #[error("{name} is not a roce-trace baseline")]
-    NotJson {
-        name: String,
-        #[source]
-        source: serde_json::Error,
-    },
-    #[error("{name} is not a roce-trace baseline (type `{kind}`)")]
-    WrongType { name: String, kind: String },
 }
