@@ -400,6 +400,59 @@ impl Default for Sample {
 }
 
 impl Sample {
+    /// Fills every field: the sample of packet `pkt`, parsed into `p` (its ICRC loaded by
+    /// `parse::load_icrc`), of flow `key`. The one fill of the kernel's ring slot and of
+    /// pcap input. Field by field, so in the kernel no 264-byte copy lands on the BPF stack
+    /// and the head bytes go straight from the packet into the ring; bytes of `head` past
+    /// `head_len` are left as they are.
+    #[inline(always)]
+    pub fn fill<P: crate::parse::Packet>(
+        &mut self,
+        pkt: &P,
+        p: &crate::parse::Parsed,
+        key: &FlowKey,
+        ts_ns: u64,
+        frame_len: u32,
+        reasons: u32,
+    ) {
+        self.head_len = pkt.load_head(&mut self.head);
+        self.l3_off = p.l3_off;
+        self.ts_ns = ts_ns;
+        self.key = *key;
+        self.psn = p.bth.psn();
+        self.frame_len = frame_len;
+        self.reth_dma_len = p.reth_dma_len;
+        self.aeth_msn = p.aeth.msn();
+        self.deth_src_qp = p.deth_src_qp;
+        self.icrc = p.icrc;
+        self.pkey = p.bth.pkey();
+        self.udp_dport = p.udp_dport;
+        self.udp_len = p.udp_len;
+        self.opcode = p.bth.opcode;
+        self.bth_flags = p.bth.flags;
+        self.bth_fecn_becn = p.bth.fecn_becn;
+        self.bth_ack_req = p.bth.ack_req;
+        self.dscp = p.dscp;
+        self.ecn = p.ecn;
+        self.ttl = p.ttl;
+        self.pcp = p.pcp;
+        self.aeth_syndrome = p.aeth.syndrome;
+        self.vlan_depth = p.vlan_depth;
+        self.present = p.present;
+        self._pad = [0; 3];
+        self.reasons = reasons;
+        if p.present & HAS_MIRROR != 0 {
+            self.mirror = p.mirror_info;
+        } else {
+            let m = &mut self.mirror;
+            m.src = [0; 4];
+            m.session = 0;
+            m.kind = 0;
+            m._pad = [0; 3];
+        }
+        self._pad2 = 0;
+    }
+
     /// The mirror session of a mirrored copy.
     pub fn mirror(&self) -> Option<MirrorInfo> {
         (self.present & HAS_MIRROR != 0).then_some(self.mirror)
@@ -457,138 +510,134 @@ impl DatapathConfig {
     }
 }
 
-/// Global per-CPU counters: `GLOBALS` holds one array per CPU, indexed by
-/// [`GlobalCounter::index`] — the two directions of a counter side by side, so the
-/// counters every packet bumps (frames seen, RoCEv2) share one cache line.
-#[repr(u32)]
+/// What a global counter counts, and so which lists it is in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GlobalCounter {
-    FramesSeen = 0,
-    RoceV2 = 1,
-    NonRoce = 2,
-    RoceV1 = 3,
-    TruncatedL2 = 4,
-    VlanTooDeep = 5,
-    TruncatedIp = 6,
-    BadIpHeader = 7,
-    Fragment = 8,
-    Ipv6ExtTooDeep = 9,
-    TruncatedUdp = 10,
-    BadUdpLength = 11,
-    TruncatedBth = 12,
-    TruncatedExtHeader = 13,
-    IcrcUnreadable = 14,
-    SamplesEmitted = 15,
-    RingbufFull = 16,
-    FlowInsertFailed = 17,
-    PsnRegressions = 18,
+pub enum CounterKind {
+    /// Every frame: the sum of the outcomes, not counted apart.
+    AllFrames,
+    /// An outcome: the frame is RoCEv2 and was parsed.
+    Roce,
+    /// An outcome: the frame is not RoCEv2.
+    NotRoce,
+    /// An outcome: the parser gave up on the frame before it knew it was RoCEv2.
+    ParseFailure,
+    /// An outcome: the frame is RoCEv2 (UDP to its port) but its RoCE headers could not
+    /// be parsed. A parse failure too.
+    RoceParseFailure,
+    /// Counted for some frames beside their outcome.
+    Event,
+}
+
+/// The one table of global counters: each counter's index (its `repr(u32)` value, dense
+/// from 0 in table order), its stable snake_case name (JSON, metrics) and its
+/// [`CounterKind`]. Generates [`GlobalCounter`], [`GlobalCounter::ALL`],
+/// [`GlobalCounter::name`] and [`GlobalCounter::kind`]; every other list derives from them.
+macro_rules! global_counters {
+    ($($(#[$doc:meta])* $variant:ident = $value:literal => $name:literal, $kind:ident;)*) => {
+        /// Global per-CPU counters: `GLOBALS` holds one array per CPU, indexed by
+        /// [`GlobalCounter::index`] — the two directions of a counter side by side, so
+        /// the counters every packet bumps (frames seen, RoCEv2) share one cache line.
+        #[repr(u32)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub enum GlobalCounter {
+            $($(#[$doc])* $variant = $value,)*
+        }
+
+        impl GlobalCounter {
+            /// Every counter, in index order.
+            pub const ALL: [GlobalCounter; [$(Self::$variant),*].len()] = [$(Self::$variant),*];
+
+            /// Stable snake_case name used in JSON and metrics.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $name,)*
+                }
+            }
+
+            pub const fn kind(self) -> CounterKind {
+                match self {
+                    $(Self::$variant => CounterKind::$kind,)*
+                }
+            }
+        }
+    };
+}
+
+global_counters! {
+    FramesSeen = 0 => "frames_seen", AllFrames;
+    RoceV2 = 1 => "rocev2", Roce;
+    NonRoce = 2 => "non_roce", NotRoce;
+    RoceV1 = 3 => "rocev1", NotRoce;
+    TruncatedL2 = 4 => "truncated_l2", ParseFailure;
+    VlanTooDeep = 5 => "vlan_too_deep", ParseFailure;
+    TruncatedIp = 6 => "truncated_ip", ParseFailure;
+    BadIpHeader = 7 => "bad_ip_header", ParseFailure;
+    Fragment = 8 => "fragment", ParseFailure;
+    Ipv6ExtTooDeep = 9 => "ipv6_ext_too_deep", ParseFailure;
+    TruncatedUdp = 10 => "truncated_udp", ParseFailure;
+    BadUdpLength = 11 => "bad_udp_length", ParseFailure;
+    TruncatedBth = 12 => "truncated_bth", RoceParseFailure;
+    TruncatedExtHeader = 13 => "truncated_ext_header", RoceParseFailure;
+    IcrcUnreadable = 14 => "icrc_unreadable", Event;
+    SamplesEmitted = 15 => "samples_emitted", Event;
+    RingbufFull = 16 => "ringbuf_full", Event;
+    FlowInsertFailed = 17 => "flow_insert_failed", Event;
+    PsnRegressions = 18 => "psn_regressions", Event;
     /// A GRE or ERSPAN header (or its optional fields) runs past the frame.
-    TruncatedEncap = 19,
+    TruncatedEncap = 19 => "truncated_encap", ParseFailure;
     /// GRE version or routing, ERSPAN version or frame type we cannot decapsulate.
-    BadEncap = 20,
+    BadEncap = 20 => "bad_encap", ParseFailure;
     /// RoCEv2 packets decapsulated from GRE/ERSPAN (mirrored copies), also in `RoceV2`.
-    Mirrored = 21,
+    Mirrored = 21 => "mirrored", Event;
 }
 
 pub const GLOBAL_COUNTERS_PER_DIR: u32 = 32;
 pub const GLOBAL_COUNTERS_LEN: u32 = GLOBAL_COUNTERS_PER_DIR * 2;
 
+/// How many counters of [`GlobalCounter::ALL`] are outcomes.
+const OUTCOMES_LEN: usize = {
+    let (mut n, mut i) = (0, 0);
+    while i < GlobalCounter::ALL.len() {
+        if GlobalCounter::ALL[i].is_outcome() {
+            n += 1;
+        }
+        i += 1;
+    }
+    n
+};
+
 impl GlobalCounter {
     /// What became of a frame: each frame the programs see is counted in exactly one of
     /// these (every reason the parser gives up, or RoCEv2), so `FramesSeen` is their sum
-    /// and not counted apart.
-    pub const OUTCOMES: [GlobalCounter; 15] = [
-        Self::RoceV2,
-        Self::NonRoce,
-        Self::RoceV1,
-        Self::TruncatedL2,
-        Self::VlanTooDeep,
-        Self::TruncatedIp,
-        Self::BadIpHeader,
-        Self::Fragment,
-        Self::Ipv6ExtTooDeep,
-        Self::TruncatedUdp,
-        Self::BadUdpLength,
-        Self::TruncatedBth,
-        Self::TruncatedExtHeader,
-        Self::TruncatedEncap,
-        Self::BadEncap,
-    ];
-
-    pub const ALL: [GlobalCounter; 22] = [
-        Self::FramesSeen,
-        Self::RoceV2,
-        Self::NonRoce,
-        Self::RoceV1,
-        Self::TruncatedL2,
-        Self::VlanTooDeep,
-        Self::TruncatedIp,
-        Self::BadIpHeader,
-        Self::Fragment,
-        Self::Ipv6ExtTooDeep,
-        Self::TruncatedUdp,
-        Self::BadUdpLength,
-        Self::TruncatedBth,
-        Self::TruncatedExtHeader,
-        Self::IcrcUnreadable,
-        Self::SamplesEmitted,
-        Self::RingbufFull,
-        Self::FlowInsertFailed,
-        Self::PsnRegressions,
-        Self::TruncatedEncap,
-        Self::BadEncap,
-        Self::Mirrored,
-    ];
+    /// and not counted apart. [`GlobalCounter::ALL`] filtered by [`Self::is_outcome`].
+    pub const OUTCOMES: [GlobalCounter; OUTCOMES_LEN] = {
+        let mut out = [Self::FramesSeen; OUTCOMES_LEN];
+        let (mut n, mut i) = (0, 0);
+        while i < Self::ALL.len() {
+            if Self::ALL[i].is_outcome() {
+                out[n] = Self::ALL[i];
+                n += 1;
+            }
+            i += 1;
+        }
+        out
+    };
 
     #[inline(always)]
     pub const fn index(self, direction: u8) -> u32 {
         self as u32 * 2 + direction as u32
     }
 
-    /// Stable snake_case name used in JSON and metrics.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Self::FramesSeen => "frames_seen",
-            Self::RoceV2 => "rocev2",
-            Self::NonRoce => "non_roce",
-            Self::RoceV1 => "rocev1",
-            Self::TruncatedL2 => "truncated_l2",
-            Self::VlanTooDeep => "vlan_too_deep",
-            Self::TruncatedIp => "truncated_ip",
-            Self::BadIpHeader => "bad_ip_header",
-            Self::Fragment => "fragment",
-            Self::Ipv6ExtTooDeep => "ipv6_ext_too_deep",
-            Self::TruncatedUdp => "truncated_udp",
-            Self::BadUdpLength => "bad_udp_length",
-            Self::TruncatedBth => "truncated_bth",
-            Self::TruncatedExtHeader => "truncated_ext_header",
-            Self::IcrcUnreadable => "icrc_unreadable",
-            Self::SamplesEmitted => "samples_emitted",
-            Self::RingbufFull => "ringbuf_full",
-            Self::FlowInsertFailed => "flow_insert_failed",
-            Self::PsnRegressions => "psn_regressions",
-            Self::TruncatedEncap => "truncated_encap",
-            Self::BadEncap => "bad_encap",
-            Self::Mirrored => "mirrored",
-        }
+    /// One of [`Self::OUTCOMES`].
+    pub const fn is_outcome(self) -> bool {
+        !matches!(self.kind(), CounterKind::AllFrames | CounterKind::Event)
     }
 
     /// A frame that could not be parsed (as opposed to one that is simply not RoCEv2).
     pub const fn is_parse_failure(self) -> bool {
         matches!(
-            self,
-            Self::TruncatedL2
-                | Self::VlanTooDeep
-                | Self::TruncatedIp
-                | Self::BadIpHeader
-                | Self::Fragment
-                | Self::Ipv6ExtTooDeep
-                | Self::TruncatedUdp
-                | Self::BadUdpLength
-                | Self::TruncatedBth
-                | Self::TruncatedExtHeader
-                | Self::TruncatedEncap
-                | Self::BadEncap
+            self.kind(),
+            CounterKind::ParseFailure | CounterKind::RoceParseFailure
         )
     }
 }
@@ -612,6 +661,12 @@ const _: () = {
     assert!(MAX_FLOW_SLOTS.is_multiple_of(SLOTS_PER_CHUNK));
     assert!(core::mem::size_of::<FlowSlotChunk>() <= 32 << 10);
     assert!((GlobalCounter::ALL.len() as u32) < GLOBAL_COUNTERS_PER_DIR);
+    // The table's values are its order: `ALL[i]` is index `i`.
+    let mut i = 0;
+    while i < GlobalCounter::ALL.len() {
+        assert!(GlobalCounter::ALL[i] as usize == i);
+        i += 1;
+    }
 };
 
 #[cfg(feature = "user")]
@@ -642,6 +697,24 @@ mod pod {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Counter names are distinct snake_case keys (JSON objects, metric labels).
+    #[test]
+    fn counter_names_are_distinct_snake_case() {
+        for (i, a) in GlobalCounter::ALL.iter().enumerate() {
+            let n = a.name();
+            assert!(
+                !n.is_empty()
+                    && n.bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+            );
+            assert!(GlobalCounter::ALL[..i].iter().all(|b| b.name() != n), "{n} twice");
+        }
+        // Outcomes are the table in its order, less the total and the events.
+        let outcomes = GlobalCounter::ALL.iter().filter(|c| c.is_outcome());
+        assert!(outcomes.eq(GlobalCounter::OUTCOMES.iter()));
+        assert_eq!(GlobalCounter::FramesSeen.kind(), CounterKind::AllFrames);
+    }
 
     /// A key's slot depends on every bit of it: flipping any one bit of a flow key (the
     /// direction, the high bits of the UDP source port, the IP version as well as the

@@ -507,7 +507,7 @@ impl Default for GlobalTotals {
 impl GlobalTotals {
     /// `FramesSeen` is the sum of [`GlobalCounter::OUTCOMES`] (each frame ends in one).
     pub fn get(&self, c: GlobalCounter, direction: u8) -> u64 {
-        if c == GlobalCounter::FramesSeen {
+        if c.kind() == CounterKind::AllFrames {
             return GlobalCounter::OUTCOMES
                 .iter()
                 .map(|&o| self.0[o.index(direction) as usize])

@@ -12,7 +12,7 @@ use std::{
 use roce_trace_common::{
     account,
     datapath::*,
-    parse::{INNER_HEAD_LEN, Packet, SlicePacket, load_icrc, parse_into},
+    parse::{INNER_HEAD_LEN, SlicePacket, load_icrc, parse_into},
 };
 use thiserror::Error;
 
@@ -307,39 +307,9 @@ impl Offline {
         let reasons = account::reasons(&p, &cfg);
         if reasons != 0 {
             g[GlobalCounter::SamplesEmitted.index(dir) as usize] += 1;
-            let mut head = [0u8; SAMPLE_HEAD_LEN];
-            let head_len = pkt.load_head(&mut head);
-            on_sample(&Sample {
-                ts_ns: fr.time_ns,
-                key,
-                psn: p.bth.psn(),
-                frame_len: fr.orig_len,
-                reth_dma_len: p.reth_dma_len,
-                aeth_msn: p.aeth.msn(),
-                deth_src_qp: p.deth_src_qp,
-                icrc: p.icrc,
-                pkey: p.bth.pkey(),
-                udp_dport: p.udp_dport,
-                udp_len: p.udp_len,
-                head_len,
-                l3_off: p.l3_off,
-                opcode: p.bth.opcode,
-                bth_flags: p.bth.flags,
-                bth_fecn_becn: p.bth.fecn_becn,
-                bth_ack_req: p.bth.ack_req,
-                dscp: p.dscp,
-                ecn: p.ecn,
-                ttl: p.ttl,
-                pcp: p.pcp,
-                aeth_syndrome: p.aeth.syndrome,
-                vlan_depth: p.vlan_depth,
-                present: p.present,
-                _pad: [0; 3],
-                reasons,
-                mirror: p.mirror().unwrap_or_default(),
-                _pad2: 0,
-                head,
-            });
+            let mut s = Sample::default();
+            s.fill(&pkt, &p, &key, fr.time_ns, fr.orig_len, reasons);
+            on_sample(&s);
         }
     }
 }

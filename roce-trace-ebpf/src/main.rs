@@ -394,48 +394,11 @@ fn emit<P: Packet>(
     };
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
-    let s = entry.as_mut_ptr();
-    // SAFETY: `s` points at a reserved, exclusively owned `Sample` slot in the ring; every
-    // field is written here (field by field, so no 264-byte copy lands on the BPF stack;
-    // the head bytes go straight from the packet into the ring).
-    unsafe {
-        (*s).head_len = pkt.load_head(&mut (*s).head);
-        (*s).l3_off = p.l3_off;
-        (*s).ts_ns = now;
-        (*s).key = *key;
-        (*s).psn = p.bth.psn();
-        (*s).frame_len = frame_len;
-        (*s).reth_dma_len = p.reth_dma_len;
-        (*s).aeth_msn = p.aeth.msn();
-        (*s).deth_src_qp = p.deth_src_qp;
-        (*s).icrc = p.icrc;
-        (*s).pkey = p.bth.pkey();
-        (*s).udp_dport = p.udp_dport;
-        (*s).udp_len = p.udp_len;
-        (*s).opcode = p.bth.opcode;
-        (*s).bth_flags = p.bth.flags;
-        (*s).bth_fecn_becn = p.bth.fecn_becn;
-        (*s).bth_ack_req = p.bth.ack_req;
-        (*s).dscp = p.dscp;
-        (*s).ecn = p.ecn;
-        (*s).ttl = p.ttl;
-        (*s).pcp = p.pcp;
-        (*s).aeth_syndrome = p.aeth.syndrome;
-        (*s).vlan_depth = p.vlan_depth;
-        (*s).present = p.present;
-        (*s)._pad = [0; 3];
-        (*s).reasons = reasons;
-        if p.present & HAS_MIRROR != 0 {
-            (*s).mirror = p.mirror_info;
-        } else {
-            let m = &mut (*s).mirror;
-            m.src = [0; 4];
-            m.session = 0;
-            m.kind = 0;
-            m._pad = [0; 3];
-        }
-        (*s)._pad2 = 0;
-    }
+    // SAFETY: `as_mut_ptr` points at a reserved, exclusively owned `Sample` slot in the
+    // ring, memory the kernel handed over (any bytes are a valid `Sample`); `fill` writes
+    // every field but the head bytes past `head_len`.
+    let s = unsafe { &mut *entry.as_mut_ptr() };
+    s.fill(pkt, p, key, now, frame_len, reasons);
     // By default the kernel's own policy: wake the reader when it had caught up, so a busy
     // reader is not woken per sample. A batching reader (capture) is woken once a batch
     // waits, as this sample takes the fill past `wakeup_bytes`, and drains on a timer.

@@ -608,11 +608,17 @@ impl HealthMeter {
     /// direction: ring-buffer failures, RoCE packets it could not parse) and what the
     /// agent gave up (running totals).
     fn interval(&mut self, points: &[PointDecl], globals: &GlobalTotals, dropped: u64) -> Vec<PointHealth> {
-        let by_dir = |c: &[GlobalCounter]| {
-            [DIR_INGRESS, DIR_EGRESS].map(|d| c.iter().map(|&c| globals.get(c, d)).sum::<u64>())
+        let by_dir = |of: fn(GlobalCounter) -> bool| {
+            [DIR_INGRESS, DIR_EGRESS].map(|d| {
+                GlobalCounter::ALL
+                    .into_iter()
+                    .filter(|&c| of(c))
+                    .map(|c| globals.get(c, d))
+                    .sum::<u64>()
+            })
         };
-        let ringbuf = by_dir(&[GlobalCounter::RingbufFull]);
-        let unparsed = by_dir(&[GlobalCounter::TruncatedBth, GlobalCounter::TruncatedExtHeader]);
+        let ringbuf = by_dir(|c| c == GlobalCounter::RingbufFull);
+        let unparsed = by_dir(|c| c.kind() == CounterKind::RoceParseFailure);
         let now = unix_now();
         let (ifs, qdiscs) = self.kernel();
         let agent_dropped = dropped.saturating_sub(self.dropped);

@@ -472,7 +472,10 @@ pub(crate) fn print_summary(s: &SummaryRecord) {
     for (dir, m) in &s.counters {
         out.push_str(&format!(
             "  {dir}: frames {} rocev2 {} rocev1 {} non-roce {}\n",
-            m["frames_seen"], m["rocev2"], m["rocev1"], m["non_roce"]
+            m[GlobalCounter::FramesSeen.name()],
+            m[GlobalCounter::RoceV2.name()],
+            m[GlobalCounter::RoceV1.name()],
+            m[GlobalCounter::NonRoce.name()]
         ));
     }
     print!("{out}");
