@@ -450,14 +450,19 @@ fn verify_table_json_and_junit_are_golden() {
     ] {
         let (json, junit) = (dir.path("v.json"), dir.path("v.xml"));
         let base = dir.path("baseline.json");
-        let (out, err) = run(&[
-            "verify",
-            "--policy",
-            "policy.toml",
-            "--report",
-            report,
-            "--load",
-            load,
+        let verify = |more: &[&str]| {
+            let args = [
+                "verify",
+                "--policy",
+                "policy.toml",
+                "--report",
+                report,
+                "--load",
+                load,
+            ];
+            run(&[&args[..], more].concat())
+        };
+        let (out, err) = verify(&[
             "--json",
             json.to_str().unwrap(),
             "--junit",
@@ -476,18 +481,7 @@ fn verify_table_json_and_junit_are_golden() {
             &format!("verify-{tag}.baseline.json"),
             &std::fs::read(&base).unwrap(),
         );
-        let (out, _) = run(&[
-            "verify",
-            "--policy",
-            "policy.toml",
-            "--report",
-            report,
-            "--load",
-            load,
-            "--baseline",
-            base.to_str().unwrap(),
-            "--json-stdout",
-        ]);
+        let (out, _) = verify(&["--baseline", base.to_str().unwrap(), "--json-stdout"]);
         check(&format!("verify-{tag}-vs-baseline.json"), &out);
     }
 }
