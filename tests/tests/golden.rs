@@ -4,7 +4,8 @@
 //! change unless a golden is re-blessed on purpose (`ROCE_TRACE_BLESS=1`, then review
 //! the diff). A mismatch leaves the output beside the golden as `NAME.actual`.
 //!
-//! The input is a mirror capture of a three-switch path (ERSPAN II from s1, s2, s3):
+//! The input is a mirror capture of a three-switch path (ERSPAN II from s1, s2, s3), and
+//! the first QP's data also as the sender's sniffer saw it, not encapsulated:
 //! a data QP whose DSCP is rewritten at s3, CE-marked from s3 on for its second half and
 //! with six packets missing at s3; its ACKs and CNPs coming back; a second data QP
 //! (large frames) and an IPv6 QP that cross healthy.
@@ -87,6 +88,7 @@ fn fabric_frames() -> Vec<(Duration, Vec<u8>)> {
     let analyser: IpAddr = "192.0.2.100".parse().unwrap();
     let sw: Vec<IpAddr> = SWITCHES.iter().map(|s| s.parse().unwrap()).collect();
     let mut out = Vec::new();
+    let mut direct = Vec::new();
     let mut seq = [0u32; 3];
     let base = Duration::from_secs(1_700_000_000);
     // One packet crossing switches `hops` in order, 2 µs per hop, each copy as that
@@ -143,6 +145,16 @@ fn fabric_frames() -> Vec<(Duration, Vec<u8>)> {
             payload: vec![i as u8; 512],
             ..Default::default()
         };
+        // The sender's own NIC sniffer sees it first, not encapsulated (the agent's
+        // `pcap:ingress` point), one hop before s1.
+        direct.push((
+            base + Duration::from_micros(t) - Duration::from_nanos(500),
+            RoceFrame {
+                ttl: 65,
+                ..data.clone()
+            }
+            .build(),
+        ));
         let hops: &[usize] = if (90..96).contains(&i) {
             &[0, 1]
         } else {
@@ -221,6 +233,9 @@ fn fabric_frames() -> Vec<(Duration, Vec<u8>)> {
             cross(t + 30, &[1, 0], &v6, &|_| (26, 0b01));
         }
     }
+    // In capture order (no two frames share a time).
+    out.extend(direct);
+    out.sort_by_key(|(t, _)| *t);
     out
 }
 
