@@ -15,17 +15,13 @@ use anyhow::Context as _;
 use bytes::BytesMut;
 use roce_trace_common::datapath::*;
 use serde::Serialize;
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpStream,
-    sync::Notify,
-};
+use tokio::{io::AsyncWriteExt, net::TcpStream, sync::Notify};
 
 use crate::{
     datapath::{Attachment, Datapath, DatapathOptions, IngressHook},
     http::{self, Response},
     observation::{CounterDelta, Observation, PointDecl, PointTable},
-    protocol::{Decoder, Encoder, Frame, ProtoError, VERSION, points_frames},
+    protocol::{Decoder, Encoder, Frame, ProtoError, ReadError, VERSION, points_frames, read_frame},
     record::{ECN_NAMES, direction_name},
     sys::KernelClock,
 };
@@ -372,18 +368,11 @@ async fn handshake(opts: &AgentOptions) -> Result<Connected, String> {
         .map_err(|e| format!("handshake: {e}"))?;
     let mut buf = BytesMut::new();
     let mut dec = Decoder::default();
-    let reply = tokio::time::timeout(Duration::from_secs(5), async {
-        loop {
-            if let Some(f) = dec.decode(&mut buf).map_err(|e| e.to_string())? {
-                return Ok::<Frame, String>(f);
-            }
-            if sock.read_buf(&mut buf).await.map_err(|e| e.to_string())? == 0 {
-                return Err("the collector closed the connection during the handshake".into());
-            }
-        }
-    })
-    .await
-    .map_err(|_| "no answer to HELLO within 5 s".to_owned())??;
+    let reply = tokio::time::timeout(Duration::from_secs(5), read_frame(&mut sock, &mut buf, &mut dec))
+        .await
+        .map_err(|_| "no answer to HELLO within 5 s".to_owned())?
+        .map_err(|e| e.to_string())?
+        .ok_or("the collector closed the connection during the handshake")?;
     let welcome = match reply {
         Frame::Welcome {
             version,
@@ -677,14 +666,11 @@ async fn read_collector(
     connection: u64,
 ) -> String {
     loop {
-        let f = match dec.decode(&mut buf) {
+        let f = match read_frame(&mut rd, &mut buf, &mut dec).await {
             Ok(Some(f)) => f,
-            Ok(None) => match rd.read_buf(&mut buf).await {
-                Ok(0) => return "the collector closed the connection".into(),
-                Ok(_) => continue,
-                Err(e) => return format!("receiving: {e}"),
-            },
-            Err(e) => return format!("the collector sent a bad frame: {e}"),
+            Ok(None) => return "the collector closed the connection".into(),
+            Err(ReadError::Gone(e)) => return format!("receiving: {e}"),
+            Err(ReadError::Protocol(e)) => return format!("the collector sent a bad frame: {e}"),
         };
         match f {
             Frame::Ack { seq } => sh.outbox.lock().expect("outbox").ack(connection, seq),

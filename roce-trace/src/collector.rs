@@ -18,14 +18,14 @@ use anyhow::Context as _;
 use bytes::BytesMut;
 
 use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
+    io::AsyncWriteExt,
     net::{TcpListener, TcpStream},
 };
 
 use crate::{
     correlate::{AnomalyKind, Direction, FlowReport, JoinConfig, Joiner, Point, PointId, PointInfo},
     http::{self, Response},
-    protocol::{Decoder, Encoder, Frame, ProtoError, VERSION},
+    protocol::{Decoder, Encoder, Frame, ProtoError, ReadError, VERSION, read_frame},
 };
 
 #[derive(Clone, Debug)]
@@ -455,7 +455,7 @@ async fn serve_frames(
                 Ok(Some(f)) => f,
                 Ok(None) => return Closed::Gone("the agent went away".to_owned()),
                 Err(ReadError::Gone(e)) => return Closed::Gone(e),
-                Err(ReadError::Protocol(e)) => return Closed::Protocol(e),
+                Err(ReadError::Protocol(e)) => return Closed::Protocol(e.to_string()),
             },
             _ = &mut stop => {
                 return Closed::Protocol(format!(
@@ -541,47 +541,6 @@ async fn serve_frames(
         conn.processed.store(dec.next_seq(), Ordering::SeqCst);
         if data {
             ack.send_replace(dec.next_seq() - 1);
-        }
-    }
-}
-
-/// Why reading a frame failed: the peer broke the protocol, or the connection ended.
-enum ReadError {
-    Protocol(String),
-    Gone(String),
-}
-
-impl std::fmt::Display for ReadError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Protocol(e) | Self::Gone(e) => f.write_str(e),
-        }
-    }
-}
-
-/// Reads until one whole frame is decoded; `Ok(None)` on a clean end of stream.
-async fn read_frame(
-    sock: &mut (impl tokio::io::AsyncRead + Unpin),
-    buf: &mut BytesMut,
-    dec: &mut Decoder,
-) -> Result<Option<Frame>, ReadError> {
-    loop {
-        if let Some(f) = dec.decode(buf).map_err(|e| ReadError::Protocol(e.to_string()))? {
-            return Ok(Some(f));
-        }
-        let n = sock
-            .read_buf(buf)
-            .await
-            .map_err(|e| ReadError::Gone(e.to_string()))?;
-        if n == 0 {
-            return if buf.is_empty() {
-                Ok(None)
-            } else {
-                Err(ReadError::Gone(format!(
-                    "stream ended inside a frame ({} bytes)",
-                    buf.len()
-                )))
-            };
         }
     }
 }

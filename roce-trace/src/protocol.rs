@@ -70,6 +70,44 @@ pub enum Frame {
     Health(Vec<PointHealth>),
 }
 
+/// Why reading a frame failed: the peer broke the protocol, or the connection ended.
+#[derive(Debug, Error)]
+pub enum ReadError {
+    #[error("{0}")]
+    Protocol(ProtoError),
+    #[error("{0}")]
+    Gone(String),
+}
+
+/// Reads until one whole frame is decoded; `Ok(None)` on a clean end of stream (at a
+/// frame boundary). The one reader of frames off a stream, for agents and collectors.
+pub async fn read_frame(
+    sock: &mut (impl tokio::io::AsyncRead + Unpin),
+    buf: &mut BytesMut,
+    dec: &mut Decoder,
+) -> Result<Option<Frame>, ReadError> {
+    use tokio::io::AsyncReadExt as _;
+    loop {
+        if let Some(f) = dec.decode(buf).map_err(ReadError::Protocol)? {
+            return Ok(Some(f));
+        }
+        let n = sock
+            .read_buf(buf)
+            .await
+            .map_err(|e| ReadError::Gone(e.to_string()))?;
+        if n == 0 {
+            return if buf.is_empty() {
+                Ok(None)
+            } else {
+                Err(ReadError::Gone(format!(
+                    "stream ended inside a frame ({} bytes)",
+                    buf.len()
+                )))
+            };
+        }
+    }
+}
+
 impl Frame {
     /// BYE with `reason`, cut at a character boundary to fit its u16-long string (a
     /// reason quoting a long node name, say).
