@@ -16,7 +16,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use roce_trace_common::wire::ROCEV2_UDP_PORT;
+use roce_trace_common::{
+    parse::{Packet as _, SlicePacket},
+    wire::{Bth, Header as _, IPPROTO_UDP, Ipv4Hdr, Ipv6Hdr, ROCEV2_UDP_PORT, UdpHdr},
+};
 use serde::Serialize;
 use thiserror::Error;
 
@@ -142,41 +145,29 @@ pub(crate) fn parse_answer(msg: &[u8], from: IpAddr, v6: bool, sport: u16, dst: 
         (false, 3, _) | (true, 1, _) => ("unreachable", true),
         _ => return None,
     };
-    let inner = msg.get(8..)?;
-    let (tos, udp) = if v6 {
-        if inner.len() < 40 || inner[0] >> 4 != 6 || inner[6] != 17 {
+    // The quote: the probe's IP header, UDP header and BTH, read with the shared
+    // header definitions.
+    let quote = SlicePacket::new(msg.get(8..)?);
+    let (tos, to, udp_off) = if v6 {
+        let ip = quote.header::<Ipv6Hdr>(0)?;
+        if ip.version() != 6 || ip.next_hdr != IPPROTO_UDP {
             return None;
         }
-        let d: [u8; 16] = inner[24..40].try_into().ok()?;
-        if IpAddr::from(d) != dst {
-            return None;
-        }
-        ((inner[0] << 4) | (inner[1] >> 4), inner.get(40..)?)
+        (ip.traffic_class(), IpAddr::from(ip.dst), Ipv6Hdr::LEN)
     } else {
-        if inner.len() < 20 || inner[0] >> 4 != 4 || inner[9] != 17 {
+        let ip = quote.header::<Ipv4Hdr>(0)?;
+        if ip.version() != 4 || ip.protocol != IPPROTO_UDP || ip.header_len() < Ipv4Hdr::LEN {
             return None;
         }
-        let ihl = ((inner[0] & 0x0f) as usize) * 4;
-        if ihl < 20 {
-            return None;
-        }
-        let d: [u8; 4] = inner[16..20].try_into().ok()?;
-        if IpAddr::from(d) != dst {
-            return None;
-        }
-        (inner[1], inner.get(ihl..)?)
+        (ip.tos, IpAddr::from(ip.dst), ip.header_len())
     };
-    if udp.len() < 8 + 12
-        || u16::from_be_bytes([udp[0], udp[1]]) != sport
-        || u16::from_be_bytes([udp[2], udp[3]]) != ROCEV2_UDP_PORT
+    let udp = quote.header::<UdpHdr>(udp_off)?;
+    let bth = quote.header::<Bth>(udp_off + UdpHdr::LEN)?;
+    if to != dst || udp.src_port() != sport || udp.dst_port() != ROCEV2_UDP_PORT || bth.dest_qp() != PROBE_QP
     {
         return None;
     }
-    let bth = &udp[8..20];
-    if u32::from_be_bytes([0, bth[5], bth[6], bth[7]]) != PROBE_QP {
-        return None;
-    }
-    let psn = u32::from_be_bytes([0, bth[9], bth[10], bth[11]]);
+    let psn = bth.psn();
     Some(Answer {
         from,
         kind: kind.into(),
@@ -546,6 +537,50 @@ mod tests {
                 .unwrap()
                 .final_hop
         );
+    }
+
+    /// ICMPv6: time exceeded (type 3) and packet too big (type 2) quote the probe's IPv6
+    /// header; a quote cut inside the BTH, or of another destination, is no answer.
+    #[test]
+    fn an_icmpv6_quote_gives_hop_class_and_probe() {
+        let dst: IpAddr = "fd00::2".parse().unwrap();
+        let f = RoceFrame {
+            src: "fd00::1".parse().unwrap(),
+            dst,
+            udp_sport: 50000,
+            dscp: 26,
+            ecn: 2,
+            ttl: 1,
+            dest_qp: PROBE_QP,
+            psn: 7,
+            payload: vec![0; 4],
+            ..Default::default()
+        };
+        let quoted = |ty: u8, quote: &[u8]| {
+            let mut icmp = vec![ty, 0, 0, 0, 0, 0, 0, 0];
+            icmp.extend_from_slice(quote);
+            icmp
+        };
+        let ip = f.ip_packet();
+        let from: IpAddr = "fd00::9".parse().unwrap();
+        let a = parse_answer(&quoted(3, &ip), from, true, 50000, dst).unwrap();
+        assert_eq!(
+            (a.kind.as_str(), a.final_hop, a.tos >> 2, a.tos & 3, a.psn),
+            ("time-exceeded", false, 26, 2, 7)
+        );
+        let big = parse_answer(&quoted(2, &ip), from, true, 50000, dst).unwrap();
+        assert_eq!((big.kind.as_str(), big.final_hop), ("packet-too-big", true));
+        // 40 (IPv6) + 8 (UDP) + 11: one byte short of the BTH.
+        assert!(parse_answer(&quoted(3, &ip[..59]), from, true, 50000, dst).is_none());
+        let other: IpAddr = "fd00::3".parse().unwrap();
+        assert!(parse_answer(&quoted(3, &ip), from, true, 50000, other).is_none());
+        // An IPv4 quote in an ICMPv6 message is not ours.
+        let v4 = RoceFrame {
+            src: "10.0.0.1".parse().unwrap(),
+            dst: "10.0.0.2".parse().unwrap(),
+            ..f.clone()
+        };
+        assert!(parse_answer(&quoted(3, &v4.ip_packet()), from, true, 50000, dst).is_none());
     }
 
     /// A quoted IPv4 header with an IHL below 5 is no header: with IHL 0 the quote's own
