@@ -18,7 +18,7 @@ use arbitrary::Unstructured;
 use libfuzzer_sys::fuzz_target;
 use roce_trace::{
     datapath::{DatapathOptions, GlobalTotals},
-    pcap::{Frame, Offline},
+    pcap::{CapturedFrame, Offline},
 };
 use roce_trace_common::datapath::*;
 use roce_trace_tests::{ProgTest, TC_ACT_UNSPEC, XDP_PASS};
@@ -127,7 +127,7 @@ fn host(frame: &[u8]) -> Outcome {
     let mut off = Offline::new(&options()).expect("valid options");
     let mut samples = Vec::new();
     off.frame(
-        &Frame {
+        &CapturedFrame {
             time_ns: 1,
             data: frame.to_vec(),
             orig_len: frame.len() as u32,

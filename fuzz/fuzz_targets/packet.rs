@@ -17,7 +17,7 @@ use roce_trace::{
     datapath::DatapathOptions,
     frame::{check_icrc, icrc},
     observation::Observation,
-    pcap::{Frame, Offline},
+    pcap::{CapturedFrame, Offline},
     record::{SampleRecord, sample_icrc_ok},
     sys::KernelClock,
 };
@@ -65,7 +65,7 @@ fn raw(data: &[u8], vlan_tci: Option<u16>, off: usize) {
         ..Default::default()
     })
     .expect("valid options");
-    let fr = Frame {
+    let fr = CapturedFrame {
         time_ns: 1,
         data: data.to_vec(),
         orig_len: data.len() as u32,

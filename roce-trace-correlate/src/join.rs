@@ -66,7 +66,7 @@ struct Pending {
 const RECENT: usize = 64;
 
 #[derive(Default)]
-pub struct FlowState {
+pub struct FlowJoin {
     last_activity_ns: u64,
     path: Vec<PointId>,
     path_since_ns: u64,
@@ -175,7 +175,7 @@ pub struct Joiner {
     /// The node each source address sends from: the node of the most upstream egress
     /// point where a flow from it was counted (its host, when watched). Bounded like flows.
     host_of: HashMap<[u8; 16], (u32, u8)>,
-    flows: HashMap<FlowId, FlowState>,
+    flows: HashMap<FlowId, FlowJoin>,
     pub stats: JoinStats,
 }
 
@@ -242,13 +242,13 @@ impl Joiner {
         &self.points
     }
 
-    fn flow(&mut self, id: FlowId, now_ns: u64) -> Option<&mut FlowState> {
+    fn flow(&mut self, id: FlowId, now_ns: u64) -> Option<&mut FlowJoin> {
         if !self.flows.contains_key(&id) {
             if self.flows.len() >= self.cfg.max_flows {
                 self.stats.flows_refused += 1;
                 return None;
             }
-            self.flows.insert(id, FlowState::default());
+            self.flows.insert(id, FlowJoin::default());
         }
         let f = self.flows.get_mut(&id).expect("inserted");
         f.last_activity_ns = now_ns;
@@ -768,7 +768,7 @@ impl Joiner {
     /// A flow's points in path order from its exact counters alone: higher TTL first, and
     /// at equal TTL a link's egress before the far end's ingress (routers decrement
     /// between their own ingress and egress).
-    fn counter_path(&self, f: &FlowState) -> Vec<PointId> {
+    fn counter_path(&self, f: &FlowJoin) -> Vec<PointId> {
         let mut v: Vec<(PointId, u8, bool)> = f
             .counters
             .iter()
@@ -787,7 +787,7 @@ impl Joiner {
 
     /// CNPs `point` had counted [`JoinConfig::counter_settle_ns`] ago (all of them once
     /// the agents are gone): what every later point has reported by now.
-    fn cnps_settled(&self, f: &FlowState, point: PointId) -> u64 {
+    fn cnps_settled(&self, f: &FlowJoin, point: PointId) -> u64 {
         let Some(h) = f.cnp_counts.get(&point) else {
             return 0;
         };
@@ -804,7 +804,7 @@ impl Joiner {
     /// counted at each point): how many left, how many reached the host of the sender
     /// they throttle, and between which points the rest vanished. `None` for a flow
     /// without CNPs.
-    fn cnp_delivery(&self, id: &FlowId, f: &FlowState) -> Option<CnpDelivery> {
+    fn cnp_delivery(&self, id: &FlowId, f: &FlowJoin) -> Option<CnpDelivery> {
         if !f.counters.values().any(|c| c.cnp > 0) {
             return None;
         }
@@ -871,8 +871,8 @@ impl Joiner {
 
     /// The forward flow a reverse flow (ACKs, NAKs, CNPs) answers: same IP pair reversed,
     /// its ACK PSNs inside the forward flow's recent request PSNs; a lone candidate wins.
-    fn pair_of(&self, rev_id: &FlowId, rev: &FlowState) -> Option<FlowId> {
-        let cands: Vec<(&FlowId, &FlowState)> = self
+    fn pair_of(&self, rev_id: &FlowId, rev: &FlowJoin) -> Option<FlowId> {
+        let cands: Vec<(&FlowId, &FlowJoin)> = self
             .flows
             .iter()
             .filter(|(id, f)| {
@@ -885,7 +885,7 @@ impl Joiner {
         if cands.len() == 1 {
             return Some(*cands[0].0);
         }
-        let score = |f: &FlowState| {
+        let score = |f: &FlowJoin| {
             let Some((lo, hi)) = f.request_psns else { return 0 };
             rev.ack_psns.iter().filter(|p| (lo..=hi + 1).contains(*p)).count()
         };
@@ -903,7 +903,7 @@ impl Joiner {
         let between = |a: &PointId, b: &PointId| [l(a), l(b)];
         // CNPs that answered this flow: reverse flows paired with it, whose requester QP
         // is shared by their ACKs and CNPs.
-        let reverse: Vec<(&FlowId, &FlowState)> = self
+        let reverse: Vec<(&FlowId, &FlowJoin)> = self
             .flows
             .iter()
             .filter(|(rid, r)| {
@@ -921,7 +921,7 @@ impl Joiner {
             .filter(|k| k.src == id.src && k.dst == id.dst)
             .count()
             == 1;
-        let cnp_flows: Vec<&(&FlowId, &FlowState)> = reverse
+        let cnp_flows: Vec<&(&FlowId, &FlowJoin)> = reverse
             .iter()
             .filter(|(rid, r)| r.carries_cnp && (acked_qps.contains(&rid.dest_qp) || lone))
             .collect();

@@ -42,14 +42,14 @@ pub enum PcapError {
 }
 
 /// One frame with its capture time (Unix ns).
-pub struct Frame {
+pub struct CapturedFrame {
     pub time_ns: u64,
     pub data: Vec<u8>,
     pub orig_len: u32,
 }
 
 /// Reads every frame of a pcap or pcapng stream, calling `f` for each.
-pub fn read_frames(mut r: impl Read, mut f: impl FnMut(Frame)) -> Result<u64, PcapError> {
+pub fn read_frames(mut r: impl Read, mut f: impl FnMut(CapturedFrame)) -> Result<u64, PcapError> {
     let mut magic = [0u8; 4];
     read_exact(&mut r, &mut magic, "file header", 0)?;
     match magic {
@@ -98,7 +98,7 @@ pub fn read_frames(mut r: impl Read, mut f: impl FnMut(Frame)) -> Result<u64, Pc
                 let mut data = vec![0u8; incl as usize];
                 read_exact(&mut r, &mut data, "packet data", offset + 16)?;
                 let time_ns = sec * 1_000_000_000 + if nanos { frac } else { frac * 1000 };
-                f(Frame {
+                f(CapturedFrame {
                     time_ns,
                     data,
                     orig_len: orig,
@@ -117,7 +117,7 @@ fn read_exact(r: &mut impl Read, buf: &mut [u8], what: &'static str, offset: u64
     })
 }
 
-fn read_pcapng(r: impl Read, mut f: impl FnMut(Frame)) -> Result<u64, PcapError> {
+fn read_pcapng(r: impl Read, mut f: impl FnMut(CapturedFrame)) -> Result<u64, PcapError> {
     use pcap_file::pcapng::{Block, PcapNgReader};
     let mut rd = PcapNgReader::new(r).map_err(|e| PcapError::PcapNg(format!("section header: {e}")))?;
     let mut n = 0u64;
@@ -138,7 +138,7 @@ fn read_pcapng(r: impl Read, mut f: impl FnMut(Frame)) -> Result<u64, PcapError>
                 if lt != 1 {
                     return Err(PcapError::LinkType(lt));
                 }
-                f(Frame {
+                f(CapturedFrame {
                     time_ns: p.timestamp.as_nanos() as u64,
                     data: p.data.to_vec(),
                     orig_len: p.original_len,
@@ -146,7 +146,7 @@ fn read_pcapng(r: impl Read, mut f: impl FnMut(Frame)) -> Result<u64, PcapError>
                 n += 1;
             }
             Block::SimplePacket(p) => {
-                f(Frame {
+                f(CapturedFrame {
                     time_ns: 0,
                     data: p.data.to_vec(),
                     orig_len: p.original_len,
@@ -259,7 +259,7 @@ impl Offline {
 
     /// One frame through the shared parser and accounting; `on_sample` gets what the
     /// datapath would have reported.
-    pub fn frame(&mut self, fr: &Frame, mut on_sample: impl FnMut(&Sample)) {
+    pub fn frame(&mut self, fr: &CapturedFrame, mut on_sample: impl FnMut(&Sample)) {
         let cfg = self.cfg.expect("made by Offline::new");
         let dir = DIR_INGRESS;
         self.frames += 1;

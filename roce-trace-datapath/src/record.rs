@@ -44,7 +44,7 @@ impl MirrorRecord {
 pub const ECN_NAMES: [&str; 4] = ["not_ect", "ect1", "ect0", "ce"];
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct Aeth {
+pub struct AethRecord {
     pub syndrome: u8,
     pub msn: u32,
     /// `ack`, `rnr_nak`, `nak_psn_seq_err`, `nak_other`; for read responses `response`.
@@ -83,7 +83,7 @@ pub struct SampleRecord {
     pub fecn: bool,
     pub becn: bool,
     pub ack_req: bool,
-    pub aeth: Option<Aeth>,
+    pub aeth: Option<AethRecord>,
     pub reth_dma_len: Option<u32>,
     pub deth_src_qp: Option<u32>,
     /// Wire bytes as hex, e.g. "82fd002a"; null when the ICRC could not be read.
@@ -102,7 +102,7 @@ pub struct SampleRecord {
 impl SampleRecord {
     pub fn from_sample(s: &Sample, clock: &KernelClock, iface: &str) -> Self {
         let has = |b: u8| s.present & b != 0;
-        let aeth = has(HAS_AETH).then(|| Aeth {
+        let aeth = has(HAS_AETH).then(|| AethRecord {
             syndrome: s.aeth_syndrome,
             msn: s.aeth_msn,
             kind: if roce::is_ack_opcode(s.opcode) {
