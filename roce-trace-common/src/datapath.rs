@@ -55,21 +55,6 @@ pub struct CpuGlobals<W> {
     pub work: W,
 }
 
-/// The programs' working memory for one packet (too big for the 512-byte BPF stack once
-/// the compiler makes its copies).
-#[repr(C)]
-pub struct Work {
-    pub parsed: crate::parse::Parsed,
-    /// The inner frame of a mirrored copy, copied out for parsing. Not last: the parser
-    /// checks each header against the frame's length, but the verifier bounds some reads
-    /// only by the buffer's start, and `key` after it keeps those inside the value.
-    pub inner: [u8; crate::parse::INNER_HEAD_LEN],
-    pub key: FlowKey,
-}
-
-/// [`CpuGlobals`] as userspace reads it.
-pub type CpuGlobalsBytes = CpuGlobals<[u8; core::mem::size_of::<Work>()]>;
-
 /// A chunk of the flow table: one element of `FLOW_SLOTS`.
 pub type FlowSlotChunk = [FlowSlot; SLOTS_PER_CHUNK as usize];
 /// A slot whose flow has been idle this long is handed to a new flow (its counters move to
@@ -363,6 +348,13 @@ pub struct Sample {
     pub head: [u8; SAMPLE_HEAD_LEN],
 }
 
+impl Sample {
+    /// The mirror session of a mirrored copy.
+    pub fn mirror(&self) -> Option<MirrorInfo> {
+        (self.present & HAS_MIRROR != 0).then_some(self.mirror)
+    }
+}
+
 impl Default for Sample {
     fn default() -> Self {
         Self {
@@ -396,66 +388,6 @@ impl Default for Sample {
             _pad2: 0,
             head: [0; SAMPLE_HEAD_LEN],
         }
-    }
-}
-
-impl Sample {
-    /// Fills every field: the sample of packet `pkt`, parsed into `p` (its ICRC loaded by
-    /// `parse::load_icrc`), of flow `key`. The one fill of the kernel's ring slot and of
-    /// pcap input. Field by field, so in the kernel no 264-byte copy lands on the BPF stack
-    /// and the head bytes go straight from the packet into the ring; bytes of `head` past
-    /// `head_len` are left as they are.
-    #[inline(always)]
-    pub fn fill<P: crate::parse::Packet>(
-        &mut self,
-        pkt: &P,
-        p: &crate::parse::Parsed,
-        key: &FlowKey,
-        ts_ns: u64,
-        frame_len: u32,
-        reasons: u32,
-    ) {
-        self.head_len = pkt.load_head(&mut self.head);
-        self.l3_off = p.l3_off;
-        self.ts_ns = ts_ns;
-        self.key = *key;
-        self.psn = p.bth.psn();
-        self.frame_len = frame_len;
-        self.reth_dma_len = p.reth_dma_len;
-        self.aeth_msn = p.aeth.msn();
-        self.deth_src_qp = p.deth_src_qp;
-        self.icrc = p.icrc;
-        self.pkey = p.bth.pkey();
-        self.udp_dport = p.udp_dport;
-        self.udp_len = p.udp_len;
-        self.opcode = p.bth.opcode;
-        self.bth_flags = p.bth.flags;
-        self.bth_fecn_becn = p.bth.fecn_becn;
-        self.bth_ack_req = p.bth.ack_req;
-        self.dscp = p.dscp;
-        self.ecn = p.ecn;
-        self.ttl = p.ttl;
-        self.pcp = p.pcp;
-        self.aeth_syndrome = p.aeth.syndrome;
-        self.vlan_depth = p.vlan_depth;
-        self.present = p.present;
-        self._pad = [0; 3];
-        self.reasons = reasons;
-        if p.present & HAS_MIRROR != 0 {
-            self.mirror = p.mirror_info;
-        } else {
-            let m = &mut self.mirror;
-            m.src = [0; 4];
-            m.session = 0;
-            m.kind = 0;
-            m._pad = [0; 3];
-        }
-        self._pad2 = 0;
-    }
-
-    /// The mirror session of a mirrored copy.
-    pub fn mirror(&self) -> Option<MirrorInfo> {
-        (self.present & HAS_MIRROR != 0).then_some(self.mirror)
     }
 }
 
@@ -653,8 +585,7 @@ const _: () = {
     assert!(core::mem::offset_of!(Sample, head) + SAMPLE_HEAD_LEN == core::mem::size_of::<Sample>());
     assert!(core::mem::size_of::<DatapathConfig>() == 40);
     assert!(core::mem::size_of::<FlowSlot>() == 184);
-    assert!(core::mem::size_of::<CpuGlobals<Work>>() == core::mem::size_of::<CpuGlobalsBytes>());
-    assert!(core::mem::offset_of!(CpuGlobals<Work>, counters) == 16);
+    assert!(core::mem::offset_of!(CpuGlobals<u64>, counters) == 16);
     // The counters every packet bumps share the clock's cache line.
     assert!(16 + 8 * (GlobalCounter::RoceV2 as usize * 2 + 2) <= 64);
     assert!(MAX_FLOW_SLOTS.is_power_of_two() && SLOTS_PER_CHUNK.is_power_of_two());
@@ -681,9 +612,6 @@ mod pod {
     unsafe impl aya::Pod for FlowCounters {}
     // SAFETY: repr(C) of Pod fields, no padding (184 bytes asserted).
     unsafe impl aya::Pod for FlowSlot {}
-    // SAFETY: repr(C) of u64s and bytes, its size a multiple of 8 (asserted equal to the
-    // kernel's type): no padding.
-    unsafe impl aya::Pod for CpuGlobalsBytes {}
     // SAFETY: as above.
     unsafe impl aya::Pod for FlowState {}
     // SAFETY: as above.

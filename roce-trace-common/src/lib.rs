@@ -14,4 +14,5 @@ pub mod icrc;
 pub mod parse;
 pub mod roce;
 pub mod sampling;
+pub mod scratch;
 pub mod wire;

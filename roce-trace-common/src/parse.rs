@@ -4,8 +4,8 @@
 //! `#[inline(always)]` so the kernel build is straight-line code the verifier accepts.
 
 use crate::datapath::{
-    GlobalCounter, HAS_AETH, HAS_DETH, HAS_ICRC, HAS_MIRROR, HAS_PCP, HAS_RETH, MIRROR_ERSPAN_I,
-    MIRROR_ERSPAN_II, MIRROR_ERSPAN_III, MIRROR_GRE, MirrorInfo, SAMPLE_HEAD_LEN, words_of_addr,
+    FlowKey, GlobalCounter, HAS_AETH, HAS_DETH, HAS_ICRC, HAS_MIRROR, HAS_PCP, HAS_RETH, MIRROR_ERSPAN_I,
+    MIRROR_ERSPAN_II, MIRROR_ERSPAN_III, MIRROR_GRE, MirrorInfo, SAMPLE_HEAD_LEN, Sample, words_of_addr,
 };
 use crate::roce::{self, ext_layout};
 use crate::wire::*;
@@ -557,5 +557,61 @@ impl Packet for SlicePacket<'_> {
         let n = src.len().min(INNER_HEAD_LEN);
         dst[..n].copy_from_slice(&src[..n]);
         n
+    }
+}
+
+/// The one fill of a sample (here, beside the parser whose result it reads).
+impl Sample {
+    /// Fills every field: the sample of packet `pkt`, parsed into `p` (its ICRC loaded by
+    /// `parse::load_icrc`), of flow `key`. The one fill of the kernel's ring slot and of
+    /// pcap input. Field by field, so in the kernel no 264-byte copy lands on the BPF stack
+    /// and the head bytes go straight from the packet into the ring; bytes of `head` past
+    /// `head_len` are left as they are.
+    #[inline(always)]
+    pub fn fill<P: Packet>(
+        &mut self,
+        pkt: &P,
+        p: &Parsed,
+        key: &FlowKey,
+        ts_ns: u64,
+        frame_len: u32,
+        reasons: u32,
+    ) {
+        self.head_len = pkt.load_head(&mut self.head);
+        self.l3_off = p.l3_off;
+        self.ts_ns = ts_ns;
+        self.key = *key;
+        self.psn = p.bth.psn();
+        self.frame_len = frame_len;
+        self.reth_dma_len = p.reth_dma_len;
+        self.aeth_msn = p.aeth.msn();
+        self.deth_src_qp = p.deth_src_qp;
+        self.icrc = p.icrc;
+        self.pkey = p.bth.pkey();
+        self.udp_dport = p.udp_dport;
+        self.udp_len = p.udp_len;
+        self.opcode = p.bth.opcode;
+        self.bth_flags = p.bth.flags;
+        self.bth_fecn_becn = p.bth.fecn_becn;
+        self.bth_ack_req = p.bth.ack_req;
+        self.dscp = p.dscp;
+        self.ecn = p.ecn;
+        self.ttl = p.ttl;
+        self.pcp = p.pcp;
+        self.aeth_syndrome = p.aeth.syndrome;
+        self.vlan_depth = p.vlan_depth;
+        self.present = p.present;
+        self._pad = [0; 3];
+        self.reasons = reasons;
+        if p.present & HAS_MIRROR != 0 {
+            self.mirror = p.mirror_info;
+        } else {
+            let m = &mut self.mirror;
+            m.src = [0; 4];
+            m.session = 0;
+            m.kind = 0;
+            m._pad = [0; 3];
+        }
+        self._pad2 = 0;
     }
 }

@@ -8,7 +8,7 @@ use aya::{
     maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap, RingBuf},
     programs::{SchedClassifier, TcAttachType, Xdp, XdpMode, tc},
 };
-use roce_trace_common::{datapath::*, sampling::threshold_for_rate};
+use roce_trace_common::{datapath::*, sampling::threshold_for_rate, scratch::CpuGlobalsBytes};
 use thiserror::Error;
 
 use crate::{mirror::MirrorTable, sys};

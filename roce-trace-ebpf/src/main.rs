@@ -25,6 +25,7 @@ use roce_trace_common::{
     account,
     datapath::*,
     parse::{Packet, Parsed, load_icrc, parse_into},
+    scratch::Work,
 };
 
 use crate::{

@@ -5,7 +5,7 @@ use aya_ebpf::{
     macros::map,
     maps::{HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
 };
-use roce_trace_common::datapath::*;
+use roce_trace_common::{datapath::*, scratch::Work};
 
 /// Load-time configuration (port, sampling, expected DSCPs), overridden by the loader.
 #[unsafe(no_mangle)]
