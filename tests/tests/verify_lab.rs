@@ -408,14 +408,11 @@ fn a_healthy_fabric_passes_and_each_fault_fails_exactly_its_checks() {
             load: "idle",
             cnp_dscp: 48,
             transient: true,
-            // The flows through s1 stall for the fault's 3 s: unequal and unsteady.
-            fails: &[
-                "path_mtu",
-                "loss",
-                "psn_gaps",
-                "throughput_spread",
-                "rate_stability",
-            ],
+            // The flows through s1 stall for the fault's 3 s: unsteady; unequal too when
+            // their go-back-N stalls outlast the others' (not in one run of five: the
+            // spread stayed under the policy's 25 %).
+            fails: &["path_mtu", "loss", "psn_gaps", "rate_stability"],
+            may_fail: &["throughput_spread"],
             evidence: &[("path_mtu", "its MTU was 900 (now 1500)")],
             ..Default::default()
         },
