@@ -108,16 +108,24 @@ impl Point {
         }
     }
 
+    /// The label's bytes as [`Display`](fmt::Display) writes them, without building
+    /// the string: what points are ordered and compared to text by.
+    fn label_bytes(&self) -> impl Iterator<Item = u8> + '_ {
+        let tail = self.direction.map(|d| (self.iface.as_str(), d.name()));
+        self.node.bytes().chain(tail.into_iter().flat_map(|(iface, d)| {
+            std::iter::once(b':')
+                .chain(iface.bytes())
+                .chain(std::iter::once(b':'))
+                .chain(d.bytes())
+        }))
+    }
+
     /// A node with no watched point.
     pub fn node(node: &str) -> Self {
         Self {
             node: node.into(),
             ..Self::default()
         }
-    }
-
-    pub fn is(&self, d: Direction) -> bool {
-        self.direction == Some(d)
     }
 }
 
@@ -148,7 +156,7 @@ impl FromStr for Point {
 /// points were typed).
 impl Ord for Point {
     fn cmp(&self, o: &Self) -> std::cmp::Ordering {
-        self.to_string().cmp(&o.to_string())
+        self.label_bytes().cmp(o.label_bytes())
     }
 }
 
@@ -170,17 +178,7 @@ impl From<&str> for Point {
 /// A point is its label (tests and look-ups compare them to text).
 impl PartialEq<str> for Point {
     fn eq(&self, label: &str) -> bool {
-        match self.direction {
-            None => self.node == label,
-            Some(d) => {
-                label
-                    .strip_prefix(self.node.as_str())
-                    .and_then(|r| r.strip_prefix(':'))
-                    .and_then(|r| r.strip_prefix(self.iface.as_str()))
-                    .and_then(|r| r.strip_prefix(':'))
-                    == Some(d.name())
-            }
-        }
+        self.label_bytes().eq(label.bytes())
     }
 }
 
