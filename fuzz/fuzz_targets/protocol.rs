@@ -114,6 +114,8 @@ fn delta(u: &mut Unstructured) -> Result<CounterDelta> {
     Ok(CounterDelta {
         point: u.arbitrary()?,
         flow: flow(u)?,
+        start_ns: u.arbitrary()?,
+        end_ns: u.arbitrary()?,
         packets: u.arbitrary()?,
         bytes: u.arbitrary()?,
         ecn: u.arbitrary()?,
@@ -161,10 +163,7 @@ fn frame(u: &mut Unstructured) -> Result<Frame> {
             ..p
         })?),
         3 => Frame::Observations(some(u, observation)?),
-        4 => Frame::Counters {
-            interval_end_ns: u.arbitrary()?,
-            deltas: some(u, delta)?,
-        },
+        4 => Frame::Counters(some(u, delta)?),
         5 => Frame::Dropped {
             observations: u.arbitrary()?,
             counters: u.arbitrary()?,
@@ -232,7 +231,7 @@ fn wire_len(f: &Frame) -> usize {
         Frame::Welcome { .. } => 2 + 3 * 8,
         Frame::Points(p) => 2 + p.iter().map(|p| 15 + p.node.len() + p.iface.len()).sum::<usize>(),
         Frame::Observations(o) => 4 + 69 * o.len(),
-        Frame::Counters { deltas, .. } => 12 + 148 * deltas.len(),
+        Frame::Counters(deltas) => 4 + 164 * deltas.len(),
         Frame::Dropped { .. } => 16,
         Frame::Heartbeat { .. } => 8,
         Frame::Bye { reason } => 2 + reason.len(),
@@ -309,7 +308,7 @@ fn brief(f: &Frame) -> String {
     match f {
         Frame::Points(p) => format!("POINTS of {}", p.len()),
         Frame::Observations(o) => format!("OBSERVATIONS of {}", o.len()),
-        Frame::Counters { deltas, .. } => format!("COUNTERS of {}", deltas.len()),
+        Frame::Counters(deltas) => format!("COUNTERS of {}", deltas.len()),
         Frame::TraceResult(r) => format!(
             "{:?}",
             ProbeResult {

@@ -442,7 +442,8 @@ impl Joiner {
                 push_bounded(
                     &mut f.delivery,
                     DeliveryAt {
-                        at_ns: now_ns,
+                        start_ns: d.start_ns,
+                        end_ns: d.end_ns,
                         bytes: d.bytes,
                     },
                     DELIVERY_SAMPLES,
@@ -1349,8 +1350,12 @@ mod tests {
     #[test]
     fn delivery_over_time_is_kept_at_the_most_downstream_point() {
         let (mut j, pts) = lab();
-        let delta = |p: usize, bytes| CounterDelta {
+        // The agents count each delta over [t-1, t] s on their own clocks; it reaches the
+        // collector 7 ms later.
+        let delta = |p: usize, bytes: u64| CounterDelta {
             flow: flow(),
+            start_ns: (bytes / 1000 - 1) * 1000 * MS,
+            end_ns: bytes / 1000 * 1000 * MS,
             packets: bytes / 1000,
             bytes,
             last_ttl: TTLS[p],
@@ -1359,15 +1364,15 @@ mod tests {
         // No trajectory yet: the counters' TTLs say which point is furthest. The sender's
         // delta comes first, then the receiver's takes over (lower TTL) for good.
         for (t, p) in [(1, 0), (1, 4), (1, 3), (2, 0), (2, 4), (3, 4)] {
-            j.add_counters(pts[p], &delta(p, 1000 * t), t * 1_000 * MS);
+            j.add_counters(pts[p], &delta(p, 1000 * t), t * 1_000 * MS + 7 * MS);
         }
         let r = j.flow_report(&flow()).unwrap();
-        let d: Vec<(u64, u64)> = r
+        let d: Vec<(u64, u64, u64)> = r
             .delivery
             .iter()
-            .map(|d| (d.at_ns / (1000 * MS), d.bytes))
+            .map(|d| (d.start_ns / MS, d.end_ns / MS, d.bytes))
             .collect();
-        assert_eq!(d, [(1, 1000), (2, 2000), (3, 3000)]);
+        assert_eq!(d, [(0, 1000, 1000), (1000, 2000, 2000), (2000, 3000, 3000)]);
     }
 
     #[test]

@@ -76,6 +76,15 @@ pub struct CounterDelta {
     pub point: u16,
     #[serde(skip)]
     pub flow: FlowId,
+    /// The interval the change happened in, on the agent's clock (Unix ns, as
+    /// observations): from the agent's previous report of this flow at this point (or its
+    /// previous reading, for a flow new to it) to the reading that found the change. A
+    /// pcap agent uses capture time. Rates are bytes over this interval, so neither the
+    /// agent's sending nor the network's delivery of the report can distort them.
+    #[serde(skip)]
+    pub start_ns: u64,
+    #[serde(skip)]
+    pub end_ns: u64,
     pub packets: u64,
     pub bytes: u64,
     pub ecn: [u64; 4],
@@ -97,6 +106,8 @@ impl CounterDelta {
         Self {
             point,
             flow: FlowId::of_key(key),
+            start_ns: 0,
+            end_ns: 0,
             packets: c.packets,
             bytes: c.bytes,
             ecn: c.ecn,
@@ -113,12 +124,24 @@ impl CounterDelta {
         }
     }
 
-    /// `now - before` (a flow the LRU evicted and re-created counts from zero again).
-    pub fn between(point: u16, key: &FlowKey, now: &FlowCounters, before: Option<&FlowCounters>) -> Self {
+    /// `now - before` over `[start_ns, end_ns]` (a flow the LRU evicted and re-created
+    /// counts from zero again).
+    pub fn between(
+        point: u16,
+        key: &FlowKey,
+        now: &FlowCounters,
+        before: Option<&FlowCounters>,
+        [start_ns, end_ns]: [u64; 2],
+    ) -> Self {
         let now_t = Self::totals(point, key, now);
-        match before {
+        let d = match before {
             Some(b) if b.packets <= now.packets => now_t.less(&Self::totals(point, key, b)),
             _ => now_t,
+        };
+        Self {
+            start_ns,
+            end_ns,
+            ..d
         }
     }
 
@@ -157,6 +180,10 @@ impl CounterDelta {
         self.last_dscp = o.last_dscp;
         self.last_pcp = o.last_pcp;
         self.last_ttl = o.last_ttl;
+        if self.start_ns == 0 {
+            self.start_ns = o.start_ns;
+        }
+        self.end_ns = self.end_ns.max(o.end_ns);
     }
 }
 

@@ -403,11 +403,13 @@ pub struct DelayReport {
     pub delay: Delay,
 }
 
-/// Bytes one counter delta reported at a flow's last point, and when it reached the
-/// collector (ns since the collector started).
+/// Bytes one counter delta reported at a flow's last point, over the interval the agent
+/// counted them in (Unix ns on that agent's clock: the reading before and the reading that
+/// found them; a pcap agent's are capture times).
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct DeliveryAt {
-    pub at_ns: u64,
+    pub start_ns: u64,
+    pub end_ns: u64,
     pub bytes: u64,
 }
 

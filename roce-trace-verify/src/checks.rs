@@ -1012,18 +1012,20 @@ pub fn stability(data: &[&FlowReport], max: f64, min_packets: u64) -> (CheckResu
     )
 }
 
-/// A flow's delivered rate (bytes/s) over its complete counter intervals: between two
-/// consecutive deltas at its most downstream point. The first delta's interval is partial (the flow
-/// began inside it) and so is the last one (it ended inside it): neither is a rate.
+/// A flow's delivered rate (bytes/s) over its complete counter intervals at its most
+/// downstream point: each delta's bytes over the interval the agent counted them in, on the
+/// agent's clock (when the report reached the collector does not matter). The first
+/// delta's interval is partial (the flow began inside it) and so is the last one (it ended
+/// inside it): neither is a rate.
 pub fn delivered_rates(f: &FlowReport) -> Vec<f64> {
     let d = &f.delivery;
     if d.len() < 3 {
         return Vec::new();
     }
-    d.windows(2)
-        .take(d.len() - 2)
-        .filter(|w| w[1].at_ns > w[0].at_ns)
-        .map(|w| w[1].bytes as f64 * 1e9 / (w[1].at_ns - w[0].at_ns) as f64)
+    d[1..d.len() - 1]
+        .iter()
+        .filter(|d| d.end_ns > d.start_ns)
+        .map(|d| d.bytes as f64 * 1e9 / (d.end_ns - d.start_ns) as f64)
         .collect()
 }
 

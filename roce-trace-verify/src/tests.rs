@@ -40,7 +40,8 @@ fn points(a: u8, b: u8, spine: Option<u8>) -> Vec<Point> {
 fn steady() -> Vec<DeliveryAt> {
     let mut v: Vec<DeliveryAt> = (0..7)
         .map(|i| DeliveryAt {
-            at_ns: (i + 1) * 1_000_000_000,
+            start_ns: i * 1_000_000_000,
+            end_ns: (i + 1) * 1_000_000_000,
             bytes: 157_000,
         })
         .collect();
@@ -673,6 +674,33 @@ fn a_flow_whose_rate_dips_over_time_fails_rate_stability_only() {
     assert_eq!(failing(v, Load::Idle), set(&[]));
 }
 
+/// Delivery over the agent's own intervals: a tick that came late carries more bytes over a
+/// longer interval — no change of rate — while a flow that stalls for two ticks and resumes
+/// reports one delta over three seconds, and that is a dip.
+#[test]
+fn rate_stability_reads_the_agents_intervals_not_when_reports_arrive() {
+    let mut v = healthy();
+    let d = &mut v[0].delivery;
+    // Ticks at 1, 2.4, 2.9, 4.3, 5, 6, 7 s: the same 157 kB/s in every interval.
+    for (i, end) in [1.0, 2.4, 2.9, 4.3, 5.0, 6.0, 7.0].into_iter().enumerate() {
+        d[i].end_ns = (end * 1e9) as u64;
+        if i > 0 {
+            d[i].start_ns = d[i - 1].end_ns;
+            d[i].bytes = ((d[i].end_ns - d[i].start_ns) as f64 * 157e-6) as u64;
+        }
+    }
+    assert_eq!(failing(v, Load::Idle), set(&[]));
+    // Nothing delivered from 2 s to 4 s: the delta at 5 s covers [2 s, 5 s] with one
+    // second's bytes (the agent reports no empty delta).
+    let mut v = healthy();
+    let d = &mut v[0].delivery;
+    d.remove(2);
+    d.remove(2);
+    d[2].start_ns = 2_000_000_000;
+    assert_eq!(d.len(), 5);
+    assert_eq!(failing(v, Load::Idle), set(&["rate_stability"]));
+}
+
 #[test]
 fn no_traffic_cannot_be_checked_and_says_so() {
     let p = Policy::parse(POLICY).unwrap();
@@ -762,9 +790,10 @@ fn later(mut v: Vec<FlowReport>) -> Vec<FlowReport> {
             c.add(&once);
         }
         f.trajectories *= 2;
-        let after = f.delivery.last().map_or(0, |d| d.at_ns);
+        let after = f.delivery.last().map_or(0, |d| d.end_ns);
         f.delivery.extend(steady().into_iter().map(|d| DeliveryAt {
-            at_ns: after + d.at_ns,
+            start_ns: after + d.start_ns,
+            end_ns: after + d.end_ns,
             ..d
         }));
     }
@@ -811,8 +840,8 @@ fn a_window_counts_only_what_happened_in_it() {
     );
     let f4 = w.flows.iter().find(|f| f.id == start[4].id).unwrap();
     assert_eq!(f4.class_changes[0].span.packets, 7);
-    assert_eq!(f0.delivery.len(), 7, "only the deltas that arrived in the window");
-    assert!(f0.delivery.iter().all(|d| d.at_ns > 7_000_000_000));
+    assert_eq!(f0.delivery.len(), 7, "only the deltas counted in the window");
+    assert!(f0.delivery.iter().all(|d| d.start_ns >= 7_000_000_000));
 }
 
 const DOWN: u64 = 10_000_000_000;

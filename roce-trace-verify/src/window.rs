@@ -87,8 +87,8 @@ pub fn since(start: &CollectorReport, mut end: CollectorReport) -> CollectorRepo
             less(&mut o.span, was.map(|x| &x.span));
         }
         f.ce_onset.retain(|o| o.span.packets > 0);
-        let seen = b.delivery.iter().map(|x| x.at_ns).max().unwrap_or(0);
-        f.delivery.retain(|x| x.at_ns > seen);
+        let seen = b.delivery.iter().map(|x| x.end_ns).max().unwrap_or(0);
+        f.delivery.retain(|x| x.end_ns > seen);
         if let (Some(d), Some(w)) = (&mut f.cnp_delivery, &b.cnp_delivery) {
             d.sent = d.sent.saturating_sub(w.sent);
             if let (Some(n), Some(m)) = (&mut d.reached, w.reached) {

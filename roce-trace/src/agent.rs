@@ -173,7 +173,10 @@ pub async fn run(
     let sender = tokio::spawn(send_loop(opts.clone(), shared.clone()));
     ready(&hooks, metrics_addr);
 
-    let mut prev: HashMap<FlowKey, FlowCounters> = HashMap::new();
+    // Per flow: its counters at the last reading, and where the interval of its next
+    // delta starts (its last report, or the reading before it first appeared).
+    let mut prev: HashMap<FlowKey, (FlowCounters, u64)> = HashMap::new();
+    let mut last_read_ns = clock.to_unix_ns(KernelClock::mono_now_ns());
     let mut health = HealthMeter::new();
     let mut tick = tokio::time::interval(opts.interval);
     tick.tick().await;
@@ -199,18 +202,26 @@ pub async fn run(
             }
             _ = tick.tick() => {
                 let flows = dp.flows()?;
+                let read_ns = clock.to_unix_ns(KernelClock::mono_now_ns());
                 let globals = dp.globals()?;
+                let mut next = HashMap::with_capacity(flows.len());
                 let mut by_point: BTreeMap<u16, PointMetrics> = BTreeMap::new();
                 let points = {
                     let mut table = shared.points.lock().expect("points");
                     dp.resolve_mirrors(&mut table.mirrors, flows.keys())?;
                     let mut ob = shared.outbox.lock().expect("outbox");
                     for (k, c) in &flows {
-                        let Some(p) = table.index_of(k) else { continue };
-                        let d = CounterDelta::between(p, k, c, prev.get(k));
-                        if d.packets > 0 {
+                        let (before, start_ns) = prev.get(k).map_or((None, last_read_ns), |(b, s)| (Some(b), *s));
+                        let Some(p) = table.index_of(k) else {
+                            next.insert(*k, (*c, start_ns));
+                            continue;
+                        };
+                        let d = CounterDelta::between(p, k, c, before, [start_ns, read_ns]);
+                        let reported = d.packets > 0;
+                        if reported {
                             ob.push_counter(d);
                         }
+                        next.insert(*k, (*c, if reported { read_ns } else { start_ns }));
                         let m = by_point.entry(p).or_default();
                         let e = m.packets_by_dscp.entry(c.last_dscp).or_default();
                         e.0 += c.packets;
@@ -253,7 +264,8 @@ pub async fn run(
                         .collect(),
                     globals,
                 );
-                prev = flows;
+                prev = next;
+                last_read_ns = read_ns;
                 shared.notify.notify_one();
             }
         }
@@ -407,7 +419,7 @@ fn frame_name(f: &Frame) -> &'static str {
         Frame::Welcome { .. } => "WELCOME",
         Frame::Points(_) => "POINTS",
         Frame::Observations(_) => "OBSERVATIONS",
-        Frame::Counters { .. } => "COUNTERS",
+        Frame::Counters(_) => "COUNTERS",
         Frame::Dropped { .. } => "DROPPED",
         Frame::Heartbeat { .. } => "HEARTBEAT",
         Frame::Bye { .. } => "BYE",
@@ -486,13 +498,10 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
             let frames: Vec<Result<bytes::Bytes, ProtoError>> = {
                 let mut ob = sh.outbox.lock().expect("outbox");
                 // Two frames a round at most: the datapath waits on this lock.
-                [
-                    ob.next_frame(&mut enc, unix_now()),
-                    ob.next_frame(&mut enc, unix_now()),
-                ]
-                .into_iter()
-                .flatten()
-                .collect()
+                [ob.next_frame(&mut enc), ob.next_frame(&mut enc)]
+                    .into_iter()
+                    .flatten()
+                    .collect()
             };
             for f in frames {
                 // A batch the format cannot carry (none of at most MAX_BATCH records is)
@@ -926,18 +935,33 @@ pub async fn run_pcap(
     let sh = shared.clone();
     let interval = opts.interval;
     let reading = tokio::task::spawn_blocking(move || {
-        let mut prev: HashMap<FlowKey, FlowCounters> = HashMap::new();
+        // Per flow: its counters at its last report and that report's capture time. A
+        // capture's clock is its packets' timestamps: each delta covers the capture time
+        // from the flow's previous report (or from the capture's previous reading, for a
+        // new flow) to the last packet read.
+        let mut prev: HashMap<FlowKey, (FlowCounters, u64)> = HashMap::new();
         let mut last = Instant::now();
-        let deltas = |off: &crate::pcap::Offline, prev: &mut HashMap<FlowKey, FlowCounters>| {
+        let mut read_ns: [u64; 2] = [0, 0];
+        let deltas = |off: &crate::pcap::Offline,
+                      prev: &mut HashMap<FlowKey, (FlowCounters, u64)>,
+                      [before_ns, now_ns]: [u64; 2]| {
             let mut table = sh.points.lock().expect("points");
             table.mirrors.extend(off.mirrors.iter());
             let mut ob = sh.outbox.lock().expect("outbox");
             for (k, (_, c)) in &off.flows {
-                if prev.get(k).map(|p| p.packets) != Some(c.packets) {
+                let was = prev.get(k);
+                if was.map(|(p, _)| p.packets) != Some(c.packets) {
                     if let Some(p) = table.index_of(k) {
-                        ob.push_counter(CounterDelta::between(p, k, c, prev.get(k)));
+                        let start_ns = was.map_or(before_ns, |(_, t)| *t);
+                        ob.push_counter(CounterDelta::between(
+                            p,
+                            k,
+                            c,
+                            was.map(|(b, _)| b),
+                            [start_ns, now_ns],
+                        ));
                     }
-                    prev.insert(*k, *c);
+                    prev.insert(*k, (*c, now_ns));
                 }
             }
             drop(table);
@@ -966,6 +990,10 @@ pub async fn run_pcap(
             *covered = Some((end, end));
         };
         let result = crate::pcap::read_frames(reader, |fr| {
+            if read_ns == [0, 0] {
+                read_ns = [fr.time_ns, fr.time_ns];
+            }
+            read_ns[1] = read_ns[1].max(fr.time_ns);
             offline.frame(&fr, |s| {
                 if let Some(p) = sh.points.lock().expect("points").index_of_sample(s) {
                     let o = Observation::from_sample(s, p, KernelClock::UNIX.to_unix_ns(s.ts_ns));
@@ -978,11 +1006,12 @@ pub async fn run_pcap(
             });
             if last.elapsed() >= interval {
                 last = Instant::now();
-                deltas(&offline, &mut prev);
+                deltas(&offline, &mut prev, read_ns);
+                read_ns[0] = read_ns[1];
                 health(&mut covered, &mut reported_dropped);
             }
         });
-        deltas(&offline, &mut prev);
+        deltas(&offline, &mut prev, read_ns);
         // The capture is over: its last packet's time ends the last interval.
         health(&mut covered, &mut reported_dropped);
         result

@@ -501,7 +501,7 @@ async fn serve_frames(
                 agents.get_mut(node).expect("registered").observations += obs.len() as u64;
                 data = true;
             }
-            Frame::Counters { deltas, .. } => {
+            Frame::Counters(deltas) => {
                 if let Some(d) = deltas.iter().find(|d| !points.contains_key(&d.point)) {
                     return Closed::Protocol(format!("counters from undeclared point {}", d.point));
                 }

@@ -13,7 +13,7 @@ use crate::observation::{CounterDelta, FlowId, Observation, PacketId, PointDecl,
 /// node's previous connection it processed, so the agent re-sends exactly the rest. 4: the
 /// agent reports each point's health per interval (HEALTH), without which the collector
 /// proves no loss, and POINTS carry each point's MTU (declared again when it changes).
-pub const VERSION: u16 = 4;
+pub const VERSION: u16 = 5;
 /// Largest frame either side accepts (length field included).
 pub const MAX_FRAME: usize = 4 << 20;
 /// Observations per OBSERVATIONS frame a sender should not exceed.
@@ -38,10 +38,7 @@ pub enum Frame {
     },
     Points(Vec<PointDecl>),
     Observations(Vec<Observation>),
-    Counters {
-        interval_end_ns: u64,
-        deltas: Vec<CounterDelta>,
-    },
+    Counters(Vec<CounterDelta>),
     Dropped {
         observations: u64,
         counters: u64,
@@ -127,7 +124,7 @@ impl Frame {
             Frame::Welcome { .. } => 2,
             Frame::Points(_) => 3,
             Frame::Observations(_) => 4,
-            Frame::Counters { .. } => 5,
+            Frame::Counters(_) => 5,
             Frame::Dropped { .. } => 6,
             Frame::Heartbeat { .. } => 7,
             Frame::Bye { .. } => 8,
@@ -160,11 +157,11 @@ pub enum ProtoError {
 
 const OBS_LEN: usize = 2 + 8 + 16 + 16 + 1 + 2 + 4 + 4 + 1 + 4 + 2 + 1 + 1 + 1 + 1 + 2 + 1 + 1 + 1;
 const FLOW_LEN: usize = 16 + 16 + 1 + 2 + 4;
-const DELTA_LEN: usize = 2 + FLOW_LEN + 8 * 13 + 3;
+const DELTA_LEN: usize = 2 + FLOW_LEN + 8 * 2 + 8 * 13 + 3;
 const HEALTH_LEN: usize = 2 + 8 * 8;
 // A full batch of either fits one frame.
 const _: () =
-    assert!(13 + 4 + MAX_BATCH * OBS_LEN <= MAX_FRAME && 13 + 12 + MAX_BATCH * DELTA_LEN <= MAX_FRAME);
+    assert!(13 + 4 + MAX_BATCH * OBS_LEN <= MAX_FRAME && 13 + 4 + MAX_BATCH * DELTA_LEN <= MAX_FRAME);
 
 fn put_str(b: &mut BytesMut, s: &str) -> Result<(), ProtoError> {
     let n =
@@ -287,19 +284,17 @@ pub fn encode(f: &Frame, seq: u64) -> Result<Bytes, ProtoError> {
                 b.put_u8(o.flags);
             }
         }
-        Frame::Counters {
-            interval_end_ns,
-            deltas,
-        } => {
-            if deltas.len() > (MAX_FRAME - 4 - 9 - 12) / DELTA_LEN {
+        Frame::Counters(deltas) => {
+            if deltas.len() > (MAX_FRAME - 4 - 9 - 4) / DELTA_LEN {
                 return Err(ProtoError::Unrepresentable("counter deltas past the frame limit"));
             }
-            b.reserve(12 + deltas.len() * DELTA_LEN);
-            b.put_u64(*interval_end_ns);
+            b.reserve(4 + deltas.len() * DELTA_LEN);
             b.put_u32(deltas.len() as u32);
             for d in deltas {
                 b.put_u16(d.point);
                 put_flow(&mut b, &d.flow);
+                b.put_u64(d.start_ns);
+                b.put_u64(d.end_ns);
                 for v in [
                     d.packets, d.bytes, d.ecn[0], d.ecn[1], d.ecn[2], d.ecn[3], d.cnp, d.ack,
                 ]
@@ -551,8 +546,7 @@ impl Decoder {
                 Frame::Observations(v)
             }
             5 => {
-                need(&b, 12)?;
-                let interval_end_ns = b.get_u64();
+                need(&b, 4)?;
                 let n = b.get_u32() as usize;
                 if b.remaining() != n * DELTA_LEN {
                     return Err(ProtoError::Malformed(
@@ -563,6 +557,7 @@ impl Decoder {
                 for _ in 0..n {
                     let point = b.get_u16();
                     let flow = get_flow(&mut b);
+                    let (start_ns, end_ns) = (b.get_u64(), b.get_u64());
                     let mut x = [0u64; 13];
                     for s in &mut x {
                         *s = b.get_u64();
@@ -570,6 +565,8 @@ impl Decoder {
                     v.push(CounterDelta {
                         point,
                         flow,
+                        start_ns,
+                        end_ns,
                         packets: x[0],
                         bytes: x[1],
                         ecn: [x[2], x[3], x[4], x[5]],
@@ -585,10 +582,7 @@ impl Decoder {
                         last_ttl: b.get_u8(),
                     });
                 }
-                Frame::Counters {
-                    interval_end_ns,
-                    deltas: v,
-                }
+                Frame::Counters(v)
             }
             6 => {
                 need(&b, 16)?;
@@ -787,16 +781,15 @@ mod tests {
                 },
             ]),
             Frame::Observations((0..100).map(obs).collect()),
-            Frame::Counters {
-                interval_end_ns: 5,
-                deltas: vec![CounterDelta {
-                    point: 1,
-                    packets: 10,
-                    ecn: [1, 2, 3, 4],
-                    last_pcp: 0xff,
-                    ..Default::default()
-                }],
-            },
+            Frame::Counters(vec![CounterDelta {
+                point: 1,
+                start_ns: 4,
+                end_ns: 5,
+                packets: 10,
+                ecn: [1, 2, 3, 4],
+                last_pcp: 0xff,
+                ..Default::default()
+            }]),
             Frame::Dropped {
                 observations: 7,
                 counters: 1,

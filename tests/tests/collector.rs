@@ -411,14 +411,11 @@ fn data_frames_are_acknowledged_once_they_are_in_the_join() {
     assert_eq!(a.read_ack(), 2, "HELLO 0, POINTS 1, OBSERVATIONS 2");
     // Acknowledged means in the join: no waiting.
     assert_eq!(c.json("/stats")["observations"], 10);
-    a.send(&Frame::Counters {
-        interval_end_ns: 1,
-        deltas: vec![CounterDelta {
-            point: 0,
-            packets: 5,
-            ..Default::default()
-        }],
-    });
+    a.send(&Frame::Counters(vec![CounterDelta {
+        point: 0,
+        packets: 5,
+        ..Default::default()
+    }]));
     assert_eq!(a.read_ack(), 3, "counters too");
     let agents = c.json("/agents");
     assert_eq!(agents[0]["counter_deltas"], 1);

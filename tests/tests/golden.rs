@@ -35,7 +35,13 @@ fn bless() -> bool {
 fn check(name: &str, actual: &[u8]) {
     let path = golden_dir().join(name);
     if bless() {
-        std::fs::write(&path, actual).unwrap();
+        // Tests run in parallel and several read the golden capture: an unchanged golden is
+        // left alone, a changed one replaced whole (never seen half written).
+        if std::fs::read(&path).ok().as_deref() != Some(actual) {
+            let tmp = golden_dir().join(format!(".{name}.{}", std::process::id()));
+            std::fs::write(&tmp, actual).unwrap();
+            std::fs::rename(&tmp, &path).unwrap();
+        }
         return;
     }
     let want = std::fs::read(&path).unwrap_or_else(|e| {

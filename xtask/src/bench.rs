@@ -771,6 +771,8 @@ fn collector() -> anyhow::Result<()> {
             for p in pts {
                 let d = CounterDelta {
                     flow: *flow,
+                    start_ns: t0 + s * 1_000_000_000,
+                    end_ns: t0 + (s + 1) * 1_000_000_000,
                     packets: 120,
                     bytes: 120 * 1100,
                     ecn: [0, 0, 120, 0],

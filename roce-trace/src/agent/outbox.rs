@@ -223,16 +223,11 @@ impl Outbox {
     /// `None` when nothing is queued. Observations go first, at most [`MAX_BATCH`] a
     /// frame (which always fits one). A frame the encoder refuses takes no sequence number
     /// and its records are dropped: the error says why.
-    pub(super) fn next_frame(&mut self, enc: &mut Encoder, now_ns: u64) -> Option<Result<Bytes, ProtoError>> {
-        self.next_frame_of(enc, now_ns, MAX_BATCH)
+    pub(super) fn next_frame(&mut self, enc: &mut Encoder) -> Option<Result<Bytes, ProtoError>> {
+        self.next_frame_of(enc, MAX_BATCH)
     }
 
-    fn next_frame_of(
-        &mut self,
-        enc: &mut Encoder,
-        now_ns: u64,
-        max: usize,
-    ) -> Option<Result<Bytes, ProtoError>> {
+    fn next_frame_of(&mut self, enc: &mut Encoder, max: usize) -> Option<Result<Bytes, ProtoError>> {
         // The sequence number the frame gets if it is encoded (a refused one takes none).
         let seq = enc.next_seq();
         if let Some((obs, again)) = self.obs.take(max) {
@@ -260,12 +255,9 @@ impl Outbox {
             return Some(bytes);
         }
         let (deltas, again) = self.counters.take(max)?;
-        let f = Frame::Counters {
-            interval_end_ns: now_ns,
-            deltas,
-        };
+        let f = Frame::Counters(deltas);
         let bytes = enc.encode(&f);
-        if let Frame::Counters { deltas, .. } = f {
+        if let Frame::Counters(deltas) = f {
             if bytes.is_ok() {
                 self.counters.written(seq, deltas, again);
             } else {
@@ -328,12 +320,12 @@ mod tests {
         /// counter deltas).
         fn write_all(&mut self, ob: &mut Outbox) -> Vec<(u64, Vec<u32>)> {
             let mut out = Vec::new();
-            while let Some(b) = ob.next_frame(&mut self.enc, 0) {
+            while let Some(b) = ob.next_frame(&mut self.enc) {
                 let b = b.unwrap();
                 let seq = self.dec.next_seq();
                 match self.dec.decode(&mut BytesMut::from(&b[..])).unwrap() {
                     Some(Frame::Observations(v)) => out.push((seq, v.iter().map(|o| o.id.psn).collect())),
-                    Some(Frame::Counters { deltas, .. }) => out.push((seq, vec![deltas.len() as u32])),
+                    Some(Frame::Counters(deltas)) => out.push((seq, vec![deltas.len() as u32])),
                     other => panic!("{other:?}"),
                 }
             }
@@ -487,7 +479,7 @@ mod tests {
         // More observations than a frame can carry, in one batch: refused.
         (0..61_000).for_each(|p| ob.push_obs(obs(p)));
         let seq = w.enc.next_seq();
-        let r = ob.next_frame_of(&mut w.enc, 0, usize::MAX).expect("a batch");
+        let r = ob.next_frame_of(&mut w.enc, usize::MAX).expect("a batch");
         assert!(
             matches!(r, Err(crate::protocol::ProtoError::Unrepresentable(_))),
             "{r:?}"
