@@ -37,6 +37,6 @@ fuzz_target!(|data: &[u8]| {
         Err(_) => {}
     }
     assert!(bytes <= data.len(), "more frame bytes than the file holds");
-    let packets: u64 = off.flows.values().map(|(_, c)| c.packets).sum();
+    let packets: u64 = off.flows.values().map(|(_, c)| c.counts.packets).sum();
     assert!(packets <= off.frames);
 });

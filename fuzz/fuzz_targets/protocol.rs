@@ -13,7 +13,7 @@ use arbitrary::{Result, Unstructured};
 use bytes::BytesMut;
 use libfuzzer_sys::fuzz_target;
 use roce_trace::{
-    observation::{CounterDelta, FlowId, Observation, PacketId, PointDecl, PointHealth},
+    observation::{CounterDelta, Counts, FlowId, Observation, PacketId, PointDecl, PointHealth},
     protocol::{Decoder, Encoder, Frame, MAX_FRAME, ProbeHop, ProbeResult, ProtoError},
 };
 
@@ -116,16 +116,7 @@ fn delta(u: &mut Unstructured) -> Result<CounterDelta> {
         flow: flow(u)?,
         start_ns: u.arbitrary()?,
         end_ns: u.arbitrary()?,
-        packets: u.arbitrary()?,
-        bytes: u.arbitrary()?,
-        ecn: u.arbitrary()?,
-        cnp: u.arbitrary()?,
-        ack: u.arbitrary()?,
-        nak_psn_seq_err: u.arbitrary()?,
-        nak_rnr: u.arbitrary()?,
-        nak_other: u.arbitrary()?,
-        psn_gaps: u.arbitrary()?,
-        dscp_changed: u.arbitrary()?,
+        counts: Counts::from_values(u.arbitrary()?),
         last_dscp: u.arbitrary()?,
         last_pcp: u.arbitrary()?,
         last_ttl: u.arbitrary()?,
@@ -231,7 +222,7 @@ fn wire_len(f: &Frame) -> usize {
         Frame::Welcome { .. } => 2 + 3 * 8,
         Frame::Points(p) => 2 + p.iter().map(|p| 15 + p.node.len() + p.iface.len()).sum::<usize>(),
         Frame::Observations(o) => 4 + 69 * o.len(),
-        Frame::Counters(deltas) => 4 + 164 * deltas.len(),
+        Frame::Counters(deltas) => 4 + (2 + FLOW + 16 + 8 * Counts::LEN + 3) * deltas.len(),
         Frame::Dropped { .. } => 16,
         Frame::Heartbeat { .. } => 8,
         Frame::Bye { reason } => 2 + reason.len(),

@@ -100,9 +100,10 @@ pub fn update_state(st: &mut FlowState, p: &Parsed) -> StateUpdate {
 
 /// Adds `p` to its flow's exact counters.
 #[inline(always)]
-pub fn count(c: &mut FlowCounters, p: &Parsed, frame_len: u32, now: u64, u: &StateUpdate) {
+pub fn count(fc: &mut FlowCounters, p: &Parsed, frame_len: u32, now: u64, u: &StateUpdate) {
+    let c = &mut fc.counts;
     if c.packets == 0 {
-        c.first_ns = now;
+        fc.first_ns = now;
     }
     c.packets += 1;
     c.bytes += frame_len as u64;
@@ -123,10 +124,10 @@ pub fn count(c: &mut FlowCounters, p: &Parsed, frame_len: u32, now: u64, u: &Sta
     if u.dscp_changed {
         c.dscp_changed += 1;
     }
-    c.last_ns = now;
-    c.last_dscp = p.dscp;
-    c.last_pcp = if p.present & HAS_PCP != 0 { p.pcp } else { PCP_NONE };
-    c.last_ttl = p.ttl;
+    fc.last_ns = now;
+    fc.last_dscp = p.dscp;
+    fc.last_pcp = if p.present & HAS_PCP != 0 { p.pcp } else { PCP_NONE };
+    fc.last_ttl = p.ttl;
 }
 
 /// Why `p` must be reported (`REASON_*` bits; 0: it need not be).

@@ -128,7 +128,7 @@ impl FlowKey {
 }
 
 /// One entry of the kernel's direct-mapped flow table (`FLOW_SLOTS`, per CPU): the flow
-/// that holds it and its counters on that CPU. Empty while `counters.packets` is 0.
+/// that holds it and its counters on that CPU. Empty while `counters.counts.packets` is 0.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FlowSlot {
@@ -183,10 +183,14 @@ pub fn addr_of_words(w: [u32; 4]) -> [u8; 16] {
     a
 }
 
-/// Exact per-flow counters, one copy per CPU (summed in userspace).
+/// The one counter set: a flow's exact counts at one point. The kernel keeps it in
+/// [`FlowCounters`], the agent sends its changes (`CounterDelta`, the wire and JSON type),
+/// capture prints it. A new counter is a field here (and its place in PROTOCOL.md):
+/// adding, subtracting and the wire encoding iterate the fields through [`Counts::values`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct FlowCounters {
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct Counts {
     pub packets: u64,
     pub bytes: u64,
     /// Indexed by ECN codepoint: Not-ECT, ECT(1), ECT(0), CE.
@@ -200,6 +204,57 @@ pub struct FlowCounters {
     pub psn_gaps: u64,
     /// Packets whose DSCP differs from the first DSCP seen on the flow.
     pub dscp_changed: u64,
+}
+
+impl Counts {
+    /// How many u64 values the set holds ([`Counts::values`]).
+    pub const LEN: usize = 13;
+
+    /// The values in field order.
+    #[inline(always)]
+    pub fn values(&self) -> &[u64; Self::LEN] {
+        // SAFETY: repr(C) of LEN u64 (an array of u64 among them), so no padding and the
+        // layout of [u64; LEN] (size and alignment asserted below).
+        unsafe { &*(self as *const Self as *const [u64; Self::LEN]) }
+    }
+
+    #[inline(always)]
+    pub fn values_mut(&mut self) -> &mut [u64; Self::LEN] {
+        // SAFETY: as in `values`.
+        unsafe { &mut *(self as *mut Self as *mut [u64; Self::LEN]) }
+    }
+
+    /// The set holding `v` (in the order of [`Counts::values`]).
+    pub fn from_values(v: [u64; Self::LEN]) -> Self {
+        let mut c = Self::default();
+        *c.values_mut() = v;
+        c
+    }
+
+    /// Adds every value of `o`.
+    #[inline(always)]
+    pub fn add(&mut self, o: &Counts) {
+        let o = o.values();
+        for (x, y) in self.values_mut().iter_mut().zip(o) {
+            *x += *y;
+        }
+    }
+
+    /// `self - before`, each value floored at 0.
+    pub fn saturating_sub(&self, before: &Counts) -> Counts {
+        let mut c = *self;
+        for (x, y) in c.values_mut().iter_mut().zip(before.values()) {
+            *x = x.saturating_sub(*y);
+        }
+        c
+    }
+}
+
+/// Exact per-flow counters, one copy per CPU (summed in userspace).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowCounters {
+    pub counts: Counts,
     /// First and last packet, `CLOCK_MONOTONIC` to a scheduler tick (the kernel's coarse
     /// clock; samples carry precise times).
     pub first_ns: u64,
@@ -222,22 +277,10 @@ impl FlowCounters {
     /// with its class. The kernel's PSN state is not a counter and is left as it is.
     #[inline(always)]
     pub fn absorb(&mut self, v: &FlowCounters) {
-        if v.packets == 0 {
+        if v.counts.packets == 0 {
             return;
         }
-        self.packets += v.packets;
-        self.bytes += v.bytes;
-        self.ecn[0] += v.ecn[0];
-        self.ecn[1] += v.ecn[1];
-        self.ecn[2] += v.ecn[2];
-        self.ecn[3] += v.ecn[3];
-        self.cnp += v.cnp;
-        self.ack += v.ack;
-        self.nak_psn_seq_err += v.nak_psn_seq_err;
-        self.nak_rnr += v.nak_rnr;
-        self.nak_other += v.nak_other;
-        self.psn_gaps += v.psn_gaps;
-        self.dscp_changed += v.dscp_changed;
+        self.counts.add(&v.counts);
         if self.first_ns == 0 || v.first_ns < self.first_ns {
             self.first_ns = v.first_ns;
         }
@@ -577,6 +620,8 @@ impl GlobalCounter {
 const _: () = {
     assert!(core::mem::size_of::<FlowKey>() == 48);
     assert!(core::mem::size_of::<MirrorInfo>() == 24);
+    assert!(core::mem::size_of::<Counts>() == core::mem::size_of::<[u64; Counts::LEN]>());
+    assert!(core::mem::align_of::<Counts>() == core::mem::align_of::<[u64; Counts::LEN]>());
     assert!(core::mem::size_of::<FlowCounters>() == 136);
     assert!(core::mem::size_of::<FlowState>() == 8);
     assert!(core::mem::size_of::<FlowOwner>() == 8);
@@ -625,6 +670,31 @@ mod pod {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `values` is the fields in declaration order (the wire order), and adding and
+    /// subtracting go through every one of them.
+    #[test]
+    fn the_counter_set_iterates_every_field_in_order() {
+        let c = Counts {
+            packets: 1,
+            bytes: 2,
+            ecn: [3, 4, 5, 6],
+            cnp: 7,
+            ack: 8,
+            nak_psn_seq_err: 9,
+            nak_rnr: 10,
+            nak_other: 11,
+            psn_gaps: 12,
+            dscp_changed: 13,
+        };
+        assert_eq!(*c.values(), core::array::from_fn(|i| i as u64 + 1));
+        assert_eq!(Counts::from_values(*c.values()), c);
+        let mut twice = c;
+        twice.add(&c);
+        assert_eq!(*twice.values(), core::array::from_fn(|i| 2 * (i as u64 + 1)));
+        assert_eq!(twice.saturating_sub(&c), c);
+        assert_eq!(*c.saturating_sub(&twice).values(), [0; Counts::LEN]);
+    }
 
     /// Counter names are distinct snake_case keys (JSON objects, metric labels).
     #[test]

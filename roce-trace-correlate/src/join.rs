@@ -397,7 +397,7 @@ impl Joiner {
         let max_hosts = self.cfg.max_flows;
         if let Some(node) = node
             && !not_egress
-            && d.packets > 0
+            && d.counts.packets > 0
         {
             let n = self.host_of.len();
             match self.host_of.entry(d.flow.src) {
@@ -416,8 +416,8 @@ impl Joiner {
         if let Some(f) = self.flow(d.flow, now_ns) {
             let total = f.counters.entry(point).or_default();
             total.add(d);
-            let cnps = total.cnp;
-            if d.cnp > 0 {
+            let cnps = total.counts.cnp;
+            if d.counts.cnp > 0 {
                 f.carries_cnp = true;
             }
             if cnps > 0 {
@@ -444,7 +444,7 @@ impl Joiner {
                     DeliveryAt {
                         start_ns: d.start_ns,
                         end_ns: d.end_ns,
-                        bytes: d.bytes,
+                        bytes: d.counts.bytes,
                     },
                     DELIVERY_SAMPLES,
                 );
@@ -773,7 +773,7 @@ impl Joiner {
         let mut v: Vec<(PointId, u8, bool)> = f
             .counters
             .iter()
-            .filter(|(_, c)| c.packets > 0)
+            .filter(|(_, c)| c.counts.packets > 0)
             .map(|(p, c)| {
                 let ingress = self
                     .points
@@ -806,11 +806,11 @@ impl Joiner {
     /// they throttle, and between which points the rest vanished. `None` for a flow
     /// without CNPs.
     fn cnp_delivery(&self, id: &FlowId, f: &FlowJoin) -> Option<CnpDelivery> {
-        if !f.counters.values().any(|c| c.cnp > 0) {
+        if !f.counters.values().any(|c| c.counts.cnp > 0) {
             return None;
         }
         let path = self.counter_path(f);
-        let cnps = |p: &PointId| f.counters.get(p).map_or(0, |c| c.cnp);
+        let cnps = |p: &PointId| f.counters.get(p).map_or(0, |c| c.counts.cnp);
         let first = *path.iter().find(|p| cnps(p) > 0)?;
         let mut lost = Vec::new();
         for w in path.windows(2) {
@@ -943,11 +943,11 @@ impl Joiner {
                 self.counter_path(r)
                     .last()
                     .and_then(|p| r.counters.get(p))
-                    .map_or(0, |c| c.cnp)
+                    .map_or(0, |c| c.counts.cnp)
             });
             cnps_lost.extend(d.lost);
         }
-        let ce = max_over_points(&f.counters, |d| d.ecn[3]);
+        let ce = max_over_points(&f.counters, |d| d.counts.ecn[3]);
         let mut ce_to_cnp = Delay::default();
         for (_, r) in &cnp_flows {
             for &(node, t) in &r.cnp_times {
@@ -1154,7 +1154,7 @@ impl Joiner {
 
 #[cfg(test)]
 mod tests {
-    use roce_trace_common::datapath::{REASON_CE, REASON_CNP, REASON_HASH};
+    use roce_trace_common::datapath::{Counts, REASON_CE, REASON_CNP, REASON_HASH};
 
     use super::*;
 
@@ -1356,8 +1356,11 @@ mod tests {
             flow: flow(),
             start_ns: (bytes / 1000 - 1) * 1000 * MS,
             end_ns: bytes / 1000 * 1000 * MS,
-            packets: bytes / 1000,
-            bytes,
+            counts: Counts {
+                packets: bytes / 1000,
+                bytes,
+                ..Default::default()
+            },
             last_ttl: TTLS[p],
             ..Default::default()
         };
@@ -1876,8 +1879,11 @@ mod tests {
             pts[4],
             &CounterDelta {
                 flow: flow(),
-                packets: 50,
-                ecn: [0, 0, 48, 2],
+                counts: Counts {
+                    packets: 50,
+                    ecn: [0, 0, 48, 2],
+                    ..Default::default()
+                },
                 ..Default::default()
             },
             0,
@@ -1917,8 +1923,11 @@ mod tests {
             h3_out,
             &CounterDelta {
                 flow: rev(40000),
-                packets: 2,
-                cnp: 2,
+                counts: Counts {
+                    packets: 2,
+                    cnp: 2,
+                    ..Default::default()
+                },
                 ..Default::default()
             },
             0,
@@ -1966,8 +1975,11 @@ mod tests {
             h1_out,
             &CounterDelta {
                 flow: flow(),
-                packets: 1000,
-                ecn: [0, 0, 800, 200],
+                counts: Counts {
+                    packets: 1000,
+                    ecn: [0, 0, 800, 200],
+                    ..Default::default()
+                },
                 last_ttl: 64,
                 ..Default::default()
             },
@@ -1992,8 +2004,11 @@ mod tests {
                     p,
                     &CounterDelta {
                         flow,
-                        packets: c,
-                        cnp: c,
+                        counts: Counts {
+                            packets: c,
+                            cnp: c,
+                            ..Default::default()
+                        },
                         last_ttl: ttls[k],
                         ..Default::default()
                     },

@@ -8,6 +8,9 @@ use roce_trace_common::{
 };
 use serde::{Deserialize, Serialize};
 
+/// The counter set a [`CounterDelta`] carries.
+pub use roce_trace_common::datapath::Counts;
+
 pub const OBS_HAS_PCP: u8 = 1;
 pub const OBS_HAS_AETH: u8 = 2;
 
@@ -85,16 +88,8 @@ pub struct CounterDelta {
     pub start_ns: u64,
     #[serde(skip)]
     pub end_ns: u64,
-    pub packets: u64,
-    pub bytes: u64,
-    pub ecn: [u64; 4],
-    pub cnp: u64,
-    pub ack: u64,
-    pub nak_psn_seq_err: u64,
-    pub nak_rnr: u64,
-    pub nak_other: u64,
-    pub psn_gaps: u64,
-    pub dscp_changed: u64,
+    #[serde(flatten)]
+    pub counts: Counts,
     pub last_dscp: u8,
     pub last_pcp: u8,
     pub last_ttl: u8,
@@ -108,16 +103,7 @@ impl CounterDelta {
             flow: FlowId::of_key(key),
             start_ns: 0,
             end_ns: 0,
-            packets: c.packets,
-            bytes: c.bytes,
-            ecn: c.ecn,
-            cnp: c.cnp,
-            ack: c.ack,
-            nak_psn_seq_err: c.nak_psn_seq_err,
-            nak_rnr: c.nak_rnr,
-            nak_other: c.nak_other,
-            psn_gaps: c.psn_gaps,
-            dscp_changed: c.dscp_changed,
+            counts: c.counts,
             last_dscp: c.last_dscp,
             last_pcp: c.last_pcp,
             last_ttl: c.last_ttl,
@@ -133,50 +119,30 @@ impl CounterDelta {
         before: Option<&FlowCounters>,
         [start_ns, end_ns]: [u64; 2],
     ) -> Self {
-        let now_t = Self::totals(point, key, now);
-        let d = match before {
-            Some(b) if b.packets <= now.packets => now_t.less(&Self::totals(point, key, b)),
-            _ => now_t,
+        let counts = match before {
+            Some(b) if b.counts.packets <= now.counts.packets => now.counts.saturating_sub(&b.counts),
+            _ => now.counts,
         };
         Self {
             start_ns,
             end_ns,
-            ..d
+            counts,
+            ..Self::totals(point, key, now)
         }
     }
 
     /// `self - before` of two running totals of one flow at one point (the last-seen
     /// fields are `self`'s).
     pub fn less(&self, before: &CounterDelta) -> Self {
-        let d = |x: u64, y: u64| x.saturating_sub(y);
         Self {
-            packets: d(self.packets, before.packets),
-            bytes: d(self.bytes, before.bytes),
-            ecn: [0, 1, 2, 3].map(|i| d(self.ecn[i], before.ecn[i])),
-            cnp: d(self.cnp, before.cnp),
-            ack: d(self.ack, before.ack),
-            nak_psn_seq_err: d(self.nak_psn_seq_err, before.nak_psn_seq_err),
-            nak_rnr: d(self.nak_rnr, before.nak_rnr),
-            nak_other: d(self.nak_other, before.nak_other),
-            psn_gaps: d(self.psn_gaps, before.psn_gaps),
-            dscp_changed: d(self.dscp_changed, before.dscp_changed),
+            counts: self.counts.saturating_sub(&before.counts),
             ..*self
         }
     }
 
+    /// Adds a later delta: sums, its last-seen class and the union of the intervals.
     pub fn add(&mut self, o: &CounterDelta) {
-        self.packets += o.packets;
-        self.bytes += o.bytes;
-        for i in 0..4 {
-            self.ecn[i] += o.ecn[i];
-        }
-        self.cnp += o.cnp;
-        self.ack += o.ack;
-        self.nak_psn_seq_err += o.nak_psn_seq_err;
-        self.nak_rnr += o.nak_rnr;
-        self.nak_other += o.nak_other;
-        self.psn_gaps += o.psn_gaps;
-        self.dscp_changed += o.dscp_changed;
+        self.counts.add(&o.counts);
         self.last_dscp = o.last_dscp;
         self.last_pcp = o.last_pcp;
         self.last_ttl = o.last_ttl;

@@ -530,7 +530,7 @@ pub struct FlowCopies(HashMap<FlowKey, Vec<FlowCounters>>);
 impl FlowCopies {
     /// A slot of CPU `cpu` (of `cpus`); empty slots are skipped.
     pub fn slot(&mut self, cpu: usize, cpus: usize, slot: &FlowSlot) {
-        if slot.counters.packets == 0 {
+        if slot.counters.counts.packets == 0 {
             return;
         }
         let c = self
@@ -549,7 +549,7 @@ impl FlowCopies {
             .entry(key)
             .or_insert_with(|| vec![FlowCounters::default(); per_cpu.len()]);
         for (mine, v) in c.iter_mut().zip(per_cpu) {
-            if v.packets > 0 {
+            if v.counts.packets > 0 {
                 *mine = *v;
             }
         }
@@ -622,8 +622,11 @@ mod tests {
             ..Default::default()
         };
         let c = |packets, last_ns| FlowCounters {
-            packets,
-            bytes: packets * 100,
+            counts: Counts {
+                packets,
+                bytes: packets * 100,
+                ..Default::default()
+            },
             first_ns: 1,
             last_ns,
             ..Default::default()
@@ -642,26 +645,36 @@ mod tests {
         let m = copies.merge();
         assert_eq!(m.len(), 3, "{m:?}");
         assert_eq!(
-            (m[&key(1)].packets, m[&key(1)].bytes, m[&key(1)].last_ns),
+            (
+                m[&key(1)].counts.packets,
+                m[&key(1)].counts.bytes,
+                m[&key(1)].last_ns
+            ),
             (12, 1200, 20)
         );
-        assert_eq!(m[&key(2)].packets, 3);
-        assert_eq!(m[&key(3)].packets, 4);
+        assert_eq!(m[&key(2)].counts.packets, 3);
+        assert_eq!(m[&key(3)].counts.packets, 4);
     }
 
     #[test]
     fn merge_takes_newest_class_and_sums_counts() {
         let a = FlowCounters {
-            packets: 2,
-            bytes: 200,
+            counts: Counts {
+                packets: 2,
+                bytes: 200,
+                ..Default::default()
+            },
             first_ns: 10,
             last_ns: 50,
             last_dscp: 26,
             ..Default::default()
         };
         let b = FlowCounters {
-            packets: 3,
-            bytes: 300,
+            counts: Counts {
+                packets: 3,
+                bytes: 300,
+                ..Default::default()
+            },
             first_ns: 5,
             last_ns: 40,
             last_dscp: 0,
@@ -670,7 +683,13 @@ mod tests {
         let idle = FlowCounters::default();
         let m = merge_percpu(&[a, idle, b]);
         assert_eq!(
-            (m.packets, m.bytes, m.first_ns, m.last_ns, m.last_dscp),
+            (
+                m.counts.packets,
+                m.counts.bytes,
+                m.first_ns,
+                m.last_ns,
+                m.last_dscp
+            ),
             (5, 500, 5, 50, 26)
         );
     }

@@ -282,7 +282,7 @@ impl Offline {
             .flows
             .entry(key)
             .or_insert_with(|| (account::new_state(&p), FlowCounters::default()));
-        let update = if counters.packets == 0 {
+        let update = if counters.counts.packets == 0 {
             account::StateUpdate::default()
         } else {
             account::update_state(state, &p)

@@ -59,16 +59,18 @@ pub fn roce_tc_in(ctx: TcContext) -> i32 {
 
 /// Inserted for a new flow; a static so the 128 bytes never sit on the BPF stack.
 static ZERO_COUNTERS: FlowCounters = FlowCounters {
-    packets: 0,
-    bytes: 0,
-    ecn: [0; 4],
-    cnp: 0,
-    ack: 0,
-    nak_psn_seq_err: 0,
-    nak_rnr: 0,
-    nak_other: 0,
-    psn_gaps: 0,
-    dscp_changed: 0,
+    counts: Counts {
+        packets: 0,
+        bytes: 0,
+        ecn: [0; 4],
+        cnp: 0,
+        ack: 0,
+        nak_psn_seq_err: 0,
+        nak_rnr: 0,
+        nak_other: 0,
+        psn_gaps: 0,
+        dscp_changed: 0,
+    },
     first_ns: 0,
     last_ns: 0,
     state: FlowState {
@@ -178,7 +180,7 @@ fn account(
 
     let flow = match flow_slot(key.slot(cfg.slot_bits)) {
         // SAFETY: per-CPU slot: only this CPU writes this copy.
-        Some(slot) if unsafe { (*slot).counters.packets != 0 && (*slot).key.same(key) } => {
+        Some(slot) if unsafe { (*slot).counters.counts.packets != 0 && (*slot).key.same(key) } => {
             // SAFETY: as above.
             Some(unsafe { core::ptr::addr_of_mut!((*slot).counters) })
         }
@@ -215,13 +217,13 @@ fn slot_or_flows(
     dir: u8,
     now: u64,
 ) -> Option<*mut FlowCounters> {
-    let held = slot.counters.packets != 0;
+    let held = slot.counters.counts.packets != 0;
     if held && now.saturating_sub(slot.counters.last_ns) < cfg.slot_idle_ms as u64 * 1_000_000 {
         return flows_entry(key, counters, dir);
     }
     if let Some(c) = FLOWS.get_ptr_mut(key) {
         // SAFETY: per-CPU map value: only this CPU writes this copy.
-        if unsafe { (*c).packets } != 0 {
+        if unsafe { (*c).counts.packets } != 0 {
             return Some(c);
         }
     }
@@ -242,7 +244,7 @@ fn slot_or_flows(
     // Empty first (a reader skips a slot without packets), then the new key.
     // SAFETY: valid, exclusively owned per-CPU value.
     unsafe {
-        core::ptr::write_volatile(core::ptr::addr_of_mut!(slot.counters.packets), 0);
+        core::ptr::write_volatile(core::ptr::addr_of_mut!(slot.counters.counts.packets), 0);
     }
     core::sync::atomic::compiler_fence(core::sync::atomic::Ordering::Release);
     slot.counters = ZERO_COUNTERS;

@@ -134,23 +134,23 @@ pub enum Role {
 }
 
 fn naks(c: &CounterDelta) -> u64 {
-    c.nak_psn_seq_err + c.nak_rnr + c.nak_other
+    c.counts.nak_psn_seq_err + c.counts.nak_rnr + c.counts.nak_other
 }
 
 /// The counters of the point that saw most of the flow.
 pub fn peak(f: &FlowReport) -> Option<&CounterDelta> {
-    f.counters.values().max_by_key(|c| c.packets)
+    f.counters.values().max_by_key(|c| c.counts.packets)
 }
 
 pub fn role(f: &FlowReport) -> Option<Role> {
     let c = peak(f)?;
-    if c.packets == 0 {
+    if c.counts.packets == 0 {
         return None;
     }
-    let answers = c.ack + naks(c) + c.cnp;
-    Some(if answers < c.packets {
+    let answers = c.counts.ack + naks(c) + c.counts.cnp;
+    Some(if answers < c.counts.packets {
         Role::Data
-    } else if c.cnp == c.packets {
+    } else if c.counts.cnp == c.counts.packets {
         Role::Cnp
     } else {
         Role::Ack
@@ -161,7 +161,7 @@ pub fn role(f: &FlowReport) -> Option<Role> {
 fn counters_at(f: &FlowReport, first: bool) -> Option<&CounterDelta> {
     let p = if first { f.path.first() } else { f.path.last() };
     p.and_then(|p| f.counters.get(p))
-        .filter(|c| c.packets > 0)
+        .filter(|c| c.counts.packets > 0)
         .or_else(|| peak(f))
 }
 
@@ -293,7 +293,7 @@ fn data_class(data: &[&FlowReport], dscp: Option<u8>, pcp: Option<u8>) -> CheckR
         // sample showed it.
         for (point, c) in &f.counters {
             if let Some(want) = dscp
-                && c.packets > 0
+                && c.counts.packets > 0
                 && c.last_dscp != want
                 && !f.class.iter().any(|x| &x.point == point)
             {
@@ -375,12 +375,12 @@ fn data_ect(data: &[&FlowReport]) -> CheckResult {
     for f in data {
         let Some(c) = counters_at(f, true) else { continue };
         r.checked += 1;
-        if c.ecn[0] > 0 {
+        if c.counts.ecn[0] > 0 {
             let at = f.path.first().cloned().unwrap_or_default();
             r.evidence(
                 f,
                 vec![at.to_string()],
-                format!("{} of {} packets Not-ECT", c.ecn[0], c.packets),
+                format!("{} of {} packets Not-ECT", c.counts.ecn[0], c.counts.packets),
             );
         }
     }
@@ -389,7 +389,11 @@ fn data_ect(data: &[&FlowReport]) -> CheckResult {
 
 fn ce_fraction(f: &FlowReport) -> Option<(u64, u64, Point)> {
     let c = counters_at(f, false)?;
-    Some((c.ecn[3], c.packets, f.path.last().cloned().unwrap_or_default()))
+    Some((
+        c.counts.ecn[3],
+        c.counts.packets,
+        f.path.last().cloned().unwrap_or_default(),
+    ))
 }
 
 fn ce_idle(data: &[&FlowReport], max: f64) -> CheckResult {
@@ -616,7 +620,7 @@ fn nak_rate(flows: &[FlowReport], max: u64) -> CheckResult {
             (Some(Role::Data), _) => {
                 r.checked += 1;
                 dirs.entry((&f.src_ip, &f.dst_ip)).or_default().1 +=
-                    counters_at(f, true).map_or(0, |c| c.packets);
+                    counters_at(f, true).map_or(0, |c| c.counts.packets);
             }
             (Some(Role::Ack | Role::Cnp), Some(c)) if naks(c) > 0 => {
                 let d = dirs.entry((&f.dst_ip, &f.src_ip)).or_default();
@@ -655,21 +659,21 @@ fn psn_gaps(data: &[&FlowReport], max: u64) -> CheckResult {
     let mut r = CheckResult::new("psn_gaps", format!("at most {max} PSN gaps per million packets"));
     let mut total = (0, 0);
     for f in data {
-        let Some((point, c)) = f.counters.iter().max_by_key(|(_, c)| c.psn_gaps) else {
+        let Some((point, c)) = f.counters.iter().max_by_key(|(_, c)| c.counts.psn_gaps) else {
             continue;
         };
         r.checked += 1;
-        let n = peak(f).map_or(0, |p| p.packets);
-        total.0 += c.psn_gaps;
+        let n = peak(f).map_or(0, |p| p.counts.packets);
+        total.0 += c.counts.psn_gaps;
         total.1 += n;
-        if c.psn_gaps > 0 && ppm(c.psn_gaps, n) > max {
+        if c.counts.psn_gaps > 0 && ppm(c.counts.psn_gaps, n) > max {
             r.evidence(
                 f,
                 vec![point.to_string()],
                 format!(
                     "{} PSN gaps in {n} packets ({} ppm)",
-                    c.psn_gaps,
-                    ppm(c.psn_gaps, n)
+                    c.counts.psn_gaps,
+                    ppm(c.counts.psn_gaps, n)
                 ),
             );
         }
@@ -969,11 +973,11 @@ pub fn stability(data: &[&FlowReport], max: f64, min_packets: u64) -> (CheckResu
     );
     let mut groups: BTreeMap<(&str, &str), Vec<(&FlowReport, u64)>> = BTreeMap::new();
     for f in data {
-        if let Some(c) = counters_at(f, false).filter(|c| c.packets >= min_packets) {
+        if let Some(c) = counters_at(f, false).filter(|c| c.counts.packets >= min_packets) {
             groups
                 .entry((&f.src_ip, &f.dst_ip))
                 .or_default()
-                .push((f, c.bytes));
+                .push((f, c.counts.bytes));
         }
     }
     let mut worst: Option<f64> = None;

@@ -210,12 +210,12 @@ fn connections<'a>(flows: &[(&'a FlowReport, Way)]) -> BTreeMap<&'a str, (Vec<St
 /// Packets a flow sent (its most upstream point counts the most) and delivered (at
 /// `end`, the node its packets reached before the failure) in a window.
 fn sent_delivered(w: &FlowReport, end: &str) -> (u64, u64) {
-    let sent = w.counters.values().map(|c| c.packets).max().unwrap_or(0);
+    let sent = w.counters.values().map(|c| c.counts.packets).max().unwrap_or(0);
     let delivered = w
         .counters
         .iter()
         .filter(|(p, _)| p.node == end)
-        .map(|(_, c)| c.packets)
+        .map(|(_, c)| c.counts.packets)
         .max()
         .unwrap_or(0);
     (sent, delivered)
@@ -227,7 +227,7 @@ fn stops_at(w: &FlowReport, before: &FlowReport) -> Vec<String> {
     let path = if w.path.is_empty() { &before.path } else { &w.path };
     match path
         .iter()
-        .rposition(|p| w.counters.get(p).is_some_and(|c| c.packets > 0))
+        .rposition(|p| w.counters.get(p).is_some_and(|c| c.counts.packets > 0))
     {
         Some(i) => labels(&path[i..(i + 2).min(path.len())]),
         None => w
@@ -355,7 +355,7 @@ pub fn measure(s: &Snapshots, via: &[String]) -> DrillReport {
             peers_exact,
             lost: wf.map(|x| x.lost.clone()).unwrap_or_default(),
             psn_gaps: wf
-                .and_then(|x| x.counters.values().map(|c| c.psn_gaps).max())
+                .and_then(|x| x.counters.values().map(|c| c.counts.psn_gaps).max())
                 .unwrap_or(0),
             moved_after_ms: wf
                 .and_then(|x| {

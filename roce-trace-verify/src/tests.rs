@@ -5,7 +5,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use roce_trace_correlate::{
     Answers, ClassAt, ClassChange, ClassSeen, CnpDelivery, CollectorReport, CountedLoss, DeliveryAt,
-    FlowReport, JoinStats, Lost, MtuAt, PathAt, Point, PointInfo, Span, observation::CounterDelta,
+    FlowReport, JoinStats, Lost, MtuAt, PathAt, Point, PointInfo, Span,
+    observation::{CounterDelta, Counts},
 };
 
 use crate::{
@@ -52,9 +53,12 @@ fn steady() -> Vec<DeliveryAt> {
 
 fn counters(packets: u64, ecn: [u64; 4]) -> CounterDelta {
     CounterDelta {
-        packets,
-        bytes: packets * 1100,
-        ecn,
+        counts: Counts {
+            packets,
+            bytes: packets * 1100,
+            ecn,
+            ..Default::default()
+        },
         last_dscp: 26,
         last_ttl: 64,
         ..Default::default()
@@ -118,8 +122,8 @@ fn flow(a: u8, b: u8, sport: u16, spine: Option<u8>) -> FlowReport {
 fn acks(a: u8, b: u8, sport: u16, spine: Option<u8>) -> FlowReport {
     let mut f = flow(b, a, sport, spine);
     for c in f.counters.values_mut() {
-        c.packets = 100;
-        c.ack = 100;
+        c.counts.packets = 100;
+        c.counts.ack = 100;
     }
     f
 }
@@ -221,7 +225,11 @@ fn a_dscp_rewrite_at_a_spine_fails_the_class_rules_with_where() {
 fn ce_marks_on_an_idle_fabric_fail_and_unanswered_ones_fail_twice() {
     let mut v = healthy();
     let f = &mut v[0];
-    f.counters.get_mut(&Point::from("h3:eth0:ingress")).unwrap().ecn = [0, 0, 900, 100];
+    f.counters
+        .get_mut(&Point::from("h3:eth0:ingress"))
+        .unwrap()
+        .counts
+        .ecn = [0, 0, 900, 100];
     f.answered_by.ce_marks = 100;
     assert_eq!(
         failing(v.clone(), Load::Idle),
@@ -231,8 +239,8 @@ fn ce_marks_on_an_idle_fabric_fail_and_unanswered_ones_fail_twice() {
     v[0].answered_by.cnps = 40;
     let mut cnp = acks(1, 3, 60000, Some(1));
     for c in cnp.counters.values_mut() {
-        c.ack = 0;
-        c.cnp = 100;
+        c.counts.ack = 0;
+        c.counts.cnp = 100;
     }
     cnp.cnp_class = cnp
         .path
@@ -262,7 +270,11 @@ fn cnps_that_never_reach_the_sender_fail_cnp_answers_ce_and_loss_naming_the_leaf
     let mut v = healthy();
     let ce = |v: &mut Vec<FlowReport>, cnps: u64, lost: Vec<CountedLoss>| {
         let f = &mut v[0];
-        f.counters.get_mut(&Point::from("h3:eth0:ingress")).unwrap().ecn = [0, 0, 800, 200];
+        f.counters
+            .get_mut(&Point::from("h3:eth0:ingress"))
+            .unwrap()
+            .counts
+            .ecn = [0, 0, 800, 200];
         f.answered_by.ce_marks = 200;
         f.answered_by.cnps_sent = 200;
         f.answered_by.cnps = cnps;
@@ -270,9 +282,9 @@ fn cnps_that_never_reach_the_sender_fail_cnp_answers_ce_and_loss_naming_the_leaf
     };
     let mut cnp = acks(1, 3, 60000, Some(1));
     for c in cnp.counters.values_mut() {
-        c.ack = 0;
-        c.cnp = 200;
-        c.packets = 200;
+        c.counts.ack = 0;
+        c.counts.cnp = 200;
+        c.counts.packets = 200;
     }
     cnp.trajectories = 0;
     // Healthy: all 200 reach h1.
@@ -378,7 +390,11 @@ fn a_class_rewrite_for_part_of_the_window_fails_data_class() {
 fn cnps_lost_for_part_of_the_window_fail_cnp_answers_ce() {
     let mut v = healthy();
     let f = &mut v[0];
-    f.counters.get_mut(&Point::from("h3:eth0:ingress")).unwrap().ecn = [0, 0, 800, 200];
+    f.counters
+        .get_mut(&Point::from("h3:eth0:ingress"))
+        .unwrap()
+        .counts
+        .ecn = [0, 0, 800, 200];
     f.answered_by.ce_marks = 200;
     f.answered_by.cnps_sent = 200;
     f.answered_by.cnps = 133;
@@ -439,6 +455,7 @@ fn a_small_link_mtu_fails_the_path_mtu_at_the_link() {
         f.counters
             .get_mut(&Point::from("h3:eth0:ingress"))
             .unwrap()
+            .counts
             .psn_gaps = 50;
     }
     // The big frames vanish at the small link; the losses and gaps are its doing too.
@@ -630,7 +647,9 @@ fn frames_over_the_roce_mtu_fail() {
 #[test]
 fn naks_hops_ect_and_spread_fail_on_their_own() {
     let mut v = healthy();
-    v[1].counters.values_mut().for_each(|c| c.nak_psn_seq_err = 10);
+    v[1].counters
+        .values_mut()
+        .for_each(|c| c.counts.nak_psn_seq_err = 10);
     assert_eq!(failing(v, Load::Idle), set(&["naks"]));
 
     let mut v = healthy();
@@ -641,11 +660,15 @@ fn naks_hops_ect_and_spread_fail_on_their_own() {
     );
 
     let mut v = healthy();
-    v[0].counters.get_mut(&Point::from("h1:eth0:egress")).unwrap().ecn = [1000, 0, 0, 0];
+    v[0].counters
+        .get_mut(&Point::from("h1:eth0:egress"))
+        .unwrap()
+        .counts
+        .ecn = [1000, 0, 0, 0];
     assert_eq!(failing(v, Load::Idle), set(&["data_ect"]));
 
     let mut v = healthy();
-    v[0].counters.values_mut().for_each(|c| c.bytes /= 2);
+    v[0].counters.values_mut().for_each(|c| c.counts.bytes /= 2);
     assert_eq!(failing(v, Load::Idle), set(&["throughput_spread"]));
 }
 
@@ -722,7 +745,11 @@ fn no_traffic_cannot_be_checked_and_says_so() {
 #[test]
 fn junit_has_one_case_per_check_and_escapes_evidence() {
     let mut v = healthy();
-    v[0].counters.get_mut(&Point::from("h1:eth0:egress")).unwrap().ecn = [1000, 0, 0, 0];
+    v[0].counters
+        .get_mut(&Point::from("h1:eth0:egress"))
+        .unwrap()
+        .counts
+        .ecn = [1000, 0, 0, 0];
     v[0].id = "<odd & \"id\">".into();
     let p = Policy::parse(POLICY).unwrap();
     let verdict = Verdict::new("a&b".into(), Load::Idle, 1, judge(&p, &report(v), Load::Idle));
@@ -836,7 +863,7 @@ fn a_window_counts_only_what_happened_in_it() {
     assert!(
         f0.counters
             .values()
-            .all(|c| c.packets == 1000 && c.ecn[2] == 1000)
+            .all(|c| c.counts.packets == 1000 && c.counts.ecn[2] == 1000)
     );
     let f4 = w.flows.iter().find(|f| f.id == start[4].id).unwrap();
     assert_eq!(f4.class_changes[0].span.packets, 7);
@@ -1120,7 +1147,7 @@ fn a_connection_that_stalls_during_the_drill_fails_it() {
             if settled {
                 let mut was = f.clone();
                 for c in was.counters.values_mut() {
-                    c.packets /= 2;
+                    c.counts.packets /= 2;
                 }
                 f.counters = was.counters;
                 f.trajectories /= 2;
@@ -1144,7 +1171,7 @@ fn a_connection_that_stalls_during_the_drill_fails_it() {
     let unanswered = drill_snapshots(|f, _, settled| {
         if first(f) && is_ack(f) && settled {
             for c in f.counters.values_mut() {
-                c.packets /= 2;
+                c.counts.packets /= 2;
             }
             f.trajectories /= 2;
         }
@@ -1172,8 +1199,8 @@ fn reply_flows_go_with_their_own_data_flow_when_the_collector_paired_them() {
     // CNPs to QP 0's data flow.
     let mut cnp = acks(1, 3, 60000, Some(1));
     for c in cnp.counters.values_mut() {
-        c.ack = 0;
-        c.cnp = 100;
+        c.counts.ack = 0;
+        c.counts.cnp = 100;
     }
     cnp.dest_qp = 0x100;
     cnp.id = format!("{}:60000>{}/0x100", h(3), h(1));

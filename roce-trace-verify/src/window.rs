@@ -49,7 +49,7 @@ pub fn since(start: &CollectorReport, mut end: CollectorReport) -> CollectorRepo
                 *c = c.less(w);
             }
         }
-        f.counters.retain(|_, c| c.packets > 0);
+        f.counters.retain(|_, c| c.counts.packets > 0);
         f.trajectories = f.trajectories.saturating_sub(b.trajectories);
         for l in &mut f.lost {
             less(

@@ -93,12 +93,10 @@ impl Outbox {
 /// Per (interface, direction): totals for the Prometheus endpoint.
 #[derive(Clone, Debug, Default)]
 struct PointMetrics {
-    /// By the flow's current DSCP.
+    /// Packets and bytes by the flow's current DSCP.
     packets_by_dscp: BTreeMap<u8, (u64, u64)>,
-    ecn: [u64; 4],
-    cnp: u64,
-    nak: [u64; 3],
-    psn_gaps: u64,
+    /// Every flow's counters, summed.
+    counts: Counts,
 }
 
 struct Shared {
@@ -217,23 +215,16 @@ pub async fn run(
                             continue;
                         };
                         let d = CounterDelta::between(p, k, c, before, [start_ns, read_ns]);
-                        let reported = d.packets > 0;
+                        let reported = d.counts.packets > 0;
                         if reported {
                             ob.push_counter(d);
                         }
                         next.insert(*k, (*c, if reported { read_ns } else { start_ns }));
                         let m = by_point.entry(p).or_default();
                         let e = m.packets_by_dscp.entry(c.last_dscp).or_default();
-                        e.0 += c.packets;
-                        e.1 += c.bytes;
-                        for i in 0..4 {
-                            m.ecn[i] += c.ecn[i];
-                        }
-                        m.cnp += c.cnp;
-                        m.nak[0] += c.nak_psn_seq_err;
-                        m.nak[1] += c.nak_rnr;
-                        m.nak[2] += c.nak_other;
-                        m.psn_gaps += c.psn_gaps;
+                        e.0 += c.counts.packets;
+                        e.1 += c.counts.bytes;
+                        m.counts.add(&c.counts);
                     }
                     ob.ringbuf_drops = globals.total(GlobalCounter::RingbufFull);
                     // A port's MTU may change under us (a fault, a repair): declared again.
@@ -758,15 +749,20 @@ fn render_metrics(sh: &Shared) -> String {
             pk.push((format!("{},dscp=\"{dscp}\"", lp(k)), *n));
             by.push((format!("{},dscp=\"{dscp}\"", lp(k)), *b));
         }
+        let c = &p.counts;
         for (i, name) in ECN_NAMES.iter().enumerate() {
-            ecn.push((format!("{},ecn=\"{name}\"", lp(k)), p.ecn[i]));
+            ecn.push((format!("{},ecn=\"{name}\"", lp(k)), c.ecn[i]));
         }
-        ce.push((lp(k), p.ecn[3]));
-        cnp.push((lp(k), p.cnp));
-        for (i, kind) in ["psn_seq_err", "rnr", "other"].iter().enumerate() {
-            nak.push((format!("{},kind=\"{kind}\"", lp(k)), p.nak[i]));
+        ce.push((lp(k), c.ecn[3]));
+        cnp.push((lp(k), c.cnp));
+        for (kind, n) in [
+            ("psn_seq_err", c.nak_psn_seq_err),
+            ("rnr", c.nak_rnr),
+            ("other", c.nak_other),
+        ] {
+            nak.push((format!("{},kind=\"{kind}\"", lp(k)), n));
         }
-        gaps.push((lp(k), p.psn_gaps));
+        gaps.push((lp(k), c.psn_gaps));
     }
     family(
         "roce_trace_packets_total",
@@ -950,7 +946,7 @@ pub async fn run_pcap(
             let mut ob = sh.outbox.lock().expect("outbox");
             for (k, (_, c)) in &off.flows {
                 let was = prev.get(k);
-                if was.map(|(p, _)| p.packets) != Some(c.packets) {
+                if was.map(|(p, _)| p.counts.packets) != Some(c.counts.packets) {
                     if let Some(p) = table.index_of(k) {
                         let start_ns = was.map_or(before_ns, |(_, t)| *t);
                         ob.push_counter(CounterDelta::between(

@@ -225,7 +225,7 @@ pub async fn run(
                 let recs = snapshot(&flows, &prev, now - last_tick, &clock, &name_of, &out, false);
                 // Periodic records only for flows that moved since the last snapshot.
                 for (k, r) in &recs {
-                    if prev.get(k).map(|p| p.packets) != Some(r.packets) {
+                    if prev.get(k).map(|p| p.counts.packets) != Some(r.packets) {
                         out.json.emit(r)?;
                     }
                 }
@@ -318,9 +318,12 @@ fn snapshot(
         .map(|k| {
             let c = &flows[k];
             let mut r = FlowRecord::new(k, c, clock, &name_of(k.ifindex), now_ns, &out.mirrors);
-            let (pp, pb) = prev.get(k).map(|p| (p.packets, p.bytes)).unwrap_or((0, 0));
-            r.pps = c.packets.saturating_sub(pp) as f64 / secs;
-            r.gbps = c.bytes.saturating_sub(pb) as f64 * 8.0 / secs / 1e9;
+            let (pp, pb) = prev
+                .get(k)
+                .map(|p| (p.counts.packets, p.counts.bytes))
+                .unwrap_or((0, 0));
+            r.pps = c.counts.packets.saturating_sub(pp) as f64 / secs;
+            r.gbps = c.counts.bytes.saturating_sub(pb) as f64 * 8.0 / secs / 1e9;
             r.is_final = is_final;
             r.icrc_errors = out.icrc_errors.get(k).copied();
             (*k, r)
@@ -513,8 +516,8 @@ pub fn run_offline(opts: &CaptureOptions, path: &std::path::Path) -> anyhow::Res
             r.is_final = true;
             let secs = (c.last_ns.saturating_sub(c.first_ns)) as f64 / 1e9;
             if secs > 0.0 {
-                r.pps = c.packets as f64 / secs;
-                r.gbps = c.bytes as f64 * 8.0 / secs / 1e9;
+                r.pps = c.counts.packets as f64 / secs;
+                r.gbps = c.counts.bytes as f64 * 8.0 / secs / 1e9;
             }
             r.icrc_errors = Some(off.icrc_errors.get(k).copied().unwrap_or(0));
             r

@@ -7,6 +7,7 @@ pub use roce_trace_correlate::report::{ProbeHop, ProbeResult};
 use thiserror::Error;
 
 use crate::observation::{CounterDelta, FlowId, Observation, PacketId, PointDecl, PointHealth};
+use roce_trace_common::datapath::Counts;
 
 /// 2: points name their node (mirror sessions) and may be declared at any time. 3: the
 /// collector acknowledges what it has processed (ACK) and says in WELCOME how much of the
@@ -157,7 +158,7 @@ pub enum ProtoError {
 
 const OBS_LEN: usize = 2 + 8 + 16 + 16 + 1 + 2 + 4 + 4 + 1 + 4 + 2 + 1 + 1 + 1 + 1 + 2 + 1 + 1 + 1;
 const FLOW_LEN: usize = 16 + 16 + 1 + 2 + 4;
-const DELTA_LEN: usize = 2 + FLOW_LEN + 8 * 2 + 8 * 13 + 3;
+const DELTA_LEN: usize = 2 + FLOW_LEN + 8 * 2 + 8 * Counts::LEN + 3;
 const HEALTH_LEN: usize = 2 + 8 * 8;
 // A full batch of either fits one frame.
 const _: () =
@@ -295,18 +296,8 @@ pub fn encode(f: &Frame, seq: u64) -> Result<Bytes, ProtoError> {
                 put_flow(&mut b, &d.flow);
                 b.put_u64(d.start_ns);
                 b.put_u64(d.end_ns);
-                for v in [
-                    d.packets, d.bytes, d.ecn[0], d.ecn[1], d.ecn[2], d.ecn[3], d.cnp, d.ack,
-                ]
-                .into_iter()
-                .chain([
-                    d.nak_psn_seq_err,
-                    d.nak_rnr,
-                    d.nak_other,
-                    d.psn_gaps,
-                    d.dscp_changed,
-                ]) {
-                    b.put_u64(v);
+                for v in d.counts.values() {
+                    b.put_u64(*v);
                 }
                 b.put_u8(d.last_dscp);
                 b.put_u8(d.last_pcp);
@@ -558,25 +549,16 @@ impl Decoder {
                     let point = b.get_u16();
                     let flow = get_flow(&mut b);
                     let (start_ns, end_ns) = (b.get_u64(), b.get_u64());
-                    let mut x = [0u64; 13];
-                    for s in &mut x {
-                        *s = b.get_u64();
+                    let mut counts = Counts::default();
+                    for x in counts.values_mut() {
+                        *x = b.get_u64();
                     }
                     v.push(CounterDelta {
                         point,
                         flow,
                         start_ns,
                         end_ns,
-                        packets: x[0],
-                        bytes: x[1],
-                        ecn: [x[2], x[3], x[4], x[5]],
-                        cnp: x[6],
-                        ack: x[7],
-                        nak_psn_seq_err: x[8],
-                        nak_rnr: x[9],
-                        nak_other: x[10],
-                        psn_gaps: x[11],
-                        dscp_changed: x[12],
+                        counts,
                         last_dscp: b.get_u8(),
                         last_pcp: b.get_u8(),
                         last_ttl: b.get_u8(),
@@ -785,8 +767,11 @@ mod tests {
                 point: 1,
                 start_ns: 4,
                 end_ns: 5,
-                packets: 10,
-                ecn: [1, 2, 3, 4],
+                counts: Counts {
+                    packets: 10,
+                    ecn: [1, 2, 3, 4],
+                    ..Default::default()
+                },
                 last_pcp: 0xff,
                 ..Default::default()
             }]),

@@ -181,7 +181,7 @@ impl ProgTest {
         for chunk in 0..map.len() {
             let per_cpu = map.get(&chunk, 0).unwrap();
             for (i, slot) in per_cpu[cpu].iter().enumerate() {
-                if slot.counters.packets != 0 {
+                if slot.counters.counts.packets != 0 {
                     v.push((chunk * SLOTS_PER_CHUNK + i as u32, slot.key, slot.counters));
                 }
             }
@@ -197,7 +197,7 @@ impl ProgTest {
         let mut v: Vec<_> = map
             .iter()
             .map(|r| r.unwrap())
-            .filter(|(_, c)| c[cpu].packets != 0)
+            .filter(|(_, c)| c[cpu].counts.packets != 0)
             .map(|(k, c)| (k, c[cpu]))
             .collect();
         v.sort_by_key(|(k, _)| *k);

@@ -11,7 +11,7 @@ use std::{
 use roce_trace::{
     collector::{self, CollectorOptions, CollectorReport},
     correlate::JoinConfig,
-    observation::{CounterDelta, FlowId, Observation, PacketId, PointDecl},
+    observation::{CounterDelta, Counts, FlowId, Observation, PacketId, PointDecl},
     protocol::{Encoder, Frame, VERSION},
 };
 use roce_trace_common::datapath::REASON_HASH;
@@ -413,7 +413,10 @@ fn data_frames_are_acknowledged_once_they_are_in_the_join() {
     assert_eq!(c.json("/stats")["observations"], 10);
     a.send(&Frame::Counters(vec![CounterDelta {
         point: 0,
-        packets: 5,
+        counts: Counts {
+            packets: 5,
+            ..Default::default()
+        },
         ..Default::default()
     }]));
     assert_eq!(a.read_ack(), 3, "counters too");

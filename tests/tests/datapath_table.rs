@@ -64,15 +64,18 @@ fn f(opcode: u8) -> RoceFrame {
 fn counts(specs: &[RoceFrame], frames: &[Vec<u8>]) -> FlowCounters {
     let last = specs.last().unwrap();
     let mut c = FlowCounters {
-        packets: specs.len() as u64,
-        bytes: frames.iter().map(|f| f.len() as u64).sum(),
+        counts: Counts {
+            packets: specs.len() as u64,
+            bytes: frames.iter().map(|f| f.len() as u64).sum(),
+            ..Default::default()
+        },
         last_dscp: last.dscp,
         last_ttl: last.ttl,
         last_pcp: last.vlans.first().map(|v| pcp_of_tci(v.1)).unwrap_or(PCP_NONE),
         ..Default::default()
     };
     for s in specs {
-        c.ecn[s.ecn as usize] += 1;
+        c.counts.ecn[s.ecn as usize] += 1;
     }
     c
 }
@@ -207,7 +210,7 @@ fn table() -> Vec<Row> {
                 ext: ext::aeth(0x1f, 3),
                 ..f(op::ACKNOWLEDGE)
             }],
-            &|c| c.ack = 1,
+            &|c| c.counts.ack = 1,
             ExtWant {
                 aeth: Some((0x1f, 3)),
                 ..hash
@@ -220,7 +223,7 @@ fn table() -> Vec<Row> {
                 ext: ext::aeth(0x60, 3),
                 ..f(op::ACKNOWLEDGE)
             }],
-            &|c| c.nak_psn_seq_err = 1,
+            &|c| c.counts.nak_psn_seq_err = 1,
             ExtWant {
                 aeth: Some((0x60, 3)),
                 reasons: REASON_HASH | REASON_NAK,
@@ -234,7 +237,7 @@ fn table() -> Vec<Row> {
                 ext: ext::aeth(0x2e, 3),
                 ..f(op::ACKNOWLEDGE)
             }],
-            &|c| c.nak_rnr = 1,
+            &|c| c.counts.nak_rnr = 1,
             ExtWant {
                 aeth: Some((0x2e, 3)),
                 reasons: REASON_HASH | REASON_NAK,
@@ -248,7 +251,7 @@ fn table() -> Vec<Row> {
                 ext: ext::aeth(0x62, 3),
                 ..f(op::ACKNOWLEDGE)
             }],
-            &|c| c.nak_other = 1,
+            &|c| c.counts.nak_other = 1,
             ExtWant {
                 aeth: Some((0x62, 3)),
                 reasons: REASON_HASH | REASON_NAK,
@@ -267,7 +270,7 @@ fn table() -> Vec<Row> {
                 ext: ext::cnp(),
                 ..Default::default()
             }],
-            &|c| c.cnp = 1,
+            &|c| c.counts.cnp = 1,
             ExtWant {
                 reasons: REASON_HASH | REASON_CNP,
                 ..Default::default()
@@ -359,7 +362,7 @@ fn table() -> Vec<Row> {
                     ..f(op::SEND_ONLY)
                 })
                 .to_vec(),
-            &|c| c.psn_gaps = 1,
+            &|c| c.counts.psn_gaps = 1,
             hash,
         ),
         roce(
@@ -412,7 +415,7 @@ fn table() -> Vec<Row> {
                 .enumerate()
                 .map(|(i, s)| RoceFrame { psn: i as u32, ..s })
                 .collect(),
-            &|c| c.dscp_changed = 1,
+            &|c| c.counts.dscp_changed = 1,
             ExtWant {
                 reasons: REASON_HASH | REASON_UNEXPECTED_DSCP,
                 ..Default::default()
@@ -496,7 +499,7 @@ fn table() -> Vec<Row> {
                 reasons: REASON_HASH | REASON_CNP,
                 ..Default::default()
             },
-            &(|c: &mut FlowCounters| c.cnp = 1) as &dyn Fn(&mut FlowCounters),
+            &(|c: &mut FlowCounters| c.counts.cnp = 1) as &dyn Fn(&mut FlowCounters),
         ),
         (
             "ERSPAN III with platform subheader of a WRITE ONLY",
@@ -537,7 +540,7 @@ fn table() -> Vec<Row> {
                 aeth: Some((0x1f, 2)),
                 ..hash
             },
-            &(|c: &mut FlowCounters| c.ack = 1) as &dyn Fn(&mut FlowCounters),
+            &(|c: &mut FlowCounters| c.counts.ack = 1) as &dyn Fn(&mut FlowCounters),
         ),
         (
             "GRE (0x6558) with key of a tagged WRITE ONLY",
@@ -914,7 +917,7 @@ fn mirror_sessions_are_named_through_the_mirrors_map() {
     let mut seen = std::collections::BTreeSet::new();
     for (k, c) in &flows {
         if k.mirror == 0 {
-            assert_eq!(c.packets, 5, "the plain flow");
+            assert_eq!(c.counts.packets, 5, "the plain flow");
             continue;
         }
         let m = table[&k.mirror];
@@ -924,7 +927,7 @@ fn mirror_sessions_are_named_through_the_mirrors_map() {
             .iter()
             .filter(|(sw, _, s, kind)| (mapped(*sw), *s, *kind) == (m.addr(), m.session, m.kind))
             .count() as u64;
-        assert_eq!(c.packets, want, "{m:?}");
+        assert_eq!(c.counts.packets, want, "{m:?}");
     }
     assert_eq!(seen.len(), 4);
     let samples = t.samples();
@@ -1028,10 +1031,10 @@ fn moving_flow(squatter: bool) {
         assert_eq!(flows.len(), 1 + squatter as usize, "one flow (and the squatter)");
         let c = flows.iter().find(|(k, _)| k.dest_qp != 0x5157).unwrap().1;
         (
-            c.packets,
-            c.psn_gaps,
+            c.counts.packets,
+            c.counts.psn_gaps,
             t.globals().get(GlobalCounter::PsnRegressions, DIR_INGRESS),
-            c.dscp_changed,
+            c.counts.dscp_changed,
         )
     };
     let run = |a: u32, b: u32| (a..b).collect::<Vec<_>>();
@@ -1079,7 +1082,14 @@ fn per_qp(t: &ProgTest) -> (Vec<QpCounts>, u64, u64) {
     let mut v: Vec<_> = t
         .flows()
         .iter()
-        .map(|(k, c)| (k.dest_qp, c.packets, c.psn_gaps, c.dscp_changed))
+        .map(|(k, c)| {
+            (
+                k.dest_qp,
+                c.counts.packets,
+                c.counts.psn_gaps,
+                c.counts.dscp_changed,
+            )
+        })
         .collect();
     v.sort();
     let g = t.globals();
@@ -1124,7 +1134,7 @@ fn flows_beyond_the_flow_table_are_counted_exactly() {
 type Placement = (Option<(u32, u64, u64)>, Vec<(u32, u64, u64)>);
 
 fn placement(t: &ProgTest) -> Placement {
-    let counts = |k: &FlowKey, c: &FlowCounters| (k.dest_qp, c.packets, c.psn_gaps);
+    let counts = |k: &FlowKey, c: &FlowCounters| (k.dest_qp, c.counts.packets, c.counts.psn_gaps);
     let slots = t.slot_table(0);
     assert!(slots.len() <= 1, "one slot: {slots:?}");
     let mut flows: Vec<_> = t.flows_map(0).iter().map(|(k, c)| counts(k, c)).collect();

@@ -638,7 +638,7 @@ fn rss_bytes() -> u64 {
 fn collector() -> anyhow::Result<()> {
     use roce_trace::{
         correlate::{JoinConfig, Joiner, PointInfo},
-        observation::{CounterDelta, FlowId, Observation, PacketId},
+        observation::{CounterDelta, Counts, FlowId, Observation, PacketId},
     };
     use roce_trace_common::datapath::REASON_HASH;
     ensure!(
@@ -773,9 +773,12 @@ fn collector() -> anyhow::Result<()> {
                     flow: *flow,
                     start_ns: t0 + s * 1_000_000_000,
                     end_ns: t0 + (s + 1) * 1_000_000_000,
-                    packets: 120,
-                    bytes: 120 * 1100,
-                    ecn: [0, 0, 120, 0],
+                    counts: Counts {
+                        packets: 120,
+                        bytes: 120 * 1100,
+                        ecn: [0, 0, 120, 0],
+                        ..Default::default()
+                    },
                     ..Default::default()
                 };
                 j.add_counters(*p, &d, t0 + s * 1_000_000_000);
