@@ -17,13 +17,8 @@ use std::{
 const OBJECT: &str = "roce-trace";
 const EBPF_CRATE: &str = "roce-trace-ebpf";
 
-/// The `channel` of a rust-toolchain.toml.
-fn channel(toolchain_toml: &str) -> Option<&str> {
-    toolchain_toml.lines().find_map(|l| {
-        let v = l.trim().strip_prefix("channel")?.trim_start().strip_prefix('=')?;
-        Some(v.trim().trim_matches('"'))
-    })
-}
+mod toolchain;
+use toolchain::channel;
 
 fn main() -> Result<(), String> {
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));

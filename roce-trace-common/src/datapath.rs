@@ -10,6 +10,15 @@ pub const DIR_EGRESS: u8 = 1;
 /// mirrored copy by the hook that received it and by its mirror session).
 pub const DIR_MIRROR: u8 = 2;
 
+/// A `DIR_*`'s name in every output (JSON, labels, tables): `ingress`, `egress`, `mirror`.
+pub const fn direction_name(d: u8) -> &'static str {
+    match d {
+        DIR_INGRESS => "ingress",
+        DIR_MIRROR => "mirror",
+        _ => "egress",
+    }
+}
+
 /// How a mirrored copy reached us (`MirrorInfo::kind`); 0: it was not mirrored.
 pub const MIRROR_NONE: u8 = 0;
 /// Plain GRE carrying an Ethernet frame (0x6558) or an IP packet.

@@ -6,7 +6,7 @@
 use std::{collections::BTreeMap, fmt, net::IpAddr, str::FromStr};
 
 use roce_trace_common::{
-    datapath::{DIR_INGRESS, DIR_MIRROR, PCP_NONE},
+    datapath::{DIR_EGRESS, DIR_INGRESS, DIR_MIRROR, PCP_NONE, direction_name},
     flow::FlowId,
 };
 use serde::{Deserialize, Serialize};
@@ -61,12 +61,17 @@ impl Direction {
         }
     }
 
-    pub fn name(self) -> &'static str {
+    /// The datapath's `DIR_*`.
+    pub fn datapath(self) -> u8 {
         match self {
-            Self::Ingress => "ingress",
-            Self::Egress => "egress",
-            Self::Mirror => "mirror",
+            Self::Ingress => DIR_INGRESS,
+            Self::Egress => DIR_EGRESS,
+            Self::Mirror => DIR_MIRROR,
         }
+    }
+
+    pub fn name(self) -> &'static str {
+        direction_name(self.datapath())
     }
 }
 
@@ -597,4 +602,22 @@ pub struct ProbeHop {
     pub dscp: Option<u8>,
     pub ecn: Option<u8>,
     pub rtt_avg_us: Option<u32>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A direction keeps its datapath value and its name both ways.
+    #[test]
+    fn directions_round_trip_through_the_datapath_value_and_the_name() {
+        for d in [Direction::Ingress, Direction::Egress, Direction::Mirror] {
+            assert_eq!(Direction::of_datapath(d.datapath()), d);
+            assert_eq!(d.name().parse(), Ok(d));
+        }
+        assert_eq!(
+            [DIR_INGRESS, DIR_EGRESS, DIR_MIRROR].map(direction_name),
+            ["ingress", "egress", "mirror"]
+        );
+    }
 }

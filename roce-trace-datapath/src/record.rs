@@ -12,13 +12,7 @@ use crate::{
     sys::KernelClock,
 };
 
-pub fn direction_name(d: u8) -> &'static str {
-    match d {
-        DIR_INGRESS => "ingress",
-        DIR_MIRROR => "mirror",
-        _ => "egress",
-    }
-}
+pub use roce_trace_common::datapath::direction_name;
 
 /// The mirror session a record's packets arrived through (GRE/ERSPAN from a switch).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]

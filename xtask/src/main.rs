@@ -4,6 +4,9 @@
 mod bench;
 mod demo;
 mod lab;
+/// The eBPF toolchain pin, read as the datapath build reads it (one parser).
+#[path = "../../roce-trace-datapath/toolchain.rs"]
+mod toolchain;
 
 use std::process::{Command, ExitCode};
 
@@ -49,11 +52,8 @@ pub fn ebpf_toolchain() -> anyhow::Result<String> {
         "/../roce-trace-ebpf/rust-toolchain.toml"
     );
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
-    text.lines()
-        .find_map(|l| {
-            let v = l.trim().strip_prefix("channel")?.trim_start().strip_prefix('=')?;
-            Some(v.trim().trim_matches('"').to_owned())
-        })
+    toolchain::channel(&text)
+        .map(str::to_owned)
         .with_context(|| format!("{path}: no channel"))
 }
 
