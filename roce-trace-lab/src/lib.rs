@@ -19,7 +19,27 @@
 
 use std::{net::IpAddr, process::Command};
 
-use anyhow::{Context as _, bail};
+/// Why a lab step failed: the command it ran and what that command said.
+#[derive(Debug, thiserror::Error)]
+pub enum LabError {
+    #[error("running {cmd}: {source}")]
+    Spawn {
+        cmd: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{cmd} failed: {stderr}{}", if .input.is_empty() { String::new() } else { format!("\n{}", .input) })]
+    Failed {
+        cmd: String,
+        stderr: String,
+        /// What the command read on stdin (a batch, an nft script), for the reader.
+        input: String,
+    },
+    #[error("{0}")]
+    Unexpected(String),
+}
+
+pub type Result<T, E = LabError> = std::result::Result<T, E>;
 
 pub const HOSTS: [u8; 4] = [1, 2, 3, 4];
 pub const LEAVES: [u8; 2] = [1, 2];
@@ -110,17 +130,36 @@ impl Fault {
     }
 }
 
-fn run(args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new(args[0])
+fn run(args: &[&str]) -> Result<String> {
+    run_with_input(args, "")
+}
+
+/// Runs `args`, writing `input` to its stdin (none when empty); its stdout, or why not.
+fn run_with_input(args: &[&str], input: &str) -> Result<String> {
+    use std::{io::Write, process::Stdio};
+    let cmd = || args.join(" ");
+    let spawn = |source| LabError::Spawn { cmd: cmd(), source };
+    let mut child = Command::new(args[0])
         .args(&args[1..])
-        .output()
-        .with_context(|| format!("running {args:?}"))?;
+        .stdin(if input.is_empty() {
+            Stdio::null()
+        } else {
+            Stdio::piped()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(spawn)?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin.write_all(input.as_bytes()).map_err(spawn)?;
+    }
+    let out = child.wait_with_output().map_err(spawn)?;
     if !out.status.success() {
-        bail!(
-            "{} failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
+        return Err(LabError::Failed {
+            cmd: cmd(),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            input: input.to_owned(),
+        });
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
@@ -131,7 +170,7 @@ impl Lab {
     }
 
     /// Runs a command in a lab node (`h1`, `l2`, `s1`, …).
-    pub fn exec(&self, node: &str, args: &[&str]) -> anyhow::Result<String> {
+    pub fn exec(&self, node: &str, args: &[&str]) -> Result<String> {
         let ns = self.ns(node);
         let mut full = vec!["ip", "netns", "exec", &ns];
         full.extend_from_slice(args);
@@ -154,7 +193,7 @@ impl Lab {
         }
     }
 
-    fn existing(&self) -> anyhow::Result<Vec<String>> {
+    fn existing(&self) -> Result<Vec<String>> {
         let out = run(&["ip", "netns", "list"])?;
         let p = format!("{}-", self.prefix);
         Ok(out
@@ -165,7 +204,7 @@ impl Lab {
             .collect())
     }
 
-    pub fn is_up(&self) -> anyhow::Result<bool> {
+    pub fn is_up(&self) -> Result<bool> {
         let have = self.existing()?;
         Ok(Self::nodes()
             .iter()
@@ -174,7 +213,7 @@ impl Lab {
     }
 
     /// Builds the fabric; a lab that is already up is left as it is.
-    pub fn up(&self) -> anyhow::Result<()> {
+    pub fn up(&self) -> Result<()> {
         if self.is_up()? {
             return Ok(());
         }
@@ -277,7 +316,7 @@ impl Lab {
 
     /// The out-of-band management network: every node's `mgmt` port on one bridge in the
     /// `mgmt` namespace (10.255.0.1), where a collector listens apart from the fabric.
-    fn mgmt(&self) -> anyhow::Result<()> {
+    fn mgmt(&self) -> Result<()> {
         run(&["ip", "netns", "add", &self.ns("mgmt")])?;
         self.exec("mgmt", &["ip", "link", "set", "lo", "up"])?;
         self.exec("mgmt", &["ip", "link", "add", "br0", "type", "bridge"])?;
@@ -312,7 +351,7 @@ impl Lab {
         format!("10.255.0.{k}")
     }
 
-    fn veth(&self, a: &str, a_if: &str, b: &str, b_if: &str, mtu: &str) -> anyhow::Result<()> {
+    fn veth(&self, a: &str, a_if: &str, b: &str, b_if: &str, mtu: &str) -> Result<()> {
         // Temporary names in the root namespace must not collide with anything there.
         let (ta, tb) = (
             format!("{}{a}{a_if}", self.prefix),
@@ -343,14 +382,14 @@ impl Lab {
         Ok(())
     }
 
-    fn addr(&self, node: &str, ifname: &str, v4: &str, v6: &str) -> anyhow::Result<()> {
+    fn addr(&self, node: &str, ifname: &str, v4: &str, v6: &str) -> Result<()> {
         self.exec(node, &["ip", "addr", "add", v4, "dev", ifname])?;
         self.exec(node, &["ip", "-6", "addr", "add", v6, "dev", ifname, "nodad"])?;
         Ok(())
     }
 
     /// Interfaces of a node other than lo (the fabric ports and `mgmt`).
-    pub fn interfaces(&self, node: &str) -> anyhow::Result<Vec<String>> {
+    pub fn interfaces(&self, node: &str) -> Result<Vec<String>> {
         let out = self.exec(node, &["ls", "/sys/class/net"])?;
         Ok(out
             .split_whitespace()
@@ -367,7 +406,7 @@ impl Lab {
         collector: &str,
         token: &str,
         sample_rate: u32,
-    ) -> anyhow::Result<Vec<String>> {
+    ) -> Result<Vec<String>> {
         let mut args: Vec<String> = [
             "agent",
             "--collector",
@@ -390,7 +429,7 @@ impl Lab {
     }
 
     /// The fabric ports of a node: what an agent there observes.
-    pub fn fabric_ports(&self, node: &str) -> anyhow::Result<Vec<String>> {
+    pub fn fabric_ports(&self, node: &str) -> Result<Vec<String>> {
         Ok(self
             .interfaces(node)?
             .into_iter()
@@ -404,7 +443,7 @@ impl Lab {
     /// link change.) One `ip -batch` per node, the leaves first: their next hops are what
     /// a link change moves, and a routing protocol converges in a fraction of a second —
     /// the replies of a leaf's hosts must not stay on a dead link longer than that.
-    pub fn routes(&self) -> anyhow::Result<()> {
+    pub fn routes(&self) -> Result<()> {
         let mut up = std::collections::BTreeSet::new();
         let mut ports_up = std::collections::BTreeMap::new();
         for n in LEAVES
@@ -476,36 +515,19 @@ impl Lab {
     }
 
     /// Runs `ip -batch` in a node: one `ip` command (without the `ip`) per line.
-    fn ip_batch(&self, node: &str, cmds: &[String]) -> anyhow::Result<()> {
+    fn ip_batch(&self, node: &str, cmds: &[String]) -> Result<()> {
         if cmds.is_empty() {
             return Ok(());
         }
         let ns = self.ns(node);
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", &ns, "ip", "-batch", "-"])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()?;
-        use std::io::Write;
-        child
-            .stdin
-            .take()
-            .expect("piped")
-            .write_all(cmds.join("\n").as_bytes())?;
-        let out = child.wait_with_output()?;
-        if !out.status.success() {
-            bail!(
-                "ip -batch in {node} failed: {}\n{}",
-                String::from_utf8_lossy(&out.stderr).trim(),
-                cmds.join("\n")
-            );
-        }
+        run_with_input(
+            &["ip", "netns", "exec", &ns, "ip", "-batch", "-"],
+            &cmds.join("\n"),
+        )?;
         Ok(())
     }
 
-    /// The interfaces of a node that are administratively up.
-    fn ports_up(&self, node: &str) -> anyhow::Result<std::collections::BTreeSet<String>> {
+    fn ports_up(&self, node: &str) -> Result<std::collections::BTreeSet<String>> {
         let out = self.exec(node, &["ip", "-o", "link", "show"])?;
         Ok(out
             .lines()
@@ -521,7 +543,7 @@ impl Lab {
 
     /// Removes every namespace of this lab (their links and rules go with them), after
     /// ending any process still running in one.
-    pub fn down(&self) -> anyhow::Result<()> {
+    pub fn down(&self) -> Result<()> {
         for ns in self.existing()? {
             for pid in run(&["ip", "netns", "pids", &ns])?.split_whitespace() {
                 if let Ok(pid) = pid.parse::<i32>() {
@@ -535,7 +557,7 @@ impl Lab {
     }
 
     /// Per node: interfaces with state and MTU, and active faults.
-    pub fn status(&self) -> anyhow::Result<String> {
+    pub fn status(&self) -> Result<String> {
         if self.existing()?.is_empty() {
             return Ok(format!("lab `{}` is down\n", self.prefix));
         }
@@ -574,7 +596,7 @@ impl Lab {
         Ok(s)
     }
 
-    fn active_faults(&self, node: &str) -> anyhow::Result<Vec<String>> {
+    fn active_faults(&self, node: &str) -> Result<Vec<String>> {
         let mut v: Vec<String> = self
             .exec(node, &["nft", "list", "tables"])?
             .lines()
@@ -597,7 +619,7 @@ impl Lab {
     }
 
     /// Switches a fault on.
-    pub fn apply(&self, f: &Fault) -> anyhow::Result<()> {
+    pub fn apply(&self, f: &Fault) -> Result<()> {
         match f {
             Fault::DscpRewrite { spine, from, to } => self.nft(
                 &format!("s{spine}"),
@@ -674,7 +696,7 @@ impl Lab {
     }
 
     /// Switches a fault off (a fault that is not on is no error).
-    pub fn clear(&self, f: &Fault) -> anyhow::Result<()> {
+    pub fn clear(&self, f: &Fault) -> Result<()> {
         match f {
             Fault::DscpRewrite { spine, .. } => self.nft_del(&format!("s{spine}"), f.name()),
             Fault::CeMark { node, .. } => self.nft_del(node, f.name()),
@@ -700,7 +722,7 @@ impl Lab {
     }
 
     /// A leaf's ECMP hash: 0 on addresses (L3), 1 on the 5-tuple (L4), both families.
-    fn hash_policy(&self, leaf: u8, policy: u8) -> anyhow::Result<()> {
+    fn hash_policy(&self, leaf: u8, policy: u8) -> Result<()> {
         for fam in ["ipv4", "ipv6"] {
             self.exec(
                 &format!("l{leaf}"),
@@ -715,7 +737,7 @@ impl Lab {
     }
 
     /// Both ends of the link between a leaf and a spine, administratively up or down.
-    fn set_link(&self, leaf: u8, spine: u8, up: bool) -> anyhow::Result<()> {
+    fn set_link(&self, leaf: u8, spine: u8, up: bool) -> Result<()> {
         let state = if up { "up" } else { "down" };
         self.exec(
             &format!("l{leaf}"),
@@ -729,7 +751,7 @@ impl Lab {
     }
 
     /// Both ends of the link between a leaf and a spine at `mtu`.
-    fn set_link_mtu(&self, leaf: u8, spine: u8, mtu: u32) -> anyhow::Result<()> {
+    fn set_link_mtu(&self, leaf: u8, spine: u8, mtu: u32) -> Result<()> {
         let m = mtu.to_string();
         self.exec(
             &format!("l{leaf}"),
@@ -765,7 +787,7 @@ impl Lab {
         Ok(())
     }
 
-    fn nft(&self, node: &str, table: &str, hook: &str, kind: &str, rules: &[String]) -> anyhow::Result<()> {
+    fn nft(&self, node: &str, table: &str, hook: &str, kind: &str, rules: &[String]) -> Result<()> {
         self.nft_del(node, table)?;
         let mut script = format!(
             "table inet rtlab_{table} {{\n  chain c {{\n    type {kind} hook {hook} priority mangle; policy accept;\n"
@@ -775,24 +797,11 @@ impl Lab {
         }
         script.push_str("  }\n}\n");
         let ns = self.ns(node);
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", &ns, "nft", "-f", "-"])
-            .stdin(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()?;
-        use std::io::Write;
-        child.stdin.take().unwrap().write_all(script.as_bytes())?;
-        let out = child.wait_with_output()?;
-        if !out.status.success() {
-            bail!(
-                "nft in {node} failed: {}\n{script}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
+        run_with_input(&["ip", "netns", "exec", &ns, "nft", "-f", "-"], &script)?;
         Ok(())
     }
 
-    fn nft_del(&self, node: &str, table: &str) -> anyhow::Result<()> {
+    fn nft_del(&self, node: &str, table: &str) -> Result<()> {
         let tables = self.exec(node, &["nft", "list", "tables"])?;
         if tables
             .lines()
@@ -807,7 +816,7 @@ impl Lab {
     }
 
     /// The spine a leaf sends a UDP/4791 flow through, as its FIB decides.
-    pub fn spine_for(&self, src_host: u8, dst_host: u8, sport: u16, v6: bool) -> anyhow::Result<u8> {
+    pub fn spine_for(&self, src_host: u8, dst_host: u8, sport: u16, v6: bool) -> Result<u8> {
         let l = leaf_of(src_host);
         let dst = Self::host_ip(dst_host, v6).to_string();
         let src = Self::host_ip(src_host, v6).to_string();
@@ -826,7 +835,7 @@ impl Lab {
                 return Ok(s);
             }
         }
-        bail!("no spine in `{}`", out.trim())
+        Err(LabError::Unexpected(format!("no spine in `{}`", out.trim())))
     }
 }
 
@@ -848,5 +857,31 @@ impl LabGuard {
 impl Drop for LabGuard {
     fn drop(&mut self) {
         let _ = self.0.down();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lab step's error names the command and what it said; input reaches its stdin.
+    #[test]
+    fn commands_report_what_failed_and_read_their_input() {
+        assert_eq!(run_with_input(&["cat"], "a batch\n").unwrap(), "a batch\n");
+        let e = run_with_input(
+            &["sh", "-c", "cat >/dev/null; echo no such table >&2; exit 1"],
+            "x y",
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&e, LabError::Failed { stderr, input, .. } if stderr == "no such table" && input == "x y")
+        );
+        assert_eq!(
+            e.to_string(),
+            "sh -c cat >/dev/null; echo no such table >&2; exit 1 failed: no such table\nx y"
+        );
+        let e = run(&["/nonexistent/ip", "link"]).unwrap_err();
+        assert!(matches!(e, LabError::Spawn { .. }), "{e}");
+        assert!(e.to_string().starts_with("running /nonexistent/ip link: "), "{e}");
     }
 }
