@@ -23,8 +23,22 @@ use crate::{
 
 #[derive(Debug, Error)]
 pub enum PcapError {
-    #[error("{0}")]
-    Io(String),
+    #[error("reading {what} at byte offset {offset}: {source}")]
+    Io {
+        what: &'static str,
+        offset: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The datapath options the reader was given are not valid.
+    #[error(transparent)]
+    Options(#[from] crate::loader::DatapathError),
+    #[error("opening {}: {source}", .path.display())]
+    Open {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("not a pcap or pcapng file (magic {0:02x?})")]
     NotPcap([u8; 4]),
     #[error("truncated {what} at byte offset {offset}")]
@@ -83,7 +97,13 @@ pub fn read_frames(mut r: impl Read, mut f: impl FnMut(CapturedFrame)) -> Result
                 match r.read(&mut rec[..1]) {
                     Ok(0) => return Ok(n),
                     Ok(_) => {}
-                    Err(e) => return Err(PcapError::Io(format!("reading at byte offset {offset}: {e}"))),
+                    Err(source) => {
+                        return Err(PcapError::Io {
+                            what: "a packet record",
+                            offset,
+                            source,
+                        });
+                    }
                 }
                 read_exact(&mut r, &mut rec[1..], "packet record header", offset)?;
                 let (sec, frac) = (u32_of(&rec[0..4]) as u64, u32_of(&rec[4..8]) as u64);
@@ -113,7 +133,11 @@ pub fn read_frames(mut r: impl Read, mut f: impl FnMut(CapturedFrame)) -> Result
 fn read_exact(r: &mut impl Read, buf: &mut [u8], what: &'static str, offset: u64) -> Result<(), PcapError> {
     r.read_exact(buf).map_err(|e| match e.kind() {
         std::io::ErrorKind::UnexpectedEof => PcapError::Truncated { what, offset },
-        _ => PcapError::Io(format!("reading {what} at byte offset {offset}: {e}")),
+        _ => PcapError::Io {
+            what,
+            offset,
+            source: e,
+        },
     })
 }
 
@@ -250,7 +274,7 @@ pub struct Offline {
 
 impl Offline {
     pub fn new(opts: &DatapathOptions) -> Result<Self, PcapError> {
-        let cfg = opts.config().map_err(|e| PcapError::Io(e.to_string()))?;
+        let cfg = opts.config()?;
         Ok(Self {
             cfg: Some(cfg),
             ..Self::default()
@@ -330,7 +354,9 @@ pub fn open(path: &Path) -> Result<Box<dyn Read + Send>, PcapError> {
     if path == Path::new("-") {
         return Ok(Box::new(BufReader::new(std::io::stdin())));
     }
-    let f =
-        std::fs::File::open(path).map_err(|e| PcapError::Io(format!("opening {}: {e}", path.display())))?;
+    let f = std::fs::File::open(path).map_err(|source| PcapError::Open {
+        path: path.to_owned(),
+        source,
+    })?;
     Ok(Box::new(BufReader::new(f)))
 }

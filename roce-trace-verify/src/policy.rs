@@ -160,12 +160,23 @@ pub struct BaselinePolicy {
     pub max_spread_growth: Fraction,
 }
 
+/// Why policy text is not a policy.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    /// Not TOML, an unknown key, or a value out of its range; the message names the line
+    /// and column.
+    #[error("{}", .0.to_string().trim_end())]
+    Toml(#[from] toml::de::Error),
+    #[error("the policy states no rule")]
+    NoRule,
+}
+
 impl Policy {
     /// Parses policy text; the error names the line and column.
-    pub fn parse(text: &str) -> Result<Self, String> {
-        let p: Policy = toml::from_str(text).map_err(|e| e.to_string().trim_end().to_owned())?;
+    pub fn parse(text: &str) -> Result<Self, PolicyError> {
+        let p: Policy = toml::from_str(text)?;
         if p == Policy::default() {
-            return Err("the policy states no rule".into());
+            return Err(PolicyError::NoRule);
         }
         Ok(p)
     }
@@ -283,10 +294,12 @@ mod tests {
 
     #[test]
     fn unknown_keys_are_refused_with_their_line() {
-        let e = Policy::parse("[class]\ndata_dscp = 26\ndata_dcsp = 3\n").unwrap_err();
+        let e = Policy::parse("[class]\ndata_dscp = 26\ndata_dcsp = 3\n")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("line 3"), "{e}");
         assert!(e.contains("data_dcsp"), "{e}");
-        let e = Policy::parse("[clas]\ndata_dscp = 26\n").unwrap_err();
+        let e = Policy::parse("[clas]\ndata_dscp = 26\n").unwrap_err().to_string();
         assert!(e.contains("line 1") && e.contains("clas"), "{e}");
     }
 
@@ -309,10 +322,10 @@ mod tests {
                 "two or more",
             ),
         ] {
-            let e = Policy::parse(text).unwrap_err();
+            let e = Policy::parse(text).unwrap_err().to_string();
             assert!(e.contains(line) && e.contains(why), "{text:?}: {e}");
         }
-        assert!(Policy::parse("").unwrap_err().contains("no rule"));
+        assert!(matches!(Policy::parse(""), Err(PolicyError::NoRule)));
     }
 
     #[test]

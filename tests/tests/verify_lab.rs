@@ -345,6 +345,10 @@ fn a_healthy_fabric_passes_and_each_fault_fails_exactly_its_checks() {
             cnp_dscp: 48,
             msg_size: "64KiB",
             fails: &["path_mtu", "loss", "throughput_spread"],
+            // The flows hashed onto s2 resend on every timeout and never get through:
+            // their rate at their last point (the sender's leaf) is go-back-N's, as
+            // steady as the timeouts fall (CV 26 % in one run, under the policy's 25 % in others).
+            may_fail: &["rate_stability"],
             // The flows hashed onto s2 never reach it: no spine share to judge.
             no_data: &["ecmp_spread"],
             evidence: &[("path_mtu", "cannot cross l1:s2:egress: its MTU was 1000")],

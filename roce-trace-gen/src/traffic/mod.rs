@@ -44,6 +44,9 @@ use responder::{Reply, ResponderQp, ResponderStats};
 pub enum GenError {
     #[error("invalid option: {0}")]
     Invalid(String),
+    /// A size or rate that does not parse (the message quotes it).
+    #[error("{0}")]
+    Value(String),
     #[error("{what}")]
     Io {
         what: String,
@@ -67,17 +70,19 @@ pub enum Rate {
 }
 
 impl std::str::FromStr for Rate {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = GenError;
+    fn from_str(s: &str) -> Result<Self, GenError> {
         let t = s.trim().to_ascii_lowercase();
         if t == "max" {
             return Ok(Rate::Max);
         }
         let split = t
             .find(|c: char| c.is_ascii_alphabetic())
-            .ok_or_else(|| format!("rate `{s}` needs a unit"))?;
+            .ok_or_else(|| GenError::Value(format!("rate `{s}` needs a unit")))?;
         let (num, unit) = t.split_at(split);
-        let v: f64 = num.parse().map_err(|_| format!("bad number in rate `{s}`"))?;
+        let v: f64 = num
+            .parse()
+            .map_err(|_| GenError::Value(format!("bad number in rate `{s}`")))?;
         let r = match unit {
             "bit" | "bps" => Rate::BitsPerSec(v),
             "kbit" => Rate::BitsPerSec(v * 1e3),
@@ -87,14 +92,14 @@ impl std::str::FromStr for Rate {
             "kpps" => Rate::PacketsPerSec(v * 1e3),
             "mpps" => Rate::PacketsPerSec(v * 1e6),
             _ => {
-                return Err(format!(
+                return Err(GenError::Value(format!(
                     "unknown rate unit `{unit}` (bit, kbit, mbit, gbit, pps, kpps, mpps, or max)"
-                ));
+                )));
             }
         };
         match r {
             Rate::BitsPerSec(x) | Rate::PacketsPerSec(x) if x <= 0.0 || !x.is_finite() => {
-                Err(format!("rate `{s}` must be positive"))
+                Err(GenError::Value(format!("rate `{s}` must be positive")))
             }
             r => Ok(r),
         }
@@ -102,21 +107,27 @@ impl std::str::FromStr for Rate {
 }
 
 /// Parses a byte size: `4096`, `64KiB`, `1MiB`, `2k`.
-pub fn parse_size(s: &str) -> Result<u32, String> {
+pub fn parse_size(s: &str) -> Result<u32, GenError> {
     let t = s.trim();
     let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let v: u64 = num.parse().map_err(|_| format!("bad size `{s}`"))?;
+    let v: u64 = num
+        .parse()
+        .map_err(|_| GenError::Value(format!("bad size `{s}`")))?;
     let mul = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kib" | "kb" => 1024,
         "m" | "mib" | "mb" => 1024 * 1024,
-        _ => return Err(format!("unknown size unit in `{s}` (B, KiB, MiB)")),
+        _ => {
+            return Err(GenError::Value(format!(
+                "unknown size unit in `{s}` (B, KiB, MiB)"
+            )));
+        }
     };
-    u32::try_from(v * mul)
-        .ok()
+    v.checked_mul(mul)
+        .and_then(|v| u32::try_from(v).ok())
         .filter(|&v| v > 0)
-        .ok_or_else(|| format!("size `{s}` out of range"))
+        .ok_or_else(|| GenError::Value(format!("size `{s}` out of range")))
 }
 
 /// IB path MTUs: what a RoCE NIC can be configured with.
@@ -895,22 +906,20 @@ mod tests {
 
     #[test]
     fn rates_and_sizes_parse() {
-        assert_eq!("10gbit".parse::<Rate>(), Ok(Rate::BitsPerSec(10e9)));
-        assert_eq!("250Mbit".parse::<Rate>(), Ok(Rate::BitsPerSec(250e6)));
-        assert_eq!("100kpps".parse::<Rate>(), Ok(Rate::PacketsPerSec(1e5)));
-        assert_eq!("max".parse::<Rate>(), Ok(Rate::Max));
-        assert!("10".parse::<Rate>().unwrap_err().contains("needs a unit"));
-        assert!(
-            "10furlongs"
-                .parse::<Rate>()
-                .unwrap_err()
-                .contains("unknown rate unit")
-        );
+        assert_eq!("10gbit".parse::<Rate>().unwrap(), Rate::BitsPerSec(10e9));
+        assert_eq!("250Mbit".parse::<Rate>().unwrap(), Rate::BitsPerSec(250e6));
+        assert_eq!("100kpps".parse::<Rate>().unwrap(), Rate::PacketsPerSec(1e5));
+        assert_eq!("max".parse::<Rate>().unwrap(), Rate::Max);
+        let err = |r: Result<Rate, GenError>| r.unwrap_err().to_string();
+        assert!(err("10".parse()).contains("needs a unit"));
+        assert!(err("10furlongs".parse()).contains("unknown rate unit"));
         assert!("0gbit".parse::<Rate>().is_err());
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert_eq!(parse_size("64KiB"), Ok(65536));
-        assert_eq!(parse_size("1MiB"), Ok(1 << 20));
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("64KiB").unwrap(), 65536);
+        assert_eq!(parse_size("1MiB").unwrap(), 1 << 20);
         assert!(parse_size("1TiB").is_err());
+        // Past u64 once scaled: refused, not an overflow.
+        assert!(parse_size("18446744073709551615MiB").is_err());
         assert!(parse_size("0").is_err());
     }
 
