@@ -983,8 +983,8 @@ impl Joiner {
         };
         Some(FlowReport {
             id: id.to_string(),
-            src_ip: id.src_ip().to_string(),
-            dst_ip: id.dst_ip().to_string(),
+            src_ip: id.src_ip(),
+            dst_ip: id.dst_ip(),
             udp_sport: id.udp_sport,
             dest_qp: id.dest_qp,
             path: path.iter().map(l).collect(),

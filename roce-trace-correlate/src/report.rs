@@ -468,8 +468,8 @@ pub struct Answers {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct FlowReport {
     pub id: String,
-    pub src_ip: String,
-    pub dst_ip: String,
+    pub src_ip: IpAddr,
+    pub dst_ip: IpAddr,
     pub udp_sport: u16,
     pub dest_qp: u32,
     /// Observation points in order, and hops (TTL decrements) between neighbours.

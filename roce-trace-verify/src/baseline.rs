@@ -2,7 +2,10 @@
 //! since — a flow that moved, a class that changed, a path that vanished, a spread that
 //! degraded.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
 
 use serde::{Deserialize, Serialize};
 
@@ -32,7 +35,7 @@ fn nodes(path: &[Point]) -> Vec<String> {
     path_nodes(path).into_iter().map(str::to_owned).collect()
 }
 
-fn pair(src: &str, dst: &str) -> String {
+fn pair(src: &IpAddr, dst: &IpAddr) -> String {
     format!("{src} -> {dst}")
 }
 

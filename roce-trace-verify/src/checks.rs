@@ -165,10 +165,6 @@ fn counters_at(f: &FlowReport, first: bool) -> Option<&CounterDelta> {
         .or_else(|| peak(f))
 }
 
-fn ip(s: &str) -> Option<IpAddr> {
-    s.parse().ok()
-}
-
 fn ppm(n: u64, of: u64) -> u64 {
     (n.saturating_mul(1_000_000)).checked_div(of).unwrap_or(0)
 }
@@ -518,16 +514,14 @@ fn hops(flows: &[FlowReport], rule: &HopRule) -> CheckResult {
     // `loss` check names the place), not a hop count — unless probes reached the end.
     let ends = terminals(flows);
     for f in flows {
-        let (Some(s), Some(d)) = (ip(&f.src_ip), ip(&f.dst_ip)) else {
-            continue;
-        };
+        let (s, d) = (f.src_ip, f.dst_ip);
         let between =
             (rule.from.contains(s) && rule.to.contains(d)) || (rule.to.contains(s) && rule.from.contains(d));
         let Some((n, how)) = hop_count(f).filter(|_| between) else {
             continue;
         };
         let short = ends
-            .get(f.dst_ip.as_str())
+            .get(&f.dst_ip)
             .is_some_and(|e| f.path.last().is_some_and(|l| l.node != *e));
         if how == "TTL" && short {
             continue;
@@ -614,16 +608,16 @@ fn nak_rate(flows: &[FlowReport], max: u64) -> CheckResult {
     );
     // NAKs travel back: charge them to the data sent the other way between the same
     // hosts (one direction), and name the QPs that sent them.
-    let mut dirs: BTreeMap<(&str, &str), (u64, u64, Vec<&FlowReport>)> = BTreeMap::new();
+    let mut dirs: BTreeMap<(IpAddr, IpAddr), (u64, u64, Vec<&FlowReport>)> = BTreeMap::new();
     for f in flows {
         match (role(f), peak(f)) {
             (Some(Role::Data), _) => {
                 r.checked += 1;
-                dirs.entry((&f.src_ip, &f.dst_ip)).or_default().1 +=
+                dirs.entry((f.src_ip, f.dst_ip)).or_default().1 +=
                     counters_at(f, true).map_or(0, |c| c.counts.packets);
             }
             (Some(Role::Ack | Role::Cnp), Some(c)) if naks(c) > 0 => {
-                let d = dirs.entry((&f.dst_ip, &f.src_ip)).or_default();
+                let d = dirs.entry((f.dst_ip, f.src_ip)).or_default();
                 d.0 += naks(c);
                 d.2.push(f);
             }
@@ -689,12 +683,12 @@ fn psn_gaps(data: &[&FlowReport], max: u64) -> CheckResult {
 
 /// Where the packets to each destination address end: the last node of the flow to it
 /// that crossed the most hops (a flow stopped short crossed fewer).
-fn terminals(flows: &[FlowReport]) -> BTreeMap<&str, &str> {
-    let mut best: BTreeMap<&str, (u32, &str)> = BTreeMap::new();
+fn terminals(flows: &[FlowReport]) -> BTreeMap<IpAddr, &str> {
+    let mut best: BTreeMap<IpAddr, (u32, &str)> = BTreeMap::new();
     for f in flows {
         let Some(last) = f.path.last() else { continue };
         let hops: u32 = f.hops.iter().map(|&h| h as u32).sum::<u32>() * 1000 + f.path.len() as u32;
-        let e = best.entry(f.dst_ip.as_str()).or_insert((0, last.node.as_str()));
+        let e = best.entry(f.dst_ip).or_insert((0, last.node.as_str()));
         if hops > e.0 {
             *e = (hops, last.node.as_str());
         }
@@ -716,15 +710,15 @@ fn loss(flows: &[FlowReport], max: u64) -> CheckResult {
         format!("at most {max} per million sampled packets lost in the fabric, per direction"),
     );
     let ends = terminals(flows);
-    let mut dirs: BTreeMap<(&str, &str), Direction> = BTreeMap::new();
+    let mut dirs: BTreeMap<(IpAddr, IpAddr), Direction> = BTreeMap::new();
     for f in flows.iter().filter(|f| f.trajectories > 0 && !f.path.is_empty()) {
-        let end = ends.get(f.dst_ip.as_str()).copied();
+        let end = ends.get(&f.dst_ip).copied();
         let short = end.filter(|e| f.path.last().is_some_and(|l| l.node != *e));
         if f.path.len() < 2 && short.is_none() {
             continue;
         }
         r.checked += 1;
-        let d = dirs.entry((&f.src_ip, &f.dst_ip)).or_default();
+        let d = dirs.entry((f.src_ip, f.dst_ip)).or_default();
         // A lost packet's trajectory (cut short) is one of the flow's trajectories.
         d.0 += match short {
             Some(_) => f.trajectories,
@@ -734,11 +728,11 @@ fn loss(flows: &[FlowReport], max: u64) -> CheckResult {
         d.2.push((f, short));
     }
     // CNPs are counted at every point they cross: their loss is exact, not sampled.
-    let mut cnps: BTreeMap<(&str, &str), (u64, u64, Vec<&FlowReport>)> = BTreeMap::new();
+    let mut cnps: BTreeMap<(IpAddr, IpAddr), (u64, u64, Vec<&FlowReport>)> = BTreeMap::new();
     for f in flows {
         let Some(d) = &f.cnp_delivery else { continue };
         r.checked += 1;
-        let e = cnps.entry((&f.src_ip, &f.dst_ip)).or_default();
+        let e = cnps.entry((f.src_ip, f.dst_ip)).or_default();
         e.0 += d.lost.iter().map(|l| l.packets).sum::<u64>();
         e.1 += d.sent;
         e.2.push(f);
@@ -896,7 +890,7 @@ fn mtu(data: &[&FlowReport], roce_mtu: u16, report: &CollectorReport) -> CheckRe
         let mut crossed: Vec<&Point> = f.path.iter().collect();
         crossed.extend(f.path_history.iter().flat_map(|h| &h.path));
         crossed.extend(f.lost.iter().flat_map(|l| &l.between));
-        if let (Some(end), Some(last)) = (ends.get(f.dst_ip.as_str()), f.path.last())
+        if let (Some(end), Some(last)) = (ends.get(&f.dst_ip), f.path.last())
             && last.node != *end
         {
             let node = last.node.as_str();
@@ -971,11 +965,11 @@ pub fn stability(data: &[&FlowReport], max: f64, min_packets: u64) -> (CheckResu
             pct(max)
         ),
     );
-    let mut groups: BTreeMap<(&str, &str), Vec<(&FlowReport, u64)>> = BTreeMap::new();
+    let mut groups: BTreeMap<(IpAddr, IpAddr), Vec<(&FlowReport, u64)>> = BTreeMap::new();
     for f in data {
         if let Some(c) = counters_at(f, false).filter(|c| c.counts.packets >= min_packets) {
             groups
-                .entry((&f.src_ip, &f.dst_ip))
+                .entry((f.src_ip, f.dst_ip))
                 .or_default()
                 .push((f, c.counts.bytes));
         }

@@ -1,7 +1,10 @@
 //! The judge on hand-made windows of the lab's shape: a healthy fabric passes every rule,
 //! and each fault fails exactly the rules it breaks.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
 
 use roce_trace_correlate::{
     Answers, ClassAt, ClassChange, ClassSeen, CnpDelivery, CollectorReport, CountedLoss, DeliveryAt,
@@ -20,8 +23,8 @@ use crate::{
 
 const POLICY: &str = include_str!("../../dist/fabric-policy.toml");
 
-fn h(n: u8) -> String {
-    format!("10.10.{n}.2")
+fn h(n: u8) -> IpAddr {
+    format!("10.10.{n}.2").parse().unwrap()
 }
 
 /// Points from host `a` to host `b` through `spine` (None: same leaf).
@@ -496,17 +499,14 @@ fn a_flow_black_holed_from_its_start_is_loss_where_it_stops() {
     // Only loss: where it vanishes is no hop count (it never crossed the fabric), so the
     // hops rule leaves it out rather than blame routing for a black hole.
     assert_eq!(failing(v.clone(), Load::Idle), set(&["loss"]));
-    let h = c
+    let hops = c
         .iter()
         .find(|c| c.check.starts_with("hops 10.10.1.0/24 <-> 10.10.3.0/24"))
         .unwrap();
-    assert_eq!(h.status, Status::Pass, "{h:?}");
+    assert_eq!(hops.status, Status::Pass, "{hops:?}");
     assert_eq!(
-        h.checked,
-        v.iter()
-            .filter(|f| f.dst_ip == "10.10.3.2" || f.src_ip == "10.10.3.2")
-            .count()
-            - 1
+        hops.checked,
+        v.iter().filter(|f| f.dst_ip == h(3) || f.src_ip == h(3)).count() - 1
     );
 }
 
@@ -874,8 +874,8 @@ fn a_window_counts_only_what_happened_in_it() {
 const DOWN: u64 = 10_000_000_000;
 const UP: u64 = 20_000_000_000;
 
-fn host(ip: &str) -> u8 {
-    ip.split('.').nth(2).unwrap().parse().unwrap()
+fn host(ip: &IpAddr) -> u8 {
+    ip.to_string().split('.').nth(2).unwrap().parse().unwrap()
 }
 
 /// `f` on a path through `spine` from `after_ms` into the failure on.

@@ -307,7 +307,8 @@ async fn send_loop(opts: AgentOptions, sh: Arc<Shared>) {
     let mut last_error = String::new();
     loop {
         let connections = sh.outbox.lock().expect("outbox").connections;
-        let e = session(&opts, &sh).await.err().unwrap_or_default();
+        let Err(e) = session(&opts, &sh).await;
+        let e = e.to_string();
         if e != last_error {
             tracing::warn!("collector {}: {e}; retrying", opts.collector);
             last_error = e;
@@ -350,13 +351,51 @@ struct Connected {
     welcome: Welcome,
 }
 
+/// Why a connection to the collector ended (logged when it differs from the last one;
+/// the agent connects again).
+#[derive(Debug, thiserror::Error)]
+enum SessionEnd {
+    #[error("connect timed out")]
+    ConnectTimeout,
+    #[error("connect: {0}")]
+    Connect(std::io::Error),
+    #[error("no answer to HELLO within 5 s")]
+    NoWelcome,
+    #[error("{0}")]
+    Handshake(ReadError),
+    #[error("the collector closed the connection during the handshake")]
+    ClosedInHandshake,
+    #[error("the collector speaks protocol version {0}, this agent {VERSION}")]
+    Version(u16),
+    #[error("refused: {0}")]
+    Refused(String),
+    #[error("unexpected answer to HELLO: {0}")]
+    NotWelcome(&'static str),
+    #[error("handshake: {0}")]
+    Hello(ProtoError),
+    #[error("sending: {0}")]
+    Send(std::io::Error),
+    #[error("receiving: {0}")]
+    Receive(ReadError),
+    #[error("the collector sent a bad frame: {0}")]
+    BadFrame(ProtoError),
+    #[error("the collector closed the connection")]
+    Closed,
+    #[error("the collector closed the connection: {0}")]
+    Bye(String),
+    #[error("the collector sent {0}, which it never should")]
+    Unexpected(&'static str),
+    #[error("reading the collector's frames stopped: {0}")]
+    Reader(tokio::task::JoinError),
+}
+
 /// Connects and sends HELLO; refuses a collector that does not speak this version (one
 /// that would not acknowledge what it receives).
-async fn handshake(opts: &AgentOptions) -> Result<Connected, String> {
+async fn handshake(opts: &AgentOptions) -> Result<Connected, SessionEnd> {
     let mut sock = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(&opts.collector))
         .await
-        .map_err(|_| "connect timed out".to_owned())?
-        .map_err(|e| format!("connect: {e}"))?;
+        .map_err(|_| SessionEnd::ConnectTimeout)?
+        .map_err(SessionEnd::Connect)?;
     let _ = sock.set_nodelay(true);
     let mut enc = Encoder::default();
     let hello = Frame::Hello {
@@ -365,17 +404,15 @@ async fn handshake(opts: &AgentOptions) -> Result<Connected, String> {
         token: opts.token.clone(),
         clock_synced: opts.clock_synced,
     };
-    let hello = enc.encode(&hello).map_err(|e| format!("handshake: {e}"))?;
-    sock.write_all(&hello)
-        .await
-        .map_err(|e| format!("handshake: {e}"))?;
+    let hello = enc.encode(&hello).map_err(SessionEnd::Hello)?;
+    sock.write_all(&hello).await.map_err(SessionEnd::Send)?;
     let mut buf = BytesMut::new();
     let mut dec = Decoder::default();
     let reply = tokio::time::timeout(Duration::from_secs(5), read_frame(&mut sock, &mut buf, &mut dec))
         .await
-        .map_err(|_| "no answer to HELLO within 5 s".to_owned())?
-        .map_err(|e| e.to_string())?
-        .ok_or("the collector closed the connection during the handshake")?;
+        .map_err(|_| SessionEnd::NoWelcome)?
+        .map_err(SessionEnd::Handshake)?
+        .ok_or(SessionEnd::ClosedInHandshake)?;
     let welcome = match reply {
         Frame::Welcome {
             version,
@@ -387,13 +424,9 @@ async fn handshake(opts: &AgentOptions) -> Result<Connected, String> {
             previous,
             previous_frames,
         },
-        Frame::Welcome { version, .. } => {
-            return Err(format!(
-                "the collector speaks protocol version {version}, this agent {VERSION}"
-            ));
-        }
-        Frame::Bye { reason } => return Err(format!("refused: {reason}")),
-        other => return Err(format!("unexpected answer to HELLO: {}", frame_name(&other))),
+        Frame::Welcome { version, .. } => return Err(SessionEnd::Version(version)),
+        Frame::Bye { reason } => return Err(SessionEnd::Refused(reason)),
+        other => return Err(SessionEnd::NotWelcome(frame_name(&other))),
     };
     Ok(Connected {
         sock,
@@ -423,7 +456,7 @@ fn frame_name(f: &Frame) -> &'static str {
 
 /// One connection: handshake, then everything queued, until the connection fails or the
 /// collector closes it. What was in flight stays for the next handshake to settle.
-async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
+async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<std::convert::Infallible, SessionEnd> {
     let Connected {
         sock,
         mut enc,
@@ -448,7 +481,7 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
         send(&mut sock, &mut enc, &f).await?;
     }
     // The collector's frames (ACKs, trace requests) are read beside the sending below.
-    struct AbortOnDrop(tokio::task::JoinHandle<String>);
+    struct AbortOnDrop(tokio::task::JoinHandle<SessionEnd>);
     impl Drop for AbortOnDrop {
         fn drop(&mut self) {
             self.0.abort();
@@ -465,7 +498,7 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
     let mut last_beat = Instant::now();
     loop {
         tokio::select! {
-            why = &mut reader.0 => return Err(why.unwrap_or_else(|e| e.to_string())),
+            why = &mut reader.0 => return Err(why.unwrap_or_else(SessionEnd::Reader)),
             _ = tokio::time::timeout(Duration::from_millis(500), sh.notify.notified()) => {}
         }
         loop {
@@ -528,8 +561,8 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<(), String> {
     }
 }
 
-async fn write(sock: &mut tokio::net::tcp::OwnedWriteHalf, frame: &[u8]) -> Result<(), String> {
-    sock.write_all(frame).await.map_err(|e| format!("sending: {e}"))
+async fn write(sock: &mut tokio::net::tcp::OwnedWriteHalf, frame: &[u8]) -> Result<(), SessionEnd> {
+    sock.write_all(frame).await.map_err(SessionEnd::Send)
 }
 
 /// Encodes `f` and writes it; a frame the format cannot carry is left out (logged) and
@@ -540,7 +573,7 @@ async fn send(
     sock: &mut tokio::net::tcp::OwnedWriteHalf,
     enc: &mut Encoder,
     f: &Frame,
-) -> Result<(), String> {
+) -> Result<(), SessionEnd> {
     match enc.encode(f) {
         Ok(b) => write(sock, &b).await,
         Err(e) => {
@@ -664,19 +697,19 @@ async fn read_collector(
     mut buf: BytesMut,
     sh: Arc<Shared>,
     connection: u64,
-) -> String {
+) -> SessionEnd {
     loop {
         let f = match read_frame(&mut rd, &mut buf, &mut dec).await {
             Ok(Some(f)) => f,
-            Ok(None) => return "the collector closed the connection".into(),
-            Err(ReadError::Gone(e)) => return format!("receiving: {e}"),
-            Err(ReadError::Protocol(e)) => return format!("the collector sent a bad frame: {e}"),
+            Ok(None) => return SessionEnd::Closed,
+            Err(ReadError::Protocol(e)) => return SessionEnd::BadFrame(e),
+            Err(e) => return SessionEnd::Receive(e),
         };
         match f {
             Frame::Ack { seq } => sh.outbox.lock().expect("outbox").ack(connection, seq),
             Frame::TraceRequest { id, flow, dscp, ecn } => trace_for_collector(&sh, id, flow, dscp, ecn),
-            Frame::Bye { reason } => return format!("the collector closed the connection: {reason}"),
-            other => return format!("the collector sent {}, which it never should", frame_name(&other)),
+            Frame::Bye { reason } => return SessionEnd::Bye(reason),
+            other => return SessionEnd::Unexpected(frame_name(&other)),
         }
     }
 }

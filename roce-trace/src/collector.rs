@@ -172,9 +172,8 @@ pub async fn run(
             let st = st.clone();
             let token = token.clone();
             tokio::spawn(async move {
-                if let Err(reason) = serve_agent(sock, peer, &st, &token, start).await {
-                    tracing::warn!("agent {peer}: connection closed: {reason}");
-                }
+                let why = serve_agent(sock, peer, &st, &token, start).await;
+                tracing::warn!("agent {peer}: connection closed: {why}");
             });
         }
     };
@@ -218,54 +217,50 @@ pub async fn run(
     Ok(r)
 }
 
-/// One agent's connection: handshake, then frames into the join. Any protocol error
-/// closes this connection only.
+/// One agent's connection: handshake, then frames into the join, until it ends (why).
+/// Any protocol error closes this connection only.
 async fn serve_agent(
     mut sock: TcpStream,
     peer: SocketAddr,
     st: &Shared,
     token: &str,
     start: Instant,
-) -> Result<(), String> {
+) -> Closed {
     let mut buf = BytesMut::with_capacity(64 * 1024);
     let mut dec = Decoder::default();
     let mut enc = Encoder::default();
-    let first =
-        match tokio::time::timeout(Duration::from_secs(5), read_frame(&mut sock, &mut buf, &mut dec)).await {
-            Ok(Ok(f)) => f,
-            Ok(Err(e)) => {
-                st.lock().expect("state").refused += 1;
-                return Err(format!("handshake: {e}"));
+    let first = tokio::time::timeout(Duration::from_secs(5), read_frame(&mut sock, &mut buf, &mut dec)).await;
+    let hello = match first {
+        Ok(Ok(Some(Frame::Hello {
+            version,
+            node,
+            token: t,
+            clock_synced,
+        }))) => {
+            if version != VERSION {
+                Err(Closed::Version(ProtoError::Version(version)))
+            } else if t != token {
+                Err(Closed::WrongToken(node))
+            } else {
+                Ok((node, clock_synced))
             }
-            Err(_) => {
-                st.lock().expect("state").refused += 1;
-                return Err("no HELLO within 5 s".into());
-            }
-        };
-    let Some(Frame::Hello {
-        version,
-        node,
-        token: t,
-        clock_synced,
-    }) = first
-    else {
-        st.lock().expect("state").refused += 1;
-        return Err("the first frame was not HELLO".into());
-    };
-    let refusal = if version != VERSION {
-        Some(ProtoError::Version(version).to_string())
-    } else if t != token {
-        Some(format!("node `{node}` presented a wrong token"))
-    } else {
-        None
-    };
-    if let Some(why) = refusal {
-        st.lock().expect("state").refused += 1;
-        if let Ok(bye) = Encoder::default().encode(&Frame::bye(why.clone())) {
-            let _ = sock.write_all(&bye).await;
         }
-        return Err(why);
-    }
+        Ok(Ok(_)) => Err(Closed::NotHello),
+        Ok(Err(e)) => Err(Closed::Handshake(e)),
+        Err(_) => Err(Closed::NoHello),
+    };
+    let (node, clock_synced) = match hello {
+        Ok(h) => h,
+        Err(why) => {
+            st.lock().expect("state").refused += 1;
+            if matches!(why, Closed::Version(_) | Closed::WrongToken(_))
+                && let Ok(bye) = Encoder::default().encode(&Frame::bye(why.to_string()))
+            {
+                let _ = sock.write_all(&bye).await;
+            }
+            return why;
+        }
+    };
     let (conn, stop, done, previous) = take_over(st, &node, dec.next_seq()).await;
     let welcome = Frame::Welcome {
         version: VERSION,
@@ -274,12 +269,12 @@ async fn serve_agent(
         previous_frames: previous.map_or(0, |p| p.1),
     };
     let written = match enc.encode(&welcome) {
-        Ok(wire) => sock.write_all(&wire).await.map_err(|e| e.to_string()),
-        Err(e) => Err(format!("handshake: {e}")),
+        Ok(wire) => sock.write_all(&wire).await.map_err(Closed::Welcoming),
+        Err(e) => Err(Closed::Welcome(e)),
     };
     if let Err(e) = written {
         drop(done);
-        return Err(e);
+        return e;
     }
     tracing::info!("agent `{node}` connected from {peer}");
     {
@@ -303,7 +298,7 @@ async fn serve_agent(
         .insert(node.clone(), (conn.id, req_tx.clone()));
     let writer = tokio::spawn(write_to_agent(wr, enc, req_rx, ack_rx));
     let closed = serve_frames(rd, buf, dec, st, &node, clock_synced, start, &conn, stop, &ack_tx).await;
-    let (Closed::Protocol(reason) | Closed::Gone(reason)) = &closed;
+    let reason = closed.to_string();
     {
         let mut s = st.lock().expect("state");
         if s.requesters.get(&node).is_some_and(|(id, _)| *id == conn.id) {
@@ -317,9 +312,9 @@ async fn serve_agent(
     // Nothing more of this connection is processed: a new one from the node may go on.
     drop(done);
     // The agent is told why, when it is still there to hear it.
-    if let Closed::Protocol(r) = &closed {
+    if closed.is_violation() {
         // Cut to fit its u16-long string (a reason may quote a long node name).
-        let _ = req_tx.send(Frame::bye(r.clone()));
+        let _ = req_tx.send(Frame::bye(reason));
     }
     drop(req_tx);
     let mut writer = writer;
@@ -330,14 +325,52 @@ async fn serve_agent(
         writer.abort();
     }
     drop(ack_tx);
-    Err(reason.clone())
+    closed
 }
 
-/// Why a connection ended: a protocol violation (the agent is told, with BYE) or the
-/// agent going away.
+/// Why an agent's connection ended: refused at the handshake (counted as refused; a
+/// wrong version or token is told with BYE), a protocol violation after it (told with
+/// BYE), or the agent going away.
+#[derive(Debug, thiserror::Error)]
 enum Closed {
-    Protocol(String),
-    Gone(String),
+    #[error("handshake: {0}")]
+    Handshake(ReadError),
+    #[error("no HELLO within 5 s")]
+    NoHello,
+    #[error("the first frame was not HELLO")]
+    NotHello,
+    #[error("{0}")]
+    Version(ProtoError),
+    #[error("node `{0}` presented a wrong token")]
+    WrongToken(String),
+    #[error("handshake: {0}")]
+    Welcome(ProtoError),
+    #[error("{0}")]
+    Welcoming(std::io::Error),
+    #[error("{0}")]
+    BadFrame(ProtoError),
+    #[error("node `{0}` connected again: this connection is replaced")]
+    Replaced(String),
+    #[error("{what} undeclared point {point}")]
+    UndeclaredPoint { what: &'static str, point: u16 },
+    #[error("a frame an agent does not send")]
+    WrongFrame,
+    #[error("the agent went away")]
+    WentAway,
+    #[error("{0}")]
+    Lost(ReadError),
+    #[error("agent said goodbye: {0}")]
+    Goodbye(String),
+}
+
+impl Closed {
+    /// The agent broke the protocol (or was replaced) after its handshake: it is told why.
+    fn is_violation(&self) -> bool {
+        matches!(
+            self,
+            Self::BadFrame(_) | Self::Replaced(_) | Self::UndeclaredPoint { .. } | Self::WrongFrame
+        )
+    }
 }
 
 /// Registers a new connection from `node` (`processed` frames so far: the HELLO) as its
@@ -453,15 +486,11 @@ async fn serve_frames(
         let f = tokio::select! {
             f = read_frame(&mut rd, &mut buf, &mut dec) => match f {
                 Ok(Some(f)) => f,
-                Ok(None) => return Closed::Gone("the agent went away".to_owned()),
-                Err(ReadError::Gone(e)) => return Closed::Gone(e),
-                Err(ReadError::Protocol(e)) => return Closed::Protocol(e.to_string()),
+                Ok(None) => return Closed::WentAway,
+                Err(ReadError::Protocol(e)) => return Closed::BadFrame(e),
+                Err(e) => return Closed::Lost(e),
             },
-            _ = &mut stop => {
-                return Closed::Protocol(format!(
-                    "node `{node}` connected again: this connection is replaced"
-                ));
-            }
+            _ = &mut stop => return Closed::Replaced(node.to_owned()),
         };
         let now = now_ns(start);
         let mut s = st.lock().expect("state");
@@ -491,7 +520,10 @@ async fn serve_frames(
             }
             Frame::Observations(obs) => {
                 if let Some(o) = obs.iter().find(|o| !points.contains_key(&o.point)) {
-                    return Closed::Protocol(format!("observation from undeclared point {}", o.point));
+                    return Closed::UndeclaredPoint {
+                        what: "observation from",
+                        point: o.point,
+                    };
                 }
                 let State { joiner, agents, .. } = &mut *s;
                 let j = joiner.as_mut().expect("joiner");
@@ -503,7 +535,10 @@ async fn serve_frames(
             }
             Frame::Counters(deltas) => {
                 if let Some(d) = deltas.iter().find(|d| !points.contains_key(&d.point)) {
-                    return Closed::Protocol(format!("counters from undeclared point {}", d.point));
+                    return Closed::UndeclaredPoint {
+                        what: "counters from",
+                        point: d.point,
+                    };
                 }
                 let State { joiner, agents, .. } = &mut *s;
                 let j = joiner.as_mut().expect("joiner");
@@ -515,7 +550,10 @@ async fn serve_frames(
             }
             Frame::Health(v) => {
                 if let Some(h) = v.iter().find(|h| !points.contains_key(&h.point)) {
-                    return Closed::Protocol(format!("health of undeclared point {}", h.point));
+                    return Closed::UndeclaredPoint {
+                        what: "health of",
+                        point: h.point,
+                    };
                 }
                 let j = s.joiner.as_mut().expect("joiner");
                 for h in &v {
@@ -532,9 +570,9 @@ async fn serve_frames(
                 a.dropped_counters = counters;
             }
             Frame::Heartbeat { .. } => {}
-            Frame::Bye { reason } => return Closed::Gone(format!("agent said goodbye: {reason}")),
+            Frame::Bye { reason } => return Closed::Goodbye(reason),
             Frame::Hello { .. } | Frame::Welcome { .. } | Frame::TraceRequest { .. } | Frame::Ack { .. } => {
-                return Closed::Protocol("a frame an agent does not send".into());
+                return Closed::WrongFrame;
             }
         }
         drop(s);

@@ -74,7 +74,9 @@ pub enum ReadError {
     #[error("{0}")]
     Protocol(ProtoError),
     #[error("{0}")]
-    Gone(String),
+    Io(std::io::Error),
+    #[error("stream ended inside a frame ({0} bytes)")]
+    EndedInsideFrame(usize),
 }
 
 /// Reads until one whole frame is decoded; `Ok(None)` on a clean end of stream (at a
@@ -89,18 +91,12 @@ pub async fn read_frame(
         if let Some(f) = dec.decode(buf).map_err(ReadError::Protocol)? {
             return Ok(Some(f));
         }
-        let n = sock
-            .read_buf(buf)
-            .await
-            .map_err(|e| ReadError::Gone(e.to_string()))?;
+        let n = sock.read_buf(buf).await.map_err(ReadError::Io)?;
         if n == 0 {
             return if buf.is_empty() {
                 Ok(None)
             } else {
-                Err(ReadError::Gone(format!(
-                    "stream ended inside a frame ({} bytes)",
-                    buf.len()
-                )))
+                Err(ReadError::EndedInsideFrame(buf.len()))
             };
         }
     }

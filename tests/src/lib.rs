@@ -10,11 +10,11 @@ use std::{
 };
 
 use aya::programs::{TestRun, TestRunOptions};
-use roce_trace::datapath::{Datapath, DatapathOptions, GlobalTotals};
 use roce_trace_common::datapath::{
     FlowCounters, FlowKey, FlowSlotChunk, MAP_FLOW_SLOTS, MAP_FLOWS, MirrorInfo, PROG_TC, PROG_TC_INGRESS,
     SLOTS_PER_CHUNK, Sample,
 };
+use roce_trace_datapath::loader::{Datapath, DatapathOptions, GlobalTotals};
 
 /// Whether this is CI (`CI=true`, as GitHub Actions, GitLab and most others set it): there
 /// every test must run.
@@ -547,7 +547,7 @@ impl VethPair {
 /// Sends raw Ethernet frames out of `ifname` in the calling thread's namespace through an
 /// AF_PACKET socket (they cross the interface's TC egress like any transmitted packet).
 pub fn send_frames(ifname: &str, frames: &[Vec<u8>]) {
-    let idx = roce_trace::sys::ifindex(ifname).unwrap();
+    let idx = roce_trace_datapath::sys::ifindex(ifname).unwrap();
     // SAFETY: plain socket syscalls on a fd we own; addresses are valid sockaddr_ll.
     unsafe {
         let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0);

@@ -4,11 +4,11 @@
 
 use std::{collections::BTreeMap, net::IpAddr, sync::Mutex, time::Duration};
 
-use roce_trace::frame::{RoceFrame, ethernet, ext};
 use roce_trace_common::{
     datapath::{PROG_TC, PROG_TC_INGRESS, PROG_XDP, PROGRAMS},
     roce::op,
 };
+use roce_trace_gen::frame::{RoceFrame, ethernet, ext};
 use roce_trace_tests::*;
 use serde_json::Value;
 
@@ -415,7 +415,7 @@ fn programs_detach_when_capture_is_killed() {
 /// their ICRC checked, and a corrupted one is counted on its flow.
 #[test]
 fn live_capture_writes_pcapng_that_tshark_decodes_the_same() {
-    use roce_trace::frame::{IcrcMode, Mirror};
+    use roce_trace_gen::frame::{IcrcMode, Mirror};
     if !require_root() {
         return;
     }
@@ -550,7 +550,7 @@ fn live_capture_writes_pcapng_that_tshark_decodes_the_same() {
         Some(h) => u64::from_str_radix(h, 16).unwrap(),
         None => s.parse::<u64>().unwrap_or_else(|_| panic!("not a number: {s:?}")),
     };
-    let host = roce_trace::sys::hostname();
+    let host = roce_trace_datapath::sys::hostname();
     let ecn_names = ["not_ect", "ect1", "ect0", "ce"];
     let mut mirrored = 0;
     for (i, (row, s)) in rows.iter().zip(&samples).enumerate() {

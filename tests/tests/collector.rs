@@ -10,11 +10,11 @@ use std::{
 
 use roce_trace::{
     collector::{self, CollectorOptions, CollectorReport},
-    correlate::JoinConfig,
     observation::{CounterDelta, Counts, FlowId, Observation, PacketId, PointDecl},
     protocol::{Encoder, Frame, VERSION},
 };
 use roce_trace_common::datapath::REASON_HASH;
+use roce_trace_correlate::JoinConfig;
 use serde_json::Value;
 
 struct Running {
@@ -564,7 +564,7 @@ fn the_api_serves_flows_paths_and_class_changes() {
 /// collector joins them into a two-hop path.
 #[test]
 fn mirrored_copies_from_two_switches_join_into_a_two_hop_path() {
-    use roce_trace::frame::{Mirror, RoceFrame};
+    use roce_trace_gen::frame::{Mirror, RoceFrame};
     use roce_trace_tests::{TempDir, roce_trace_bin, write_pcap};
     let c = Running::start();
     let analyser = "192.0.2.100".parse().unwrap();
@@ -648,7 +648,7 @@ fn mirrored_copies_from_two_switches_join_into_a_two_hop_path() {
 /// retrying, and its last line says everything went undelivered.
 #[test]
 fn an_agent_and_a_collector_of_another_version_part_cleanly() {
-    use roce_trace::frame::RoceFrame;
+    use roce_trace_gen::frame::RoceFrame;
     use roce_trace_tests::{Proc, TempDir, roce_trace_bin, write_pcap};
     use std::net::TcpListener;
     let dir = TempDir::new("version-agent");

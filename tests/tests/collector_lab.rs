@@ -201,7 +201,7 @@ fn class_rewrite_is_located_at_the_spine_and_ce_marks_draw_cnps() {
     // take s1 too and are rewritten: a class change each, on the reverse flow.
     let acks_through_s1 = (0..8u32)
         .filter(|i| {
-            let port = roce_trace::traffic::reply_port(0x101 + 2 * i);
+            let port = roce_trace_gen::traffic::reply_port(0x101 + 2 * i);
             l.spine_for(3, 1, port, false).unwrap() == 1
         })
         .count();

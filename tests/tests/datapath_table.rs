@@ -4,11 +4,9 @@
 
 use std::net::IpAddr;
 
-use roce_trace::{
-    datapath::DatapathOptions,
-    frame::{Mirror, RoceFrame, check_icrc, ethernet, ext, icrc},
-};
 use roce_trace_common::{datapath::*, roce::op, wire::*};
+use roce_trace_datapath::loader::DatapathOptions;
+use roce_trace_gen::frame::{Mirror, RoceFrame, check_icrc, ethernet, ext, icrc};
 use roce_trace_tests::*;
 
 /// What the table expects of a row.

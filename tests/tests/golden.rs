@@ -18,8 +18,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use roce_trace::frame::{Mirror, RoceFrame, ext};
 use roce_trace_common::roce::{OP_CNP, op};
+use roce_trace_gen::frame::{Mirror, RoceFrame, ext};
 use roce_trace_tests::*;
 use serde_json::Value;
 

@@ -7,8 +7,8 @@ use std::{
     process::{Command, Stdio},
 };
 
-use roce_trace::frame::{RoceFrame, ext};
 use roce_trace_common::roce::op;
+use roce_trace_gen::frame::{RoceFrame, ext};
 use roce_trace_tests::*;
 use serde_json::Value;
 
@@ -240,7 +240,7 @@ fn truncated_and_garbage_files_name_the_offset() {
 /// ERSPAN decoding.
 #[test]
 fn mirrored_copies_decapsulate_per_session_in_the_pcap_path() {
-    use roce_trace::frame::Mirror;
+    use roce_trace_gen::frame::Mirror;
     let s1 = "198.51.100.7".parse().unwrap();
     let s2 = "198.51.100.8".parse().unwrap();
     let analyser = "192.0.2.100".parse().unwrap();

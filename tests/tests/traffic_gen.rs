@@ -130,7 +130,7 @@ fn generated_packets_decode_in_tshark_and_carry_scapys_icrc() {
                 let want_op = [6, 7, 7, 8][i % 4];
                 assert_eq!(r[0], want_op.to_string(), "QP {qp:#x} packet {i} opcode");
                 // Each QP starts at its own PSN, as NICs do.
-                let psn = (roce_trace::traffic::initial_psn(qp as u32 - 1) + i as u32) & 0xff_ffff;
+                let psn = (roce_trace_gen::traffic::initial_psn(qp as u32 - 1) + i as u32) & 0xff_ffff;
                 assert_eq!(r[2], psn.to_string(), "QP {qp:#x} packet {i} PSN");
                 assert_eq!(r[3], sport.to_string());
                 assert_eq!(
@@ -147,7 +147,7 @@ fn generated_packets_decode_in_tshark_and_carry_scapys_icrc() {
                 .collect();
             // Each responder QP replies from a port of its own, as NICs do, so the
             // replies of different QPs take different ECMP paths.
-            let port = roce_trace::traffic::reply_port(qp as u32).to_string();
+            let port = roce_trace_gen::traffic::reply_port(qp as u32).to_string();
             assert!(
                 acks.iter().all(|r| r[3] == port),
                 "ACKs of QP {qp:#x} from port {port}: {:?}",

@@ -675,7 +675,7 @@ fn a_drill_whose_replies_are_black_holed_fails_naming_the_reply_direction() {
     // port): the test means something only if some do and some do not.
     let probe = LabGuard::up("rtvr");
     let on_s1: BTreeSet<u16> = (0..8u32)
-        .map(|i| roce_trace::traffic::reply_port(0x101 + 2 * i))
+        .map(|i| roce_trace_gen::traffic::reply_port(0x101 + 2 * i))
         .filter(|&p| probe.0.spine_for(3, 1, p, false).unwrap() == 1)
         .collect();
     drop(probe);

@@ -1,16 +1,14 @@
 //! Our frames and our parser against independent decoders: tshark's dissector and
 //! scapy's ICRC; and the real Huawei hardware capture in ../shared.
 
-use roce_trace::{
-    datapath::DatapathOptions,
-    frame::{RoceFrame, ext, icrc},
-};
 use roce_trace_common::{
     datapath::*,
     parse::{SlicePacket, parse},
     roce::op,
     wire::*,
 };
+use roce_trace_datapath::loader::DatapathOptions;
+use roce_trace_gen::frame::{RoceFrame, ext, icrc};
 use roce_trace_tests::*;
 
 fn specs() -> Vec<RoceFrame> {

@@ -9,11 +9,9 @@ use std::{
 };
 
 use anyhow::{Context as _, bail, ensure};
-use roce_trace::{
-    datapath::DatapathOptions,
-    frame::{RoceFrame, ext},
-};
 use roce_trace_common::{datapath::PROGRAMS, roce::op};
+use roce_trace_datapath::loader::DatapathOptions;
+use roce_trace_gen::frame::{RoceFrame, ext};
 use roce_trace_lab::Lab;
 use roce_trace_tests::{ProgTest, VethPair};
 use serde_json::Value;
@@ -94,7 +92,7 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
         ),
         (
             "ERSPAN II mirrored WRITE MIDDLE, 1 in 1000",
-            roce_trace::frame::Mirror::ErspanII {
+            roce_trace_gen::frame::Mirror::ErspanII {
                 session: 1,
                 seq: 1,
                 index: 1,
@@ -636,11 +634,12 @@ fn rss_bytes() -> u64 {
 /// The collector's join on one core: a synthetic fabric of many agents, each packet seen
 /// at 8 points (host out, leaf in/out, spine in/out, leaf in/out, host in).
 fn collector() -> anyhow::Result<()> {
-    use roce_trace::{
-        correlate::{JoinConfig, Joiner, PointInfo},
-        observation::{CounterDelta, Counts, FlowId, Observation, PacketId},
-    };
     use roce_trace_common::datapath::REASON_HASH;
+    use roce_trace_common::flow::{FlowId, PacketId};
+    use roce_trace_correlate::{
+        JoinConfig, Joiner, PointInfo,
+        observation::{CounterDelta, Counts, Observation},
+    };
     ensure!(
         !cfg!(debug_assertions),
         "build it optimised: cargo run --release -p xtask -- bench collector"
@@ -660,9 +659,9 @@ fn collector() -> anyhow::Result<()> {
                 node: format!("node{n}"),
                 iface: format!("p{}", i / 2),
                 direction: if i % 2 == 0 {
-                    roce_trace::correlate::Direction::Ingress
+                    roce_trace_correlate::Direction::Ingress
                 } else {
-                    roce_trace::correlate::Direction::Egress
+                    roce_trace_correlate::Direction::Egress
                 },
                 clock_synced: true,
                 ..Default::default()
