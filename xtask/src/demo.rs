@@ -147,7 +147,7 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
         )?);
     }
     say(&format!(
-        "traffic for {seconds}s: h1 -> h3 and h2 -> h4, {QPS} QPs each (RDMA WRITE 64 KiB, MTU 1024, DSCP 26, ECT(0), 20 Mbit/s per QP, DCQCN)"
+        "traffic for {seconds}s: h1 -> h3 and h2 -> h4, {QPS} QPs each (RDMA WRITE 64 KiB, MTU 1024, DSCP 26, ECT(0), 5 Mbit/s per QP, DCQCN)"
     ));
     let mut senders = Vec::new();
     for (src, dst) in [(1u8, 3u8), (2, 4)] {
@@ -165,7 +165,7 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
                 "--qps",
                 &q,
                 "--rate",
-                "20mbit",
+                "5mbit",
                 "--duration",
                 &dur,
                 "--json",
@@ -215,7 +215,11 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
     print!("{}", String::from_utf8_lossy(&out.stdout));
     eprint!("{}", String::from_utf8_lossy(&out.stderr));
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&verdict)?)?;
-    let _ = std::fs::remove_dir_all(&dir);
+    if std::env::var_os("ROCE_TRACE_KEEP").is_some_and(|v| v == "1") {
+        println!("(report and verdict kept in {})", dir.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
     let verify_failed: std::collections::BTreeSet<&str> = v["checks"]
         .as_array()
         .map(|c| {
