@@ -303,6 +303,9 @@ fn a_healthy_fabric_passes_and_each_fault_fails_exactly_its_checks() {
                 "rate_stability",
             ],
             evidence: &[("loss", "kernel: l2:h3:egress qdisc_dropped")],
+            // The receivers answer the tail drops with sequence-error NAKs, one per gap
+            // they see: around the policy's 1000 per million (1129 in one run of ten).
+            may_fail: &["naks"],
             // A QP stalled by the collapse (go-back-N, 2 s ACK timeouts) may send too few
             // sampled packets to be placed on a spine: the share is then short of flows.
             no_data: &["ecmp_spread"],
@@ -433,7 +436,8 @@ fn a_healthy_fabric_passes_and_each_fault_fails_exactly_its_checks() {
             // Every far flow slows down for the fault's 3 s: unsteady; unequal too when
             // one QP's go-back-N stalls longer than the others'.
             fails: &["ce_fraction", "loss", "psn_gaps", "rate_stability"],
-            may_fail: &["throughput_spread"],
+            // NAKs answer the drops: as above, near the policy's limit.
+            may_fail: &["throughput_spread", "naks"],
             ..Default::default()
         },
         Scenario {
