@@ -363,6 +363,16 @@ enum Closed {
     Goodbye(String),
 }
 
+/// The first point of `used` the agent never declared, as the reason to close.
+fn undeclared(
+    points: &HashMap<u16, PointId>,
+    mut used: impl Iterator<Item = u16>,
+    what: &'static str,
+) -> Option<Closed> {
+    used.find(|p| !points.contains_key(p))
+        .map(|point| Closed::UndeclaredPoint { what, point })
+}
+
 impl Closed {
     /// The agent broke the protocol (or was replaced) after its handshake: it is told why.
     fn is_violation(&self) -> bool {
@@ -519,11 +529,8 @@ async fn serve_frames(
                 }
             }
             Frame::Observations(obs) => {
-                if let Some(o) = obs.iter().find(|o| !points.contains_key(&o.point)) {
-                    return Closed::UndeclaredPoint {
-                        what: "observation from",
-                        point: o.point,
-                    };
+                if let Some(closed) = undeclared(&points, obs.iter().map(|o| o.point), "observation from") {
+                    return closed;
                 }
                 let State { joiner, agents, .. } = &mut *s;
                 let j = joiner.as_mut().expect("joiner");
@@ -534,11 +541,8 @@ async fn serve_frames(
                 data = true;
             }
             Frame::Counters(deltas) => {
-                if let Some(d) = deltas.iter().find(|d| !points.contains_key(&d.point)) {
-                    return Closed::UndeclaredPoint {
-                        what: "counters from",
-                        point: d.point,
-                    };
+                if let Some(closed) = undeclared(&points, deltas.iter().map(|d| d.point), "counters from") {
+                    return closed;
                 }
                 let State { joiner, agents, .. } = &mut *s;
                 let j = joiner.as_mut().expect("joiner");
@@ -549,11 +553,8 @@ async fn serve_frames(
                 data = true;
             }
             Frame::Health(v) => {
-                if let Some(h) = v.iter().find(|h| !points.contains_key(&h.point)) {
-                    return Closed::UndeclaredPoint {
-                        what: "health of",
-                        point: h.point,
-                    };
+                if let Some(closed) = undeclared(&points, v.iter().map(|h| h.point), "health of") {
+                    return closed;
                 }
                 let j = s.joiner.as_mut().expect("joiner");
                 for h in &v {

@@ -389,6 +389,16 @@ fn need(b: &impl Buf, n: usize) -> Result<(), ProtoError> {
     }
 }
 
+/// A u32 record count, and a body holding exactly that many records of `len` bytes.
+fn records(b: &mut Bytes, len: usize, mismatch: &'static str) -> Result<usize, ProtoError> {
+    need(b, 4)?;
+    let n = b.get_u32() as usize;
+    if b.remaining() != n * len {
+        return Err(ProtoError::Malformed(mismatch));
+    }
+    Ok(n)
+}
+
 fn get_str(b: &mut Bytes) -> Result<String, ProtoError> {
     need(b, 2)?;
     let n = b.get_u16() as usize;
@@ -494,13 +504,11 @@ impl Decoder {
                 Frame::Points(v)
             }
             4 => {
-                need(&b, 4)?;
-                let n = b.get_u32() as usize;
-                if b.remaining() != n * OBS_LEN {
-                    return Err(ProtoError::Malformed(
-                        "observation count does not match the frame length",
-                    ));
-                }
+                let n = records(
+                    &mut b,
+                    OBS_LEN,
+                    "observation count does not match the frame length",
+                )?;
                 let mut v = Vec::with_capacity(n);
                 for _ in 0..n {
                     let point = b.get_u16();
@@ -533,13 +541,7 @@ impl Decoder {
                 Frame::Observations(v)
             }
             5 => {
-                need(&b, 4)?;
-                let n = b.get_u32() as usize;
-                if b.remaining() != n * DELTA_LEN {
-                    return Err(ProtoError::Malformed(
-                        "counter count does not match the frame length",
-                    ));
-                }
+                let n = records(&mut b, DELTA_LEN, "counter count does not match the frame length")?;
                 let mut v = Vec::with_capacity(n);
                 for _ in 0..n {
                     let point = b.get_u16();
@@ -636,13 +638,7 @@ impl Decoder {
                 Frame::Ack { seq: b.get_u64() }
             }
             12 => {
-                need(&b, 4)?;
-                let n = b.get_u32() as usize;
-                if b.remaining() != n * HEALTH_LEN {
-                    return Err(ProtoError::Malformed(
-                        "health count does not match the frame length",
-                    ));
-                }
+                let n = records(&mut b, HEALTH_LEN, "health count does not match the frame length")?;
                 let mut v = Vec::with_capacity(n);
                 for _ in 0..n {
                     let point = b.get_u16();
