@@ -4,7 +4,10 @@
 //! lost, one-way delays, and path changes over time. Counters explain how much. Pure
 //! logic with time passed in, so it is tested without a network.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap, VecDeque},
+    sync::Arc,
+};
 
 use roce_trace_common::flow::{FlowId, PROBE_QP, PacketId};
 use roce_trace_common::{datapath::PCP_NONE, roce};
@@ -12,6 +15,7 @@ use roce_trace_common::{datapath::PCP_NONE, roce};
 use crate::{
     observation::{CounterDelta, OBS_HAS_PCP, Observation, PointHealth},
     report::*,
+    view::{JoinView, Snapshot},
 };
 
 /// An observation point, collector-wide.
@@ -65,48 +69,47 @@ struct Pending {
 
 const RECENT: usize = 64;
 
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct FlowJoin {
-    last_activity_ns: u64,
-    path: Vec<PointId>,
-    path_since_ns: u64,
-    history: Vec<(u64, Vec<PointId>)>,
-    hops: BTreeMap<(PointId, PointId), u8>,
-    class_at: BTreeMap<PointId, (u8, u8, u8)>,
+    pub(crate) path: Vec<PointId>,
+    pub(crate) path_since_ns: u64,
+    pub(crate) history: Vec<(u64, Vec<PointId>)>,
+    pub(crate) hops: BTreeMap<(PointId, PointId), u8>,
+    pub(crate) class_at: BTreeMap<PointId, (u8, u8, u8)>,
     /// Every class each point saw, CNPs apart, with when and how many: a class that was
     /// wrong for a while is wrong, whatever the point shows at the end.
-    seen: BTreeMap<(PointId, bool, u8, u8), Span>,
-    changes: BTreeMap<(PointId, PointId, u8, u8), Span>,
-    ce_onset: BTreeMap<(Option<PointId>, PointId), Span>,
-    lost: BTreeMap<(PointId, PointId), Span>,
+    pub(crate) seen: BTreeMap<(PointId, bool, u8, u8), Span>,
+    pub(crate) changes: BTreeMap<(PointId, PointId, u8, u8), Span>,
+    pub(crate) ce_onset: BTreeMap<(Option<PointId>, PointId), Span>,
+    pub(crate) lost: BTreeMap<(PointId, PointId), Span>,
     /// The largest frame among the packets lost there.
-    lost_frames: BTreeMap<(PointId, PointId), u16>,
+    pub(crate) lost_frames: BTreeMap<(PointId, PointId), u16>,
     /// Sampled packets missing between two points that could have been seen there but
     /// whose absence proves nothing (see [`Unseen`]).
-    unseen: BTreeMap<(PointId, PointId, Unseen), Span>,
-    delays: BTreeMap<(PointId, PointId), Delay>,
-    counters: BTreeMap<PointId, CounterDelta>,
-    trajectories: u64,
+    pub(crate) unseen: BTreeMap<(PointId, PointId, Unseen), Span>,
+    pub(crate) delays: BTreeMap<(PointId, PointId), Delay>,
+    pub(crate) counters: BTreeMap<PointId, CounterDelta>,
+    pub(crate) trajectories: u64,
     /// The span of sampled request PSNs, and recent ACK PSNs: the two directions of a
     /// connection agree on PSNs (QPs start at random PSNs, so flows rarely overlap).
-    request_psns: Option<(u32, u32)>,
-    ack_psns: VecDeque<u32>,
+    pub(crate) request_psns: Option<(u32, u32)>,
+    pub(crate) ack_psns: VecDeque<u32>,
     /// Recent CE-marked arrivals and CNP departures, per node: (node, time).
-    ce_times: VecDeque<(u32, u64)>,
-    cnp_times: VecDeque<(u32, u64)>,
-    carries_cnp: bool,
+    pub(crate) ce_times: VecDeque<(u32, u64)>,
+    pub(crate) cnp_times: VecDeque<(u32, u64)>,
+    pub(crate) carries_cnp: bool,
     /// Class of the CNPs at each point (CNPs are always reported, so this is exact).
-    cnp_class_at: BTreeMap<PointId, (u8, u8, u8)>,
+    pub(crate) cnp_class_at: BTreeMap<PointId, (u8, u8, u8)>,
     /// Each point's running CNP count after each counter delta, by arrival time (the last
     /// [`SETTLE_SAMPLES`]): what a point had counted long enough ago to compare.
-    cnp_counts: BTreeMap<PointId, VecDeque<(u64, u64)>>,
+    pub(crate) cnp_counts: BTreeMap<PointId, VecDeque<(u64, u64)>>,
     /// Largest frame seen at each point.
-    max_frame: BTreeMap<PointId, u16>,
+    pub(crate) max_frame: BTreeMap<PointId, u16>,
     /// Bytes delivered at the flow's most downstream point per counter delta, by arrival
     /// time; that point (lowest TTL, ingress before egress at equal TTL), known from the
     /// counters themselves so delivery starts with the first deltas, not the first path.
-    delivery: VecDeque<DeliveryAt>,
-    delivery_point: Option<(PointId, u8, bool)>,
+    pub(crate) delivery: VecDeque<DeliveryAt>,
+    pub(crate) delivery_point: Option<(PointId, u8, bool)>,
 }
 
 /// Counter deltas kept per flow for its delivery over time (a minute at 1 s intervals).
@@ -152,12 +155,70 @@ fn push_bounded<T>(q: &mut VecDeque<T>, v: T, cap: usize) {
     q.push_back(v);
 }
 
+/// The observation points and their nodes, shared with views (copied only when a point
+/// is added while a view holds them).
+#[derive(Clone, Default)]
+pub struct Topology {
+    pub(crate) points: Vec<PointInfo>,
+    /// Node index of every point (for per-node clocks).
+    pub(crate) point_node: Vec<u32>,
+    pub(crate) nodes: Vec<String>,
+}
+
+impl Topology {
+    pub(crate) fn label(&self, p: PointId) -> Point {
+        self.points
+            .get(p as usize)
+            .map(PointInfo::point)
+            .unwrap_or_else(|| Point::node(&format!("point{p}")))
+    }
+}
+
+/// A tracked flow: when it was last active (beside the pointer, so idle scans do not
+/// touch the flow) and its state, shared with views until the join next changes it.
+struct Slot {
+    last_ns: u64,
+    f: Arc<FlowJoin>,
+}
+
+/// Anomalies by kind (one per flow and place, as [`JoinView::anomalies`] lists them),
+/// kept up to date as flows change so metrics never build a report.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Tally([u64; 4]);
+
+impl Tally {
+    const KINDS: [AnomalyKind; 4] = [
+        AnomalyKind::ClassChange,
+        AnomalyKind::Lost,
+        AnomalyKind::CeOnset,
+        AnomalyKind::PathChange,
+    ];
+
+    fn of(f: &FlowJoin) -> Self {
+        Self([
+            f.changes.len() as u64,
+            f.lost.len() as u64,
+            f.ce_onset.len() as u64,
+            (f.history.len() > 1) as u64,
+        ])
+    }
+
+    fn add(&mut self, o: Self) {
+        for (a, b) in self.0.iter_mut().zip(o.0) {
+            *a += b;
+        }
+    }
+
+    fn sub(&mut self, o: Self) {
+        for (a, b) in self.0.iter_mut().zip(o.0) {
+            *a = a.saturating_sub(b);
+        }
+    }
+}
+
 pub struct Joiner {
     cfg: JoinConfig,
-    points: Vec<PointInfo>,
-    /// Node index of every point (for per-node clocks).
-    point_node: Vec<u32>,
-    nodes: Vec<String>,
+    topo: Arc<Topology>,
     pending: HashMap<PacketId, Pending>,
     order: VecDeque<(u64, PacketId)>,
     /// Packets just judged lost (the link they vanished on), kept for one more trajectory
@@ -171,11 +232,21 @@ pub struct Joiner {
     /// Set by [`Joiner::flush`]: the agents are gone, every count is final.
     flushed: bool,
     /// Each point's health, interval by interval (the last [`HEALTH_INTERVALS`]).
-    health: HashMap<PointId, VecDeque<PointHealth>>,
+    health: HashMap<PointId, Arc<VecDeque<PointHealth>>>,
     /// The node each source address sends from: the node of the most upstream egress
     /// point where a flow from it was counted (its host, when watched). Bounded like flows.
-    host_of: HashMap<[u8; 16], (u32, u8)>,
-    flows: HashMap<FlowId, FlowJoin>,
+    host_of: Arc<HashMap<[u8; 16], (u32, u8)>>,
+    flows: HashMap<FlowId, Slot>,
+    /// Every tracked flow in label order: the flows of one address pair are a range, so
+    /// a flow's report finds its pair's and the reverse pair's flows without a scan.
+    ids: BTreeSet<FlowId>,
+    /// Anomalies of the tracked flows, by kind.
+    tally: Tally,
+    /// When idle flows were last looked for (collector time).
+    expired_at_ns: u64,
+    /// Flows that just got their first path, for a caller that asked
+    /// ([`Joiner::note_new_paths`]).
+    new_paths: Option<Vec<FlowId>>,
     pub stats: JoinStats,
 }
 
@@ -183,9 +254,7 @@ impl Joiner {
     pub fn new(cfg: JoinConfig) -> Self {
         Self {
             cfg,
-            points: Vec::new(),
-            point_node: Vec::new(),
-            nodes: Vec::new(),
+            topo: Arc::default(),
             pending: HashMap::new(),
             order: VecDeque::new(),
             recent_losses: HashMap::new(),
@@ -194,8 +263,12 @@ impl Joiner {
             now_ns: 0,
             flushed: false,
             health: HashMap::new(),
-            host_of: HashMap::new(),
+            host_of: Arc::default(),
             flows: HashMap::new(),
+            ids: BTreeSet::new(),
+            tally: Tally::default(),
+            expired_at_ns: 0,
+            new_paths: None,
             stats: JoinStats::default(),
         }
     }
@@ -214,45 +287,107 @@ impl Joiner {
             }
             p.mtu = mtu;
         };
-        if let Some(i) = self
+        let topo = Arc::make_mut(&mut self.topo);
+        if let Some(i) = topo
             .points
             .iter()
             .position(|p| p.node == info.node && p.iface == info.iface && p.direction == info.direction)
         {
-            self.points[i].clock_synced = info.clock_synced;
-            note_mtu(&mut self.points[i], info.mtu);
+            topo.points[i].clock_synced = info.clock_synced;
+            note_mtu(&mut topo.points[i], info.mtu);
             return i as PointId;
         }
         let mtu = info.mtu;
         info.mtu_history.clear();
         note_mtu(&mut info, mtu);
-        let node = match self.nodes.iter().position(|n| *n == info.node) {
+        let node = match topo.nodes.iter().position(|n| *n == info.node) {
             Some(n) => n as u32,
             None => {
-                self.nodes.push(info.node.clone());
-                (self.nodes.len() - 1) as u32
+                topo.nodes.push(info.node.clone());
+                (topo.nodes.len() - 1) as u32
             }
         };
-        self.points.push(info);
-        self.point_node.push(node);
-        (self.points.len() - 1) as PointId
+        topo.points.push(info);
+        topo.point_node.push(node);
+        (topo.points.len() - 1) as PointId
     }
 
     pub fn points(&self) -> &[PointInfo] {
-        &self.points
+        &self.topo.points
     }
 
-    fn flow(&mut self, id: FlowId, now_ns: u64) -> Option<&mut FlowJoin> {
+    /// The flow, made active now; a new one when it is not tracked (the longest-idle
+    /// flows make room when the table is full).
+    fn flow(&mut self, id: FlowId, now_ns: u64) -> &mut FlowJoin {
         if !self.flows.contains_key(&id) {
-            if self.flows.len() >= self.cfg.max_flows {
-                self.stats.flows_refused += 1;
-                return None;
+            if self.flows.len() >= self.cfg.max_flows.max(1) {
+                self.evict_idle();
             }
-            self.flows.insert(id, FlowJoin::default());
+            self.flows.insert(
+                id,
+                Slot {
+                    last_ns: now_ns,
+                    f: Arc::default(),
+                },
+            );
+            self.ids.insert(id);
         }
-        let f = self.flows.get_mut(&id).expect("inserted");
-        f.last_activity_ns = now_ns;
-        Some(f)
+        let s = self.flows.get_mut(&id).expect("inserted");
+        s.last_ns = now_ns;
+        Arc::make_mut(&mut s.f)
+    }
+
+    /// A tracked flow's state to change (copied first when a view still holds it).
+    fn flow_mut(&mut self, id: &FlowId) -> Option<&mut FlowJoin> {
+        self.flows.get_mut(id).map(|s| Arc::make_mut(&mut s.f))
+    }
+
+    fn forget(&mut self, id: &FlowId) {
+        if let Some(s) = self.flows.remove(id) {
+            self.ids.remove(id);
+            self.tally.sub(Tally::of(&s.f));
+        }
+    }
+
+    /// The table is full: forgets the longest-idle 1/64 of it (at least one flow), so a
+    /// new flow always finds room and each eviction pass pays for many new flows.
+    fn evict_idle(&mut self) {
+        let n = (self.flows.len() / 64).max(1);
+        let mut times: Vec<u64> = self.flows.values().map(|s| s.last_ns).collect();
+        let (_, &mut cut, _) = times.select_nth_unstable(n - 1);
+        drop(times);
+        let mut idle: Vec<FlowId> = self
+            .flows
+            .iter()
+            .filter(|(_, s)| s.last_ns < cut)
+            .map(|(id, _)| *id)
+            .collect();
+        // Flows idle since exactly `cut` fill the rest.
+        idle.extend(
+            self.flows
+                .iter()
+                .filter(|(_, s)| s.last_ns == cut)
+                .map(|(id, _)| *id)
+                .take(n.saturating_sub(idle.len())),
+        );
+        for id in &idle {
+            self.forget(id);
+        }
+        self.stats.flows_evicted += idle.len() as u64;
+    }
+
+    /// Records what changed in a flow's anomalies (`before`: its tally before the change).
+    fn retally(&mut self, id: &FlowId, before: Option<Tally>) {
+        if let Some(s) = self.flows.get(id) {
+            self.tally.add(Tally::of(&s.f));
+        }
+        if let Some(b) = before {
+            self.tally.sub(b);
+        }
+    }
+
+    fn tally_of(&self, id: &FlowId) -> Option<Tally> {
+        self.flows.get(id).map(|s| Tally::of(&s.f))
     }
 
     /// One observation from `point` (already mapped to a collector point), arriving at
@@ -278,11 +413,9 @@ impl Joiner {
             },
         };
         // Evidence that needs no join: CE arrivals, CNP departures, ACK/request PSNs.
-        let node = self.point_node[point as usize];
+        let node = self.topo.point_node[point as usize];
         let opcode = o.id.opcode;
-        let Some(f) = self.flow(o.id.flow, now_ns) else {
-            return;
-        };
+        let f = self.flow(o.id.flow, now_ns);
         if o.ecn == 3 {
             push_recent(&mut f.ce_times, (node, o.time_ns));
         }
@@ -352,11 +485,11 @@ impl Joiner {
         obs.sort_by_key(|o| o.time_ns);
         let key = |o: &Obs| {
             (
-                self.point_node[o.point as usize],
-                self.points[o.point as usize].direction == Direction::Ingress,
+                self.topo.point_node[o.point as usize],
+                self.topo.points[o.point as usize].direction == Direction::Ingress,
             )
         };
-        let hops = self.flows.get(flow).map(|f| &f.hops);
+        let hops = self.flows.get(flow).map(|s| &s.f.hops);
         let leads_to = |a: PointId, b: PointId| hops.is_some_and(|h| h.contains_key(&(a, b)));
         let mut out: Vec<Vec<Obs>> = Vec::new();
         for o in obs {
@@ -390,30 +523,27 @@ impl Joiner {
             return;
         }
         let not_egress = self
+            .topo
             .points
             .get(point as usize)
             .is_some_and(|p| p.direction != Direction::Egress);
-        let node = self.point_node.get(point as usize).copied();
+        let node = self.topo.point_node.get(point as usize).copied();
         let max_hosts = self.cfg.max_flows;
         if let Some(node) = node
             && !not_egress
             && d.counts.packets > 0
         {
-            let n = self.host_of.len();
-            match self.host_of.entry(d.flow.src) {
-                std::collections::hash_map::Entry::Occupied(mut e) => {
-                    if d.last_ttl > e.get().1 {
-                        e.insert((node, d.last_ttl));
-                    }
-                }
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    if n < max_hosts {
-                        e.insert((node, d.last_ttl));
-                    }
-                }
+            // Written only when it changes: a view may hold the map.
+            let change = match self.host_of.get(&d.flow.src) {
+                Some(&(_, ttl)) => d.last_ttl > ttl,
+                None => self.host_of.len() < max_hosts,
+            };
+            if change {
+                Arc::make_mut(&mut self.host_of).insert(d.flow.src, (node, d.last_ttl));
             }
         }
-        if let Some(f) = self.flow(d.flow, now_ns) {
+        {
+            let f = self.flow(d.flow, now_ns);
             let total = f.counters.entry(point).or_default();
             total.add(d);
             let cnps = total.counts.cnp;
@@ -473,10 +603,23 @@ impl Joiner {
             self.recent_order.pop_front();
             self.recent_losses.remove(&id);
         }
-        let idle = self.cfg.flow_idle_ns;
-        let before = self.flows.len();
-        self.flows.retain(|_, f| f.last_activity_ns + idle > now_ns);
-        self.stats.flows_expired += (before - self.flows.len()) as u64;
+        // Idle flows, looked for once a second at most (an eighth of the idle time when
+        // that is shorter): the scan reads every slot, so not at every tick.
+        let every = (self.cfg.flow_idle_ns / 8).min(1_000_000_000);
+        if now_ns >= self.expired_at_ns.saturating_add(every) {
+            self.expired_at_ns = now_ns;
+            let idle = self.cfg.flow_idle_ns;
+            let gone: Vec<FlowId> = self
+                .flows
+                .iter()
+                .filter(|(_, s)| s.last_ns.saturating_add(idle) <= now_ns)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in &gone {
+                self.forget(id);
+            }
+            self.stats.flows_expired += gone.len() as u64;
+        }
         self.stats.pending = self.pending.len() as u64;
         self.stats.flows = self.flows.len() as u64;
     }
@@ -493,7 +636,13 @@ impl Joiner {
         self.judge_awaiting();
     }
 
-    fn finish(&mut self, id: PacketId, mut t: Vec<Obs>) {
+    fn finish(&mut self, id: PacketId, t: Vec<Obs>) {
+        let before = self.tally_of(&id.flow);
+        self.finish_in(id, t);
+        self.retally(&id.flow, before);
+    }
+
+    fn finish_in(&mut self, id: PacketId, mut t: Vec<Obs>) {
         let flow = id.flow;
         // Upstream first: higher TTL; at equal TTL the earlier time — but two points of
         // equal TTL on two nodes are one link's ends (a router's egress, the next node's
@@ -506,8 +655,9 @@ impl Joiner {
             let run = t[i..].iter().take_while(|o| o.ttl == t[i].ttl).count();
             if run == 2 {
                 let (a, b) = (&t[i], &t[i + 1]);
-                let ingress = |o: &Obs| self.points[o.point as usize].direction == Direction::Ingress;
-                let same_node = self.point_node[a.point as usize] == self.point_node[b.point as usize];
+                let ingress = |o: &Obs| self.topo.points[o.point as usize].direction == Direction::Ingress;
+                let same_node =
+                    self.topo.point_node[a.point as usize] == self.topo.point_node[b.point as usize];
                 if ingress(a) != ingress(b) && ingress(a) != same_node {
                     t.swap(i, i + 1);
                 }
@@ -517,9 +667,9 @@ impl Joiner {
         self.stats.trajectories += 1;
         let synced: Vec<bool> = t
             .iter()
-            .map(|o| self.points[o.point as usize].clock_synced)
+            .map(|o| self.topo.points[o.point as usize].clock_synced)
             .collect();
-        let Some(f) = self.flows.get_mut(&flow) else {
+        let Some(f) = self.flows.get_mut(&flow).map(|s| Arc::make_mut(&mut s.f)) else {
             return;
         };
         f.trajectories += 1;
@@ -555,6 +705,9 @@ impl Joiner {
             f.path = path;
             f.path_since_ns = first_time;
             f.history.push((first_time, f.path.clone()));
+            if let Some(v) = &mut self.new_paths {
+                v.push(flow);
+            }
             return;
         }
         let then = f
@@ -582,7 +735,9 @@ impl Joiner {
                 deadline_ns: self.now_ns + PROOF_PATIENCE_NS,
             };
             if self.proof_due(&missing) {
-                self.judge_missing(missing);
+                // Inside `finish`, which counts the flow's anomalies once for both.
+                let unseen = self.unseen_at(missing.b, missing.last_ns);
+                self.judge_missing_in(missing, unseen);
             } else if self.awaiting.len() < self.cfg.max_pending {
                 self.awaiting.push_back(missing);
             } else {
@@ -615,45 +770,10 @@ impl Joiner {
         }
     }
 
-    fn label(&self, p: PointId) -> Point {
-        self.points
-            .get(p as usize)
-            .map(PointInfo::point)
-            .unwrap_or_else(|| Point::node(&format!("point{p}")))
-    }
-
     /// One point's health over one agent interval.
     pub fn add_health(&mut self, point: PointId, h: &PointHealth) {
-        let q = self.health.entry(point).or_default();
+        let q = Arc::make_mut(self.health.entry(point).or_default());
         push_bounded(q, *h, HEALTH_INTERVALS);
-    }
-
-    /// Each reporting point's health over the intervals kept: what was covered, where
-    /// reports were missing, what was lost on the way and what the kernel dropped.
-    pub fn health_summary(&self) -> Vec<HealthSummary> {
-        let mut v: Vec<HealthSummary> = self
-            .health
-            .iter()
-            .filter(|(_, h)| !h.is_empty())
-            .map(|(&p, h)| {
-                let mut hs: Vec<&PointHealth> = h.iter().collect();
-                hs.sort_by_key(|x| x.start_ns);
-                let gaps = hs.windows(2).filter(|w| w[1].start_ns > w[0].end_ns).count() as u64;
-                HealthSummary {
-                    point: self.label(p),
-                    intervals: hs.len() as u64,
-                    from_ns: hs[0].start_ns,
-                    to_ns: hs.iter().map(|x| x.end_ns).max().unwrap_or(0),
-                    gaps,
-                    samples_lost: hs.iter().map(|x| x.samples_lost()).sum(),
-                    rx_dropped: hs.iter().map(|x| x.if_rx_dropped).sum(),
-                    tx_dropped: hs.iter().map(|x| x.if_tx_dropped).sum(),
-                    qdisc_dropped: hs.iter().map(|x| x.qdisc_dropped).sum(),
-                }
-            })
-            .collect();
-        v.sort_by(|a, b| a.point.cmp(&b.point));
-        v
     }
 
     /// Why a packet last seen at `t` (by its previous point) and never at `b` proves
@@ -697,7 +817,13 @@ impl Joiner {
     /// reported it; else unobserved, with the reason.
     fn judge_missing(&mut self, m: Missing) {
         let unseen = self.unseen_at(m.b, m.last_ns);
-        let Some(f) = self.flows.get_mut(&m.id.flow) else {
+        let before = self.tally_of(&m.id.flow);
+        self.judge_missing_in(m, unseen);
+        self.retally(&m.id.flow, before);
+    }
+
+    fn judge_missing_in(&mut self, m: Missing, unseen: Option<Unseen>) {
+        let Some(f) = self.flow_mut(&m.id.flow) else {
             return;
         };
         if let Some(why) = unseen {
@@ -726,429 +852,102 @@ impl Joiner {
         self.awaiting = keep;
     }
 
-    /// The kernel's drop counters at the two ends of a link over a span of time: what
-    /// `a` dropped sending (interface and qdisc) and `b` dropped receiving.
-    fn kernel_drops(&self, a: PointId, b: PointId, span: &Span) -> Vec<KernelDrop> {
-        let (lo, hi) = (
-            span.first_ns.saturating_sub(1_000_000_000),
-            span.last_ns.saturating_add(1_000_000_000),
-        );
-        let sum = |p: PointId, f: fn(&PointHealth) -> u64| -> Option<u64> {
-            let h = self.health.get(&p)?;
-            let over: Vec<&PointHealth> = h.iter().filter(|x| x.end_ns >= lo && x.start_ns <= hi).collect();
-            (!over.is_empty()).then(|| over.iter().map(|x| f(x)).sum())
-        };
-        let mut v = Vec::new();
-        type Counter = (PointId, &'static str, fn(&PointHealth) -> u64);
-        let counters: [Counter; 3] = [
-            (a, "tx_dropped", |x| x.if_tx_dropped),
-            (a, "qdisc_dropped", |x| x.qdisc_dropped),
-            (b, "rx_dropped", |x| x.if_rx_dropped),
-        ];
-        for (p, counter, f) in counters {
-            let egress = self
-                .points
-                .get(p as usize)
-                .is_some_and(|i| i.direction == Direction::Egress);
-            // A sender's counters mean something at an egress point, a receiver's at an
-            // ingress point.
-            if (counter == "rx_dropped") == egress {
-                continue;
-            }
-            if let Some(n) = sum(p, f) {
-                v.push(KernelDrop {
-                    point: self.label(p),
-                    counter: counter.into(),
-                    packets: n,
-                });
-            }
-        }
-        v
+    /// All flows as they are now, taken in time linear in the flows with no copy of
+    /// any flow's state (build the reports from [`Snapshot::view`], after letting go of
+    /// the join).
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot(self.view_of(self.flows.iter().map(|(id, s)| (*id, s.f.clone())).collect()))
     }
 
-    /// A flow's points in path order from its exact counters alone: higher TTL first, and
-    /// at equal TTL a link's egress before the far end's ingress (routers decrement
-    /// between their own ingress and egress).
-    fn counter_path(&self, f: &FlowJoin) -> Vec<PointId> {
-        let mut v: Vec<(PointId, u8, bool)> = f
-            .counters
-            .iter()
-            .filter(|(_, c)| c.counts.packets > 0)
-            .map(|(p, c)| {
-                let ingress = self
-                    .points
-                    .get(*p as usize)
-                    .is_some_and(|i| i.direction != Direction::Egress);
-                (*p, c.last_ttl, ingress)
-            })
-            .collect();
-        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.2.cmp(&b.2)));
-        v.into_iter().map(|x| x.0).collect()
+    /// What one flow's report needs, in time proportional to that flow's own pairs: the
+    /// flows between its two addresses, both ways (ACKs, NAKs and CNPs answer it there).
+    pub fn flow_view(&self, id: &FlowId) -> Option<JoinView> {
+        self.flows.get(id)?;
+        let mut flows = Vec::new();
+        for (src, dst) in [(id.src, id.dst), (id.dst, id.src)] {
+            let lo = FlowId {
+                src,
+                dst,
+                ip_version: 0,
+                udp_sport: 0,
+                dest_qp: 0,
+            };
+            let hi = FlowId {
+                ip_version: u8::MAX,
+                udp_sport: u16::MAX,
+                dest_qp: u32::MAX,
+                ..lo
+            };
+            flows.extend(self.ids.range(lo..=hi).map(|k| (*k, self.flows[k].f.clone())));
+        }
+        Some(Snapshot(self.view_of(flows)).view())
     }
 
-    /// CNPs `point` had counted [`JoinConfig::counter_settle_ns`] ago (all of them once
-    /// the agents are gone): what every later point has reported by now.
-    fn cnps_settled(&self, f: &FlowJoin, point: PointId) -> u64 {
-        let Some(h) = f.cnp_counts.get(&point) else {
-            return 0;
-        };
-        if self.flushed {
-            return h.back().map_or(0, |x| x.1);
+    fn view_of(&self, flows: Vec<(FlowId, Arc<FlowJoin>)>) -> JoinView {
+        JoinView {
+            cfg: self.cfg,
+            now_ns: self.now_ns,
+            flushed: self.flushed,
+            topo: self.topo.clone(),
+            health: self.health.clone(),
+            host_of: self.host_of.clone(),
+            flows,
+            stats: self.stats,
         }
-        h.iter()
-            .rev()
-            .find(|(at, _)| at.saturating_add(self.cfg.counter_settle_ns) <= self.now_ns)
-            .map_or(0, |x| x.1)
-    }
-
-    /// Where a flow's CNPs went, from exact counts at every point they cross (each CNP is
-    /// counted at each point): how many left, how many reached the host of the sender
-    /// they throttle, and between which points the rest vanished. `None` for a flow
-    /// without CNPs.
-    fn cnp_delivery(&self, id: &FlowId, f: &FlowJoin) -> Option<CnpDelivery> {
-        if !f.counters.values().any(|c| c.counts.cnp > 0) {
-            return None;
-        }
-        let path = self.counter_path(f);
-        let cnps = |p: &PointId| f.counters.get(p).map_or(0, |c| c.counts.cnp);
-        let first = *path.iter().find(|p| cnps(p) > 0)?;
-        let mut lost = Vec::new();
-        for w in path.windows(2) {
-            let n = self.cnps_settled(f, w[0]).saturating_sub(cnps(&w[1]));
-            if n > 0 {
-                lost.push(CountedLoss {
-                    between: [self.label(w[0]), self.label(w[1])],
-                    packets: n,
-                });
-            }
-        }
-        // The throttled sender's host: where flows from the CNPs' destination start.
-        let host = self.host_of.get(&id.dst).map(|&(n, _)| n);
-        let watched_in = |node: u32| {
-            self.points
-                .iter()
-                .enumerate()
-                .filter(move |(i, p)| self.point_node[*i] == node && p.direction != Direction::Egress)
-                .map(|(i, _)| i as PointId)
-        };
-        let (mut reached, mut reached_at) = (None, None);
-        if let Some(host) = host
-            && let Some(at) = watched_in(host).next()
-        {
-            let there: Vec<PointId> = path
-                .iter()
-                .copied()
-                .filter(|p| self.point_node[*p as usize] == host && cnps(p) > 0)
-                .collect();
-            let n: u64 = there.iter().map(cnps).sum();
-            reached = Some(n);
-            reached_at = Some(self.label(there.first().copied().unwrap_or(at)));
-            // CNPs that never reached the host at all: lost after the last point that
-            // counted them (the host's ingress, when one, names the far end).
-            let last = *path.last().expect("non-empty");
-            if self.point_node[last as usize] != host {
-                let n = self.cnps_settled(f, last);
-                let mut ins = watched_in(host);
-                let far = match (ins.next(), ins.next()) {
-                    (Some(p), None) => self.label(p),
-                    _ => Point::node(&self.nodes[host as usize]),
-                };
-                if n > 0 {
-                    lost.push(CountedLoss {
-                        between: [self.label(last), far],
-                        packets: n,
-                    });
-                }
-            }
-        }
-        Some(CnpDelivery {
-            sent: cnps(&first),
-            sent_at: self.label(first),
-            reached,
-            reached_at,
-            lost,
-        })
-    }
-
-    /// The forward flow a reverse flow (ACKs, NAKs, CNPs) answers: same IP pair reversed,
-    /// its ACK PSNs inside the forward flow's recent request PSNs; a lone candidate wins.
-    fn pair_of(&self, rev_id: &FlowId, rev: &FlowJoin) -> Option<FlowId> {
-        let cands: Vec<(&FlowId, &FlowJoin)> = self
-            .flows
-            .iter()
-            .filter(|(id, f)| {
-                id.src == rev_id.dst
-                    && id.dst == rev_id.src
-                    && !f.carries_cnp
-                    && (f.request_psns.is_some() || !f.counters.is_empty())
-            })
-            .collect();
-        if cands.len() == 1 {
-            return Some(*cands[0].0);
-        }
-        let score = |f: &FlowJoin| {
-            let Some((lo, hi)) = f.request_psns else { return 0 };
-            rev.ack_psns.iter().filter(|p| (lo..=hi + 1).contains(*p)).count()
-        };
-        let best = cands
-            .iter()
-            .map(|(id, f)| (score(f), **id))
-            .max_by_key(|(s, _)| *s)?;
-        (best.0 > 0).then_some(best.1)
     }
 
     /// Everything the collector knows of one flow.
     pub fn flow_report(&self, id: &FlowId) -> Option<FlowReport> {
-        let f = self.flows.get(id)?;
-        let l = |p: &PointId| self.label(*p);
-        let between = |a: &PointId, b: &PointId| [l(a), l(b)];
-        // CNPs that answered this flow: reverse flows paired with it, whose requester QP
-        // is shared by their ACKs and CNPs.
-        let reverse: Vec<(&FlowId, &FlowJoin)> = self
-            .flows
-            .iter()
-            .filter(|(rid, r)| {
-                rid.src == id.dst && rid.dst == id.src && (r.carries_cnp || !r.ack_psns.is_empty())
-            })
-            .collect();
-        let acked_qps: Vec<u32> = reverse
-            .iter()
-            .filter(|(rid, r)| !r.ack_psns.is_empty() && self.pair_of(rid, r) == Some(*id))
-            .map(|(rid, _)| rid.dest_qp)
-            .collect();
-        let lone = self
-            .flows
-            .keys()
-            .filter(|k| k.src == id.src && k.dst == id.dst)
-            .count()
-            == 1;
-        let cnp_flows: Vec<&(&FlowId, &FlowJoin)> = reverse
-            .iter()
-            .filter(|(rid, r)| r.carries_cnp && (acked_qps.contains(&rid.dest_qp) || lone))
-            .collect();
-        let max_over_points = |c: &BTreeMap<PointId, CounterDelta>, g: fn(&CounterDelta) -> u64| {
-            c.values().map(g).max().unwrap_or(0)
-        };
-        // CNPs count where they reach the sender they throttle (the most downstream point
-        // that counted them when its host is not watched).
-        let mut cnps_sent = 0;
-        let mut cnps = 0;
-        let mut cnps_lost = Vec::new();
-        for (rid, r) in &cnp_flows {
-            let Some(d) = self.cnp_delivery(rid, r) else {
-                continue;
-            };
-            cnps_sent += d.sent;
-            cnps += d.reached.unwrap_or_else(|| {
-                self.counter_path(r)
-                    .last()
-                    .and_then(|p| r.counters.get(p))
-                    .map_or(0, |c| c.counts.cnp)
-            });
-            cnps_lost.extend(d.lost);
-        }
-        let ce = max_over_points(&f.counters, |d| d.counts.ecn[3]);
-        let mut ce_to_cnp = Delay::default();
-        for (_, r) in &cnp_flows {
-            for &(node, t) in &r.cnp_times {
-                // The CE mark that drew it: the latest before it, on the same node (clock).
-                if let Some(ce_t) = f
-                    .ce_times
-                    .iter()
-                    .filter(|(n, c)| *n == node && *c <= t)
-                    .map(|(_, c)| *c)
-                    .max()
-                    && t - ce_t < 100_000_000
-                {
-                    ce_to_cnp.add((t - ce_t) as i64);
-                }
-            }
-        }
-        // A flow of CNPs alone makes no trajectories: its path is its counters'.
-        let (path, hops): (Vec<PointId>, Vec<u8>) = if f.path.is_empty() && f.carries_cnp {
-            let p = self.counter_path(f);
-            let ttl = |x: &PointId| f.counters.get(x).map_or(0, |c| c.last_ttl);
-            let h = p
-                .windows(2)
-                .map(|w| ttl(&w[0]).saturating_sub(ttl(&w[1])))
-                .collect();
-            (p, h)
-        } else {
-            let h = f
-                .path
-                .windows(2)
-                .map(|w| f.hops.get(&(w[0], w[1])).copied().unwrap_or(0))
-                .collect();
-            (f.path.clone(), h)
-        };
-        Some(FlowReport {
-            id: id.to_string(),
-            src_ip: id.src_ip(),
-            dst_ip: id.dst_ip(),
-            udp_sport: id.udp_sport,
-            dest_qp: id.dest_qp,
-            path: path.iter().map(l).collect(),
-            hops,
-            class: path
-                .iter()
-                .filter_map(|p| f.class_at.get(p).map(|c| ClassAt::new(l(p), *c)))
-                .collect(),
-            cnp_class: f
-                .cnp_class_at
-                .iter()
-                .map(|(p, c)| ClassAt::new(l(p), *c))
-                .collect(),
-            max_frame: f.max_frame.iter().map(|(p, m)| (l(p), *m)).collect(),
-            class_seen: f
-                .seen
-                .iter()
-                .map(|(&(p, cnp, dscp, pcp), s)| ClassSeen {
-                    point: l(&p),
-                    cnp,
-                    dscp,
-                    pcp: (pcp != PCP_NONE).then_some(pcp),
-                    span: *s,
-                })
-                .collect(),
-            delivery: f.delivery.iter().copied().collect(),
-            class_changes: f
-                .changes
-                .iter()
-                .map(|(&(a, b, from, to), s)| ClassChange {
-                    between: between(&a, &b),
-                    from_dscp: from,
-                    to_dscp: to,
-                    span: *s,
-                })
-                .collect(),
-            ce_onset: f
-                .ce_onset
-                .iter()
-                .map(|(&(a, b), s)| CeOnset {
-                    after: a.map(|a| l(&a)),
-                    at: l(&b),
-                    span: *s,
-                })
-                .collect(),
-            lost: f
-                .lost
-                .iter()
-                .map(|(&(a, b), s)| Lost {
-                    between: between(&a, &b),
-                    span: *s,
-                    largest_frame: f.lost_frames.get(&(a, b)).copied(),
-                    kernel_drops: self.kernel_drops(a, b, s),
-                })
-                .collect(),
-            unobserved: f
-                .unseen
-                .iter()
-                .map(|(&(a, b, why), s)| Unobserved {
-                    between: between(&a, &b),
-                    why,
-                    reason: why.reason().into(),
-                    span: *s,
-                })
-                .collect(),
-            delays: f
-                .delays
-                .iter()
-                .map(|(&(a, b), d)| DelayReport {
-                    between: between(&a, &b),
-                    delay: *d,
-                })
-                .collect(),
-            path_history: f
-                .history
-                .iter()
-                .map(|(t, p)| PathAt {
-                    since_ns: *t,
-                    path: p.iter().map(l).collect(),
-                })
-                .collect(),
-            counters: f.counters.iter().map(|(p, c)| (l(p), *c)).collect(),
-            trajectories: f.trajectories,
-            probe: None,
-            cnp_delivery: self.cnp_delivery(id, f),
-            answered_by: Answers {
-                flows: cnp_flows.iter().map(|(rid, _)| rid.to_string()).collect(),
-                cnps_sent,
-                cnps,
-                cnps_lost,
-                ce_marks: ce,
-                cnps_per_ce_mark: (ce > 0).then(|| cnps as f64 / ce as f64),
-                ce_to_cnp: (ce_to_cnp.n > 0).then_some(ce_to_cnp),
-            },
-        })
+        self.flow_view(id)?.flow_report(id)
+    }
+
+    /// What is wrong, fabric-wide (every flow's report: see [`Joiner::anomaly_counts`]
+    /// for the counts alone).
+    pub fn anomalies(&self) -> Vec<Anomaly> {
+        self.snapshot().view().anomalies()
+    }
+
+    /// How many anomalies [`Joiner::anomalies`] would list, by kind, without building a
+    /// report: kept up to date as flows change.
+    pub fn anomaly_counts(&self) -> BTreeMap<AnomalyKind, u64> {
+        Tally::KINDS
+            .into_iter()
+            .zip(self.tally.0)
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
+
+    /// Tracked flows in label order.
+    pub fn flow_ids(&self) -> Vec<FlowId> {
+        self.ids.iter().copied().collect()
+    }
+
+    pub fn flow_count(&self) -> usize {
+        self.flows.len()
+    }
+
+    /// A tracked flow by its label.
+    pub fn find(&self, label: &str) -> Option<FlowId> {
+        let id: FlowId = label.parse().ok()?;
+        self.flows.contains_key(&id).then_some(id)
     }
 
     /// Where to trace a flow from: the node of its first point, and the class it left with.
     pub fn trace_target(&self, id: &FlowId) -> Option<(String, u8, u8)> {
-        let f = self.flows.get(id)?;
+        let f = &self.flows.get(id)?.f;
         let first = *f.path.first()?;
         let (dscp, ecn, _) = *f.class_at.get(&first)?;
-        Some((self.points[first as usize].node.clone(), dscp, ecn))
+        Some((self.topo.points[first as usize].node.clone(), dscp, ecn))
     }
 
-    pub fn flow_ids(&self) -> Vec<FlowId> {
-        let mut v: Vec<FlowId> = self.flows.keys().copied().collect();
-        v.sort();
-        v
+    /// From now on, note each flow that gets its first path ([`Joiner::take_new_paths`]).
+    pub fn note_new_paths(&mut self) {
+        self.new_paths.get_or_insert_with(Vec::new);
     }
 
-    pub fn find(&self, label: &str) -> Option<FlowId> {
-        // The label's own form (IPv4 mapped, as the datapath keys it) in one look-up; a flow
-        // keyed otherwise (an IPv4 address not mapped) by its label.
-        let id: Option<FlowId> = label.parse().ok();
-        id.filter(|id| self.flows.contains_key(id))
-            .or_else(|| self.flows.keys().find(|k| k.to_string() == label).copied())
-    }
-
-    /// What is wrong, fabric-wide: class changes, losses, CE onsets, path changes.
-    pub fn anomalies(&self) -> Vec<Anomaly> {
-        let mut v = Vec::new();
-        for id in self.flow_ids() {
-            let Some(r) = self.flow_report(&id) else { continue };
-            for c in &r.class_changes {
-                v.push(Anomaly {
-                    kind: AnomalyKind::ClassChange,
-                    flow: r.id.clone(),
-                    between: c.between.to_vec(),
-                    detail: format!("DSCP {} -> {}", c.from_dscp, c.to_dscp),
-                    packets: c.span.packets,
-                });
-            }
-            for l in &r.lost {
-                v.push(Anomaly {
-                    kind: AnomalyKind::Lost,
-                    flow: r.id.clone(),
-                    between: l.between.to_vec(),
-                    detail: String::new(),
-                    packets: l.span.packets,
-                });
-            }
-            for c in &r.ce_onset {
-                let mut between: Vec<Point> = c.after.iter().cloned().collect();
-                between.push(c.at.clone());
-                v.push(Anomaly {
-                    kind: AnomalyKind::CeOnset,
-                    flow: r.id.clone(),
-                    between,
-                    detail: String::new(),
-                    packets: c.span.packets,
-                });
-            }
-            if r.path_history.len() > 1 {
-                v.push(Anomaly {
-                    kind: AnomalyKind::PathChange,
-                    flow: r.id.clone(),
-                    between: r.path.clone(),
-                    detail: format!("{} paths over time", r.path_history.len()),
-                    packets: 0,
-                });
-            }
-        }
-        v
+    /// The flows that got their first path since the last call.
+    pub fn take_new_paths(&mut self) -> Vec<FlowId> {
+        self.new_paths.as_mut().map(std::mem::take).unwrap_or_default()
     }
 }
 
@@ -2158,15 +1957,193 @@ mod tests {
             clock_synced: false,
             ..Default::default()
         });
-        for q in 0..4u32 {
-            let mut o = obs(q, 64, 0, 26, 2);
-            o.id.flow.dest_qp = q % 3;
-            j.add(p, &o, 0);
+        let qp = |q: u32| FlowId { dest_qp: q, ..flow() };
+        // QP 0 first, then QP 1, then QP 0 again: QP 1 is the longest idle when QP 2
+        // needs room, though QP 0 came first.
+        for (psn, q, t) in [(0, 0, 0), (1, 1, MS), (2, 0, 2 * MS), (3, 2, 3 * MS)] {
+            let mut o = obs(psn, 64, t, 26, 2);
+            o.id.flow.dest_qp = q;
+            j.add(p, &o, t);
         }
-        assert_eq!(j.stats.flows_refused, 1, "a third flow is refused");
-        assert_eq!(j.stats.pending_dropped, 0);
-        j.tick(20 * MS);
+        assert_eq!(j.flow_ids(), [qp(0), qp(2)], "the longest-idle flow made room");
+        assert_eq!(j.stats.flows_evicted, 1);
+        assert_eq!(j.stats.pending_dropped, 1, "three identities wait at most");
+        // The table stays full and new flows keep coming: each takes the idlest's place.
+        for q in 3..10u32 {
+            let mut o = obs(100 + q, 64, 4 * MS, 26, 2);
+            o.id.flow.dest_qp = q;
+            j.add(p, &o, (3 + q as u64) * MS);
+        }
+        assert_eq!(j.flow_ids(), [qp(8), qp(9)]);
+        assert_eq!(j.stats.flows_evicted, 8);
+        assert_eq!(j.stats.pending_dropped, 8);
+        j.tick(30 * MS);
         assert_eq!(j.stats.flows, 0, "idle flows expire");
         assert_eq!(j.stats.flows_expired, 2);
+    }
+
+    /// The anomaly counts kept as flows change (metrics read them, never a report) are
+    /// the anomalies the reports list, through class changes, losses taken back by late
+    /// arrivals, path changes and flows evicted.
+    #[test]
+    fn anomaly_counts_follow_the_reports() {
+        let (mut j, pts) = lab();
+        let s2 = via_s2(&mut j, &pts);
+        let count = |j: &Joiner| {
+            let mut m = BTreeMap::new();
+            for a in j.anomalies() {
+                *m.entry(a.kind).or_insert(0u64) += 1;
+            }
+            m
+        };
+        let mut t = 0;
+        for psn in 0..40u32 {
+            t += 10 * MS;
+            let path = if psn < 20 { &pts } else { &s2 };
+            // A class rewrite at s1 for a while, a loss after l1 now and then, CE from l2.
+            let skip: &[usize] = if psn % 7 == 3 { &[2, 3, 4] } else { &[] };
+            let rewrite = psn < 10;
+            for (i, p) in path.iter().enumerate() {
+                if skip.contains(&i) {
+                    continue;
+                }
+                let dscp = if rewrite && i >= 2 { 0 } else { 26 };
+                let ecn = if i >= 3 && psn % 5 == 0 { 3 } else { 2 };
+                j.add(*p, &obs(psn, TTLS[i], t + 1000 * i as u64, dscp, ecn), t);
+            }
+            j.tick(t);
+            assert_eq!(j.anomaly_counts(), count(&j), "after packet {psn}");
+        }
+        // A loss whose proof comes later: the next point's health is not in when the
+        // trajectory completes, so it waits, and is judged when the health arrives.
+        let late = 150_000 * MS;
+        for (i, p) in s2.iter().enumerate().take(3) {
+            j.add(*p, &obs(100, TTLS[i], late + 1000 * i as u64, 26, 2), t);
+        }
+        j.tick(t + 200 * MS);
+        let before = j.anomaly_counts();
+        clean(&mut j, s2[3], 100_000 * MS, 200_000 * MS);
+        j.tick(t + 300 * MS);
+        assert_eq!(j.anomaly_counts(), count(&j));
+        assert_ne!(j.anomaly_counts(), before, "the late proof found a loss");
+        j.tick(t + 10_000 * MS);
+        let all = count(&j);
+        assert_eq!(j.anomaly_counts(), all);
+        for k in [
+            AnomalyKind::ClassChange,
+            AnomalyKind::Lost,
+            AnomalyKind::CeOnset,
+            AnomalyKind::PathChange,
+        ] {
+            assert!(all.contains_key(&k), "{k} is among them: {all:?}");
+        }
+        // Forgotten flows take their anomalies with them.
+        j.tick(t + 1_000_000 * MS);
+        assert_eq!(j.stats.flows, 0);
+        assert_eq!(j.anomaly_counts(), BTreeMap::new());
+    }
+
+    /// `n` RC flows, each between its own two hosts and answered by an ACK flow, every
+    /// packet seen at the sender's egress and the receiver's ingress (as the issue's
+    /// independent agents fed the collector).
+    fn fabric(n: u32) -> Joiner {
+        let mut j = Joiner::new(JoinConfig {
+            trajectory_timeout_ns: MS,
+            ..Default::default()
+        });
+        let (out, inn) = (
+            j.point(PointInfo {
+                node: "a".into(),
+                iface: "e".into(),
+                direction: Direction::Egress,
+                clock_synced: true,
+                ..Default::default()
+            }),
+            j.point(PointInfo {
+                node: "b".into(),
+                iface: "e".into(),
+                direction: Direction::Ingress,
+                clock_synced: true,
+                ..Default::default()
+            }),
+        );
+        for i in 0..n {
+            let mut src = [0u8; 16];
+            src[..4].copy_from_slice(&i.to_be_bytes());
+            let mut dst = src;
+            dst[15] = 1;
+            let fwd = FlowId {
+                src,
+                dst,
+                ip_version: 6,
+                udp_sport: 49152,
+                dest_qp: i & 0xff_ffff,
+            };
+            let ack = FlowId {
+                src: dst,
+                dst: src,
+                ..fwd
+            };
+            for psn in 0..4u32 {
+                for (flow, opcode) in [(fwd, 7), (ack, 0x11)] {
+                    let mut o = obs(psn, 64, u64::from(i) * 1000 + u64::from(psn), 26, 2);
+                    o.id.flow = flow;
+                    o.id.opcode = opcode;
+                    j.add(out, &o, 0);
+                    o.ttl = 63;
+                    j.add(inn, &o, 0);
+                }
+            }
+        }
+        j.tick(10 * MS);
+        assert_eq!(j.stats.trajectories, u64::from(n) * 8);
+        j
+    }
+
+    /// The collector's views were quadratic (each flow's report scanned every flow for
+    /// its reverse flows: 2,000 → 16,000 flows took 64× as long). Every report of a
+    /// fabric eight times larger must now take well under 16× as long (linear is 8×),
+    /// and one flow's report must not grow with the fabric at all.
+    #[test]
+    fn reports_take_time_linear_in_the_flows() {
+        use std::time::{Duration, Instant};
+        let all = |j: &Joiner| {
+            (0..3)
+                .map(|_| {
+                    let t = Instant::now();
+                    let v = j.snapshot().view();
+                    assert_eq!(v.flow_reports().count(), j.flow_count());
+                    t.elapsed()
+                })
+                .min()
+                .unwrap_or_default()
+        };
+        let one = |j: &Joiner| {
+            let id = j.flow_ids()[j.flow_count() / 2];
+            (0..3)
+                .map(|_| {
+                    let t = Instant::now();
+                    for _ in 0..200 {
+                        assert!(j.flow_report(&id).is_some());
+                    }
+                    t.elapsed()
+                })
+                .min()
+                .unwrap_or_default()
+        };
+        let (small, big) = (fabric(2_000), fabric(16_000));
+        let (a, b) = (all(&small), all(&big));
+        assert!(b < a * 16, "every report: {a:?} at 4,000 flows, {b:?} at 32,000");
+        let (a, b) = (one(&small), one(&big));
+        assert!(
+            b < a * 4 + Duration::from_millis(5),
+            "one report: {a:?} at 4,000 flows, {b:?} at 32,000"
+        );
+        // Each forward flow is answered by its ACK flow, found through the pair index.
+        let id = big.flow_ids().into_iter().find(|f| f.dst[15] == 1).unwrap();
+        assert!(
+            big.flow_report(&id).unwrap().answered_by.flows.is_empty(),
+            "ACKs are no CNPs"
+        );
     }
 }

@@ -5,6 +5,8 @@
 pub mod join;
 pub mod observation;
 pub mod report;
+pub mod view;
 
 pub use join::*;
 pub use report::*;
+pub use view::*;

@@ -237,8 +237,10 @@ pub struct JoinStats {
     /// Identities dropped unjoined because `max_pending` was reached.
     pub pending_dropped: u64,
     pub flows_expired: u64,
-    /// Observations of new flows refused because `max_flows` was reached.
-    pub flows_refused: u64,
+    /// Flows forgotten to make room for new ones when `max_flows` were tracked: the
+    /// longest-idle first. (Absent from reports of older collectors: read as 0.)
+    #[serde(default)]
+    pub flows_evicted: u64,
     pub pending: u64,
     pub flows: u64,
 }

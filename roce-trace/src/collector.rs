@@ -23,7 +23,7 @@ use tokio::{
 };
 
 use crate::{
-    correlate::{AnomalyKind, Direction, FlowReport, JoinConfig, Joiner, Point, PointId, PointInfo},
+    correlate::{Direction, FlowReport, JoinConfig, JoinView, Joiner, Point, PointId, PointInfo, Snapshot},
     http::{self, Response},
     protocol::{Decoder, Encoder, Frame, ProtoError, ReadError, VERSION, read_frame},
 };
@@ -77,23 +77,63 @@ struct State {
     /// Probe results per flow, and the flows a trace was asked for.
     probes: HashMap<crate::observation::FlowId, crate::protocol::ProbeResult>,
     traced: std::collections::HashSet<crate::observation::FlowId>,
+    /// Flows with a path whose trace could not be asked for yet (no agent on their source).
+    untraced: Vec<crate::observation::FlowId>,
     next_trace: u32,
 }
 
-impl State {
-    fn flow_reports(&self) -> Vec<FlowReport> {
-        let j = self.joiner.as_ref().expect("joiner");
-        j.flow_ids()
-            .iter()
-            .filter_map(|id| {
-                j.flow_report(id).map(|mut r| {
-                    r.probe = self.probes.get(id).cloned();
-                    r
-                })
-            })
-            .collect()
+/// What a reader takes from the state while the agents' frames wait: the join's flows
+/// by pointer, the agents and the probes. Every report is built from it afterwards, with
+/// the lock released.
+struct Taken {
+    snapshot: Snapshot,
+    agents: Vec<AgentInfo>,
+    refused: u64,
+    probes: HashMap<crate::observation::FlowId, crate::protocol::ProbeResult>,
+}
+
+impl Taken {
+    fn of(s: &State) -> Self {
+        Self {
+            snapshot: s.joiner.as_ref().expect("joiner").snapshot(),
+            agents: s.agents.values().cloned().collect(),
+            refused: s.refused,
+            probes: s.probes.clone(),
+        }
     }
 
+    /// The report, built without the lock.
+    fn report(self) -> CollectorReport {
+        let view = self.snapshot.view();
+        CollectorReport {
+            kind: "collector_report".into(),
+            stats: view.stats,
+            refused_connections: self.refused,
+            agents: self.agents,
+            points: view.points().to_vec(),
+            health: view.health_summary(),
+            flows: flow_reports(&view, &self.probes),
+            anomalies: view.anomalies(),
+        }
+    }
+}
+
+/// Every flow's report in label order, with the probe result of each traced flow.
+fn flow_reports(
+    view: &JoinView,
+    probes: &HashMap<crate::observation::FlowId, crate::protocol::ProbeResult>,
+) -> Vec<FlowReport> {
+    view.flow_ids()
+        .filter_map(|id| {
+            view.flow_report(id).map(|mut r| {
+                r.probe = probes.get(id).cloned();
+                r
+            })
+        })
+        .collect()
+}
+
+impl State {
     /// Asks the agent on the flow's source node to trace it; where it went.
     fn request_trace(&mut self, id: crate::observation::FlowId) -> Option<String> {
         let (node, dscp, ecn) = self.joiner.as_ref()?.trace_target(&id)?;
@@ -113,22 +153,17 @@ impl State {
 
 type Shared = Arc<Mutex<State>>;
 
+/// Flows waiting for their source's agent to trace them, at most.
+const MAX_UNTRACED: usize = 10_000;
+
 fn now_ns(start: Instant) -> u64 {
     start.elapsed().as_nanos() as u64
 }
 
-fn report(st: &State) -> CollectorReport {
-    let j = st.joiner.as_ref().expect("joiner");
-    CollectorReport {
-        kind: "collector_report".into(),
-        stats: j.stats,
-        refused_connections: st.refused,
-        agents: st.agents.values().cloned().collect(),
-        points: j.points().to_vec(),
-        health: j.health_summary(),
-        flows: st.flow_reports(),
-        anomalies: j.anomalies(),
-    }
+/// The report: taken under the lock (a pointer per flow), built without it.
+fn report(st: &Shared) -> CollectorReport {
+    let taken = Taken::of(&st.lock().expect("state"));
+    taken.report()
 }
 
 /// Runs until `shutdown`; `ready` gets the bound agent and HTTP addresses.
@@ -142,8 +177,12 @@ pub async fn run(
         "a token is required (--token or --token-file)"
     );
     let start = Instant::now();
+    let mut joiner = Joiner::new(opts.join);
+    if opts.trace {
+        joiner.note_new_paths();
+    }
     let state: Shared = Arc::new(Mutex::new(State {
-        joiner: Some(Joiner::new(opts.join)),
+        joiner: Some(joiner),
         last_conn: std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), start),
         ..State::default()
     }));
@@ -183,22 +222,39 @@ pub async fn run(
     let ticker = async move {
         let mut t = tokio::time::interval(Duration::from_millis(200));
         let mut last_view = Instant::now();
+        // The live view is built and printed on a thread of its own, one at a time: a
+        // large table never holds up the agents' frames, and a slow terminal only
+        // delays the next view.
+        let mut printing: Option<tokio::task::JoinHandle<()>> = None;
         loop {
             t.tick().await;
             let mut s = st.lock().expect("state");
             s.joiner.as_mut().expect("joiner").tick(now_ns(start));
             if trace_flows {
                 // Each flow is traced once, from its source, as soon as it has a path.
-                let ids: Vec<_> = s.joiner.as_ref().expect("joiner").flow_ids();
-                for id in ids {
-                    if !s.traced.contains(&id) {
-                        s.request_trace(id);
-                    }
-                }
+                // A flow whose source agent is not connected yet is tried again at each
+                // tick (the oldest forgotten past a bound).
+                let new = s.joiner.as_mut().expect("joiner").take_new_paths();
+                let mut untraced = std::mem::take(&mut s.untraced);
+                untraced.extend(new);
+                untraced.retain(|id| !s.traced.contains(id) && s.request_trace(*id).is_none());
+                let over = untraced.len().saturating_sub(MAX_UNTRACED);
+                untraced.drain(..over);
+                s.untraced = untraced;
             }
-            if live && last_view.elapsed() >= opts.interval {
+            if live
+                && last_view.elapsed() >= opts.interval
+                && printing.as_ref().is_none_or(|p| p.is_finished())
+            {
                 last_view = Instant::now();
-                print!("{}", render(&report(&s)));
+                let taken = Taken::of(&s);
+                printing = Some(tokio::task::spawn_blocking(move || {
+                    use std::io::Write as _;
+                    // A closed stdout (EPIPE) ends the view, not the collector.
+                    let _ = std::io::stdout()
+                        .lock()
+                        .write_all(render(&taken.report()).as_bytes());
+                }));
             }
         }
     };
@@ -207,9 +263,14 @@ pub async fn run(
         _ = accept => {}
         _ = ticker => {}
     }
-    let mut s = state.lock().expect("state");
-    s.joiner.as_mut().expect("joiner").flush();
-    let r = report(&s);
+    state
+        .lock()
+        .expect("state")
+        .joiner
+        .as_mut()
+        .expect("joiner")
+        .flush();
+    let r = report(&state);
     if let Some(path) = &opts.report {
         std::fs::write(path, serde_json::to_vec_pretty(&r)?)
             .with_context(|| format!("writing {}", path.display()))?;
@@ -584,8 +645,10 @@ async fn serve_frames(
     }
 }
 
+/// The HTTP API. It runs on a blocking thread, never the agents' runtime; it holds the
+/// lock the agents' frames need only to take what it reads (a pointer per flow for the
+/// views of every flow, one address pair's flows for `/flow`, counters for `/metrics`).
 fn api(st: &Shared, path: &str, query: &str) -> Response {
-    let mut s = st.lock().expect("state");
     let flow_id = || {
         query
             .split('&')
@@ -593,31 +656,52 @@ fn api(st: &Shared, path: &str, query: &str) -> Response {
             .map(http::percent_decode)
             .unwrap_or_default()
     };
-    if path == "/trace" {
-        let id = flow_id();
-        let Some(f) = s.joiner.as_ref().expect("joiner").find(&id) else {
-            return Response::text(404, format!("no flow `{id}` (see /flows)\n"));
-        };
-        return match s.request_trace(f) {
-            Some(node) => Response::json(&serde_json::json!({ "requested": id, "from": node })),
-            None => Response::text(409, format!("no connected agent on the source node of `{id}`\n")),
-        };
-    }
-    let j = s.joiner.as_ref().expect("joiner");
     match path {
-        "/flows" => Response::json(&s.flow_reports()),
-        "/flow" => {
+        "/trace" => {
             let id = flow_id();
-            match s.flow_reports().into_iter().find(|r| r.id == id) {
-                Some(r) => Response::json(&r),
-                None => Response::text(404, format!("no flow `{id}` (see /flows)\n")),
+            let mut s = st.lock().expect("state");
+            let Some(f) = s.joiner.as_ref().expect("joiner").find(&id) else {
+                return Response::text(404, format!("no flow `{id}` (see /flows)\n"));
+            };
+            match s.request_trace(f) {
+                Some(node) => Response::json(&serde_json::json!({ "requested": id, "from": node })),
+                None => Response::text(409, format!("no connected agent on the source node of `{id}`\n")),
             }
         }
-        "/anomalies" => Response::json(&j.anomalies()),
-        "/agents" => Response::json(&s.agents.values().collect::<Vec<_>>()),
-        "/stats" => Response::json(&j.stats),
-        "/report" => Response::json(&report(&s)),
-        "/metrics" => Response::metrics(metrics(&s)),
+        "/flows" => {
+            let taken = Taken::of(&st.lock().expect("state"));
+            Response::json(&flow_reports(&taken.snapshot.view(), &taken.probes))
+        }
+        "/flow" => {
+            let label = flow_id();
+            let one = {
+                let s = st.lock().expect("state");
+                let j = s.joiner.as_ref().expect("joiner");
+                j.find(&label)
+                    .and_then(|id| Some((id, j.flow_view(&id)?, s.probes.get(&id).cloned())))
+            };
+            match one.and_then(|(id, view, probe)| Some((view.flow_report(&id)?, probe))) {
+                Some((mut r, probe)) => {
+                    r.probe = probe;
+                    Response::json(&r)
+                }
+                None => Response::text(404, format!("no flow `{label}` (see /flows)\n")),
+            }
+        }
+        "/anomalies" => {
+            let snapshot = st
+                .lock()
+                .expect("state")
+                .joiner
+                .as_ref()
+                .expect("joiner")
+                .snapshot();
+            Response::json(&snapshot.view().anomalies())
+        }
+        "/agents" => Response::json(&st.lock().expect("state").agents.values().collect::<Vec<_>>()),
+        "/stats" => Response::json(&st.lock().expect("state").joiner.as_ref().expect("joiner").stats),
+        "/report" => Response::json(&report(st)),
+        "/metrics" => Response::metrics(metrics(&st.lock().expect("state"))),
         _ => Response::text(
             404,
             "try /flows, /flow?id=…, /trace?id=…, /anomalies, /agents, /stats, /report, /metrics\n".into(),
@@ -656,9 +740,9 @@ fn metrics(s: &State) -> String {
             st.pending_dropped,
         ),
         (
-            "roce_trace_collector_flows_refused_total",
-            "Observations of new flows refused: flow limit reached.",
-            st.flows_refused,
+            "roce_trace_collector_flows_evicted_total",
+            "Longest-idle flows forgotten to make room: flow limit reached.",
+            st.flows_evicted,
         ),
         (
             "roce_trace_collector_flows_expired_total",
@@ -690,12 +774,8 @@ fn metrics(s: &State) -> String {
             a.node, a.connected as u8
         ));
     }
-    let mut kinds: BTreeMap<AnomalyKind, u64> = BTreeMap::new();
-    for a in j.anomalies() {
-        *kinds.entry(a.kind).or_default() += 1;
-    }
-    m.push_str("# HELP roce_trace_collector_anomalies Flows with an anomaly, by kind.\n# TYPE roce_trace_collector_anomalies gauge\n");
-    for (k, v) in kinds {
+    m.push_str("# HELP roce_trace_collector_anomalies Anomalies (one per flow and place) of the tracked flows, by kind.\n# TYPE roce_trace_collector_anomalies gauge\n");
+    for (k, v) in j.anomaly_counts() {
         m.push_str(&format!("roce_trace_collector_anomalies{{kind=\"{k}\"}} {v}\n"));
     }
     m

@@ -121,8 +121,15 @@ where
                     }
                 }
                 let head = String::from_utf8_lossy(&buf[..n]);
+                // Answers are built on a blocking thread: a large view never holds up
+                // the runtime the agents' connections share.
                 let resp = match request_target(&head) {
-                    Ok((path, query)) => handler(path, query),
+                    Ok((path, query)) => {
+                        let (path, query) = (path.to_owned(), query.to_owned());
+                        tokio::task::spawn_blocking(move || handler(&path, &query))
+                            .await
+                            .unwrap_or_else(|e| Response::text(500, format!("the request failed: {e}\n")))
+                    }
                     Err(refusal) => refusal,
                 };
                 let reason = match resp.status {
