@@ -15,6 +15,7 @@ use roce_trace_common::{datapath::PCP_NONE, roce};
 use crate::{
     observation::{CounterDelta, OBS_HAS_PCP, Observation, PointHealth},
     report::*,
+    small::{DeliveryLog, PackedCounts, PointTotals, VecMap, push_tight},
     view::{JoinView, Snapshot},
 };
 
@@ -69,26 +70,42 @@ struct Pending {
 
 const RECENT: usize = 64;
 
+impl FlowJoin {
+    /// A point's running counters of this flow.
+    pub(crate) fn totals_at(&self, p: PointId) -> Option<PointTotals> {
+        self.counters.get(&p).map(PackedCounts::unpack)
+    }
+
+    /// Every point's running counters, in point order.
+    pub(crate) fn totals(&self) -> VecMap<PointId, PointTotals> {
+        let mut m = VecMap::default();
+        for (p, c) in self.counters.iter() {
+            m.insert(*p, c.unpack());
+        }
+        m
+    }
+}
+
 #[derive(Clone, Default)]
 pub struct FlowJoin {
     pub(crate) path: Vec<PointId>,
     pub(crate) path_since_ns: u64,
     pub(crate) history: Vec<(u64, Vec<PointId>)>,
-    pub(crate) hops: BTreeMap<(PointId, PointId), u8>,
-    pub(crate) class_at: BTreeMap<PointId, (u8, u8, u8)>,
+    pub(crate) hops: VecMap<(PointId, PointId), u8>,
+    pub(crate) class_at: VecMap<PointId, (u8, u8, u8)>,
     /// Every class each point saw, CNPs apart, with when and how many: a class that was
     /// wrong for a while is wrong, whatever the point shows at the end.
-    pub(crate) seen: BTreeMap<(PointId, bool, u8, u8), Span>,
-    pub(crate) changes: BTreeMap<(PointId, PointId, u8, u8), Span>,
-    pub(crate) ce_onset: BTreeMap<(Option<PointId>, PointId), Span>,
-    pub(crate) lost: BTreeMap<(PointId, PointId), Span>,
+    pub(crate) seen: VecMap<(PointId, bool, u8, u8), Span>,
+    pub(crate) changes: VecMap<(PointId, PointId, u8, u8), Span>,
+    pub(crate) ce_onset: VecMap<(Option<PointId>, PointId), Span>,
+    pub(crate) lost: VecMap<(PointId, PointId), Span>,
     /// The largest frame among the packets lost there.
-    pub(crate) lost_frames: BTreeMap<(PointId, PointId), u16>,
+    pub(crate) lost_frames: VecMap<(PointId, PointId), u16>,
     /// Sampled packets missing between two points that could have been seen there but
     /// whose absence proves nothing (see [`Unseen`]).
-    pub(crate) unseen: BTreeMap<(PointId, PointId, Unseen), Span>,
-    pub(crate) delays: BTreeMap<(PointId, PointId), Delay>,
-    pub(crate) counters: BTreeMap<PointId, CounterDelta>,
+    pub(crate) unseen: VecMap<(PointId, PointId, Unseen), Span>,
+    pub(crate) delays: VecMap<(PointId, PointId), Delay>,
+    pub(crate) counters: VecMap<PointId, PackedCounts>,
     pub(crate) trajectories: u64,
     /// The span of sampled request PSNs, and recent ACK PSNs: the two directions of a
     /// connection agree on PSNs (QPs start at random PSNs, so flows rarely overlap).
@@ -99,16 +116,16 @@ pub struct FlowJoin {
     pub(crate) cnp_times: VecDeque<(u32, u64)>,
     pub(crate) carries_cnp: bool,
     /// Class of the CNPs at each point (CNPs are always reported, so this is exact).
-    pub(crate) cnp_class_at: BTreeMap<PointId, (u8, u8, u8)>,
+    pub(crate) cnp_class_at: VecMap<PointId, (u8, u8, u8)>,
     /// Each point's running CNP count after each counter delta, by arrival time (the last
     /// [`SETTLE_SAMPLES`]): what a point had counted long enough ago to compare.
-    pub(crate) cnp_counts: BTreeMap<PointId, VecDeque<(u64, u64)>>,
+    pub(crate) cnp_counts: VecMap<PointId, VecDeque<(u64, u64)>>,
     /// Largest frame seen at each point.
-    pub(crate) max_frame: BTreeMap<PointId, u16>,
+    pub(crate) max_frame: VecMap<PointId, u16>,
     /// Bytes delivered at the flow's most downstream point per counter delta, by arrival
     /// time; that point (lowest TTL, ingress before egress at equal TTL), known from the
     /// counters themselves so delivery starts with the first deltas, not the first path.
-    pub(crate) delivery: VecDeque<DeliveryAt>,
+    pub(crate) delivery: DeliveryLog,
     pub(crate) delivery_point: Option<(PointId, u8, bool)>,
 }
 
@@ -420,10 +437,9 @@ impl Joiner {
             push_recent(&mut f.ce_times, (node, o.time_ns));
         }
         f.seen
-            .entry((point, opcode == roce::OP_CNP, obs.dscp, obs.pcp))
-            .or_default()
+            .entry_or_default((point, opcode == roce::OP_CNP, obs.dscp, obs.pcp))
             .hit(o.time_ns);
-        let m = f.max_frame.entry(point).or_default();
+        let m = f.max_frame.entry_or_default(point);
         *m = (*m).max(o.frame_len);
         if opcode == roce::OP_CNP {
             f.carries_cnp = true;
@@ -544,15 +560,17 @@ impl Joiner {
         }
         {
             let f = self.flow(d.flow, now_ns);
-            let total = f.counters.entry(point).or_default();
-            total.add(d);
+            let mut total = f.totals_at(point).unwrap_or_default();
+            total.counts.add(&d.counts);
+            (total.last_dscp, total.last_pcp, total.last_ttl) = (d.last_dscp, d.last_pcp, d.last_ttl);
+            f.counters.insert(point, PackedCounts::pack(&total));
             let cnps = total.counts.cnp;
             if d.counts.cnp > 0 {
                 f.carries_cnp = true;
             }
             if cnps > 0 {
                 push_bounded(
-                    f.cnp_counts.entry(point).or_default(),
+                    f.cnp_counts.entry_or_default(point),
                     (now_ns, cnps),
                     SETTLE_SAMPLES,
                 );
@@ -569,8 +587,7 @@ impl Joiner {
                 f.delivery_point = Some(here);
             }
             if f.delivery_point.is_some_and(|(p, ..)| p == point) {
-                push_bounded(
-                    &mut f.delivery,
+                f.delivery.push(
                     DeliveryAt {
                         start_ns: d.start_ns,
                         end_ns: d.end_ns,
@@ -681,20 +698,18 @@ impl Joiner {
                 f.hops.insert((o.point, n.point), o.ttl.saturating_sub(n.ttl));
                 if o.dscp != n.dscp {
                     f.changes
-                        .entry((o.point, n.point, o.dscp, n.dscp))
-                        .or_default()
+                        .entry_or_default((o.point, n.point, o.dscp, n.dscp))
                         .hit(n.time_ns);
                 }
                 if synced[i] && synced[i + 1] {
                     f.delays
-                        .entry((o.point, n.point))
-                        .or_default()
+                        .entry_or_default((o.point, n.point))
                         .add(n.time_ns as i64 - o.time_ns as i64);
                 }
             }
             if o.ecn == 3 && (i == 0 || t[i - 1].ecn != 3) {
                 let before = if i == 0 { None } else { Some(t[i - 1].point) };
-                f.ce_onset.entry((before, o.point)).or_default().hit(o.time_ns);
+                f.ce_onset.entry_or_default((before, o.point)).hit(o.time_ns);
             }
         }
         // Path: a strict prefix of the path in force when the packet was sent means it was
@@ -704,7 +719,7 @@ impl Joiner {
         if f.path.is_empty() {
             f.path = path;
             f.path_since_ns = first_time;
-            f.history.push((first_time, f.path.clone()));
+            push_tight(&mut f.history, (first_time, f.path.clone()));
             if let Some(v) = &mut self.new_paths {
                 v.push(flow);
             }
@@ -766,7 +781,7 @@ impl Joiner {
         } else if first_time >= f.path_since_ns {
             f.path = path;
             f.path_since_ns = first_time;
-            f.history.push((first_time, f.path.clone()));
+            push_tight(&mut f.history, (first_time, f.path.clone()));
         }
     }
 
@@ -827,11 +842,11 @@ impl Joiner {
             return;
         };
         if let Some(why) = unseen {
-            f.unseen.entry((m.a, m.b, why)).or_default().hit(m.first_ns);
+            f.unseen.entry_or_default((m.a, m.b, why)).hit(m.first_ns);
             return;
         }
-        f.lost.entry((m.a, m.b)).or_default().hit(m.first_ns);
-        let big = f.lost_frames.entry((m.a, m.b)).or_default();
+        f.lost.entry_or_default((m.a, m.b)).hit(m.first_ns);
+        let big = f.lost_frames.entry_or_default((m.a, m.b));
         *big = (*big).max(m.frame_len);
         if self.recent_losses.len() < self.cfg.max_pending {
             self.recent_losses.insert(m.id, (m.a, m.b));

@@ -5,6 +5,7 @@
 pub mod join;
 pub mod observation;
 pub mod report;
+mod small;
 pub mod view;
 
 pub use join::*;

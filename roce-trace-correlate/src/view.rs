@@ -5,7 +5,7 @@
 //! (copy on write) while reports are built from the view on another thread.
 
 use std::{
-    collections::{BTreeMap, HashMap, VecDeque},
+    collections::{HashMap, VecDeque},
     sync::Arc,
 };
 
@@ -16,6 +16,7 @@ use crate::{
     join::{FlowJoin, JoinConfig, PointId, Topology},
     observation::{CounterDelta, PointHealth},
     report::*,
+    small::{PointTotals, VecMap},
 };
 
 /// A consistent picture of the join at one instant (see the module's doc).
@@ -162,9 +163,8 @@ impl JoinView {
     /// A flow's points in path order from its exact counters alone: higher TTL first, and
     /// at equal TTL a link's egress before the far end's ingress (routers decrement
     /// between their own ingress and egress).
-    fn counter_path(&self, f: &FlowJoin) -> Vec<PointId> {
-        let mut v: Vec<(PointId, u8, bool)> = f
-            .counters
+    fn counter_path(&self, totals: &VecMap<PointId, PointTotals>) -> Vec<PointId> {
+        let mut v: Vec<(PointId, u8, bool)> = totals
             .iter()
             .filter(|(_, c)| c.counts.packets > 0)
             .map(|(p, c)| {
@@ -200,11 +200,12 @@ impl JoinView {
     /// they throttle, and between which points the rest vanished. `None` for a flow
     /// without CNPs.
     fn cnp_delivery(&self, id: &FlowId, f: &FlowJoin) -> Option<CnpDelivery> {
-        if !f.counters.values().any(|c| c.counts.cnp > 0) {
+        let totals = f.totals();
+        if !totals.values().any(|c| c.counts.cnp > 0) {
             return None;
         }
-        let path = self.counter_path(f);
-        let cnps = |p: &PointId| f.counters.get(p).map_or(0, |c| c.counts.cnp);
+        let path = self.counter_path(&totals);
+        let cnps = |p: &PointId| totals.get(p).map_or(0, |c| c.counts.cnp);
         let first = *path.iter().find(|p| cnps(p) > 0)?;
         let mut lost = Vec::new();
         for w in path.windows(2) {
@@ -307,7 +308,7 @@ impl JoinView {
             .iter()
             .filter(|(rid, r)| r.carries_cnp && (acked_qps.contains(&rid.dest_qp) || lone))
             .collect();
-        let max_over_points = |c: &BTreeMap<PointId, CounterDelta>, g: fn(&CounterDelta) -> u64| {
+        let max_over_points = |c: &VecMap<PointId, PointTotals>, g: fn(&PointTotals) -> u64| {
             c.values().map(g).max().unwrap_or(0)
         };
         // CNPs count where they reach the sender they throttle (the most downstream point
@@ -321,14 +322,16 @@ impl JoinView {
             };
             cnps_sent += d.sent;
             cnps += d.reached.unwrap_or_else(|| {
-                self.counter_path(r)
+                let totals = r.totals();
+                self.counter_path(&totals)
                     .last()
-                    .and_then(|p| r.counters.get(p))
+                    .and_then(|p| totals.get(p))
                     .map_or(0, |c| c.counts.cnp)
             });
             cnps_lost.extend(d.lost);
         }
-        let ce = max_over_points(&f.counters, |d| d.counts.ecn[3]);
+        let totals = f.totals();
+        let ce = max_over_points(&totals, |d| d.counts.ecn[3]);
         let mut ce_to_cnp = Delay::default();
         for (_, r) in &cnp_flows {
             for &(node, t) in &r.cnp_times {
@@ -347,8 +350,8 @@ impl JoinView {
         }
         // A flow of CNPs alone makes no trajectories: its path is its counters'.
         let (path, hops): (Vec<PointId>, Vec<u8>) = if f.path.is_empty() && f.carries_cnp {
-            let p = self.counter_path(f);
-            let ttl = |x: &PointId| f.counters.get(x).map_or(0, |c| c.last_ttl);
+            let p = self.counter_path(&totals);
+            let ttl = |x: &PointId| totals.get(x).map_or(0, |c| c.last_ttl);
             let h = p
                 .windows(2)
                 .map(|w| ttl(&w[0]).saturating_sub(ttl(&w[1])))
@@ -391,7 +394,7 @@ impl JoinView {
                     span: *s,
                 })
                 .collect(),
-            delivery: f.delivery.iter().copied().collect(),
+            delivery: f.delivery.iter().collect(),
             class_changes: f
                 .changes
                 .iter()
@@ -447,7 +450,19 @@ impl JoinView {
                     path: p.iter().map(l).collect(),
                 })
                 .collect(),
-            counters: f.counters.iter().map(|(p, c)| (l(p), *c)).collect(),
+            counters: totals
+                .iter()
+                .map(|(p, c)| {
+                    let d = CounterDelta {
+                        counts: c.counts,
+                        last_dscp: c.last_dscp,
+                        last_pcp: c.last_pcp,
+                        last_ttl: c.last_ttl,
+                        ..Default::default()
+                    };
+                    (l(p), d)
+                })
+                .collect(),
             trajectories: f.trajectories,
             probe: None,
             cnp_delivery: self.cnp_delivery(id, f),

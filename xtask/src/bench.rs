@@ -16,6 +16,43 @@ use roce_trace_lab::Lab;
 use roce_trace_tests::{ProgTest, VethPair};
 use serde_json::Value;
 
+/// The heap bytes this process has allocated and not freed: the benchmarks' exact
+/// measure of what state costs (the resident set also holds what the allocator keeps
+/// after a peak, such as the identities waiting for their trajectories).
+struct Counting;
+
+static LIVE: std::sync::atomic::AtomicIsize = std::sync::atomic::AtomicIsize::new(0);
+
+// SAFETY: every call is passed on to the system allocator unchanged; only a counter is
+// kept beside it.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        LIVE.fetch_add(l.size() as isize, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: the caller's contract is the system allocator's.
+        unsafe { std::alloc::System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        LIVE.fetch_sub(l.size() as isize, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: as above.
+        unsafe { std::alloc::System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, new: usize) -> *mut u8 {
+        LIVE.fetch_add(
+            new as isize - l.size() as isize,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        // SAFETY: as above.
+        unsafe { std::alloc::System.realloc(p, l, new) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+fn live_bytes() -> i64 {
+    LIVE.load(std::sync::atomic::Ordering::Relaxed) as i64
+}
+
 pub fn run(which: &str, repeat: u32) -> anyhow::Result<()> {
     let bin = Path::new("target/release/roce-trace");
     match which {
@@ -727,6 +764,7 @@ fn collector() -> anyhow::Result<()> {
     obs.sort_by_key(|(_, o)| o.time_ns);
     let n = obs.len() as u64;
     let rss0 = rss_bytes();
+    let heap0 = live_bytes();
     let started = std::time::Instant::now();
     for (i, (p, o)) in obs.iter().enumerate() {
         // Collector time advances with the stream; ticks complete trajectories as it goes.
@@ -753,6 +791,10 @@ fn collector() -> anyhow::Result<()> {
         rss1.saturating_sub(rss0) as f64 / (1 << 20) as f64,
         FLOWS,
         rss1.saturating_sub(rss0) as f64 / FLOWS as f64
+    );
+    println!(
+        "heap: {:.0} bytes per tracked flow (live allocations, nothing pending)",
+        (live_bytes() - heap0) as f64 / f64::from(FLOWS)
     );
     ensure!(
         j.stats.trajectories == (FLOWS * PACKETS_PER_FLOW) as u64,
@@ -793,11 +835,19 @@ fn collector() -> anyhow::Result<()> {
         .and_then(|id| j.flow_report(id))
         .map_or(0, |r| r.delivery.len());
     println!(
-        "{deltas} counter deltas in {secs:.3}s = {:.0} deltas/s; memory with a minute of counters: {:.0} bytes per tracked flow ({delivered} delivery intervals kept)",
+        "{deltas} counter deltas in {secs:.3}s = {:.0} deltas/s; memory with a minute of counters: {:.0} bytes per tracked flow ({delivered} delivery intervals kept), heap {:.0} bytes per flow",
         deltas as f64 / secs,
-        rss2.saturating_sub(rss0) as f64 / FLOWS as f64
+        rss2.saturating_sub(rss0) as f64 / FLOWS as f64,
+        (live_bytes() - heap0) as f64 / f64::from(FLOWS)
     );
     ensure!(delivered == 64, "the last minute of delivery is kept");
+    drop(j);
+
+    join_with_reader(20_000)?;
+    println!("== the collector over TCP and HTTP: two agents, 4 sampled packets per flow, views best of 3");
+    for n in [10_000, 100_000, 1_000_000] {
+        collector_views(n)?;
+    }
     Ok(())
 }
 
@@ -889,6 +939,407 @@ fn pcap_ingest(bin: &Path) -> anyhow::Result<()> {
         FRAMES as f64 / theirs
     );
     println!("roce-trace is {:.1}x faster", theirs / ours);
+    Ok(())
+}
+
+/// An agent speaking the wire protocol (the collector's real TCP path), fed prepared
+/// frames; it reads nothing back (the collector's ACKs go to the socket's buffer).
+struct WireAgent {
+    s: std::net::TcpStream,
+    enc: roce_trace::protocol::Encoder,
+}
+
+impl WireAgent {
+    fn connect(
+        addr: std::net::SocketAddr,
+        node: &str,
+        point: roce_trace::observation::PointDecl,
+    ) -> anyhow::Result<Self> {
+        use roce_trace::protocol::{Frame, VERSION};
+        let s = std::net::TcpStream::connect(addr)?;
+        let mut a = Self {
+            s,
+            enc: Default::default(),
+        };
+        a.send(&Frame::Hello {
+            version: VERSION,
+            node: node.into(),
+            token: "bench".into(),
+            clock_synced: true,
+        })?;
+        a.send(&Frame::Points(vec![point]))?;
+        Ok(a)
+    }
+
+    fn send(&mut self, f: &roce_trace::protocol::Frame) -> anyhow::Result<()> {
+        use std::io::Write as _;
+        self.s.write_all(&self.enc.encode(f)?)?;
+        Ok(())
+    }
+}
+
+/// GET `path`; the body's length and how long the whole answer took.
+fn timed_get(addr: std::net::SocketAddr, path: &str) -> anyhow::Result<(usize, f64)> {
+    use std::io::{Read as _, Write as _};
+    let t = std::time::Instant::now();
+    let mut s = std::net::TcpStream::connect(addr)?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut out = Vec::new();
+    s.read_to_end(&mut out)?;
+    let secs = t.elapsed().as_secs_f64();
+    let head_end = out
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .context("no HTTP head")?;
+    ensure!(
+        out.starts_with(b"HTTP/1.1 200"),
+        "{path}: {}",
+        String::from_utf8_lossy(&out[..head_end])
+    );
+    Ok((out.len() - head_end - 4, secs))
+}
+
+/// The collector as a service, over its real TCP and HTTP paths, in this process: two
+/// agents (a sender's egress, a receiver's ingress) report `n` flows, 4 hash-sampled
+/// packets each and one counter delta per point, as the independent agents did;
+/// then `/flows` and `/metrics` are timed (best of 3) and the resident memory per flow is
+/// read.
+fn collector_views(n: u32) -> anyhow::Result<()> {
+    use roce_trace::{
+        collector::{CollectorOptions, run},
+        observation::{CounterDelta, Counts, Observation, PointDecl},
+        protocol::{Frame, MAX_BATCH},
+    };
+    use roce_trace_common::{
+        datapath::REASON_HASH,
+        flow::{FlowId, PacketId},
+    };
+    let rss0 = rss_bytes();
+    let heap0 = live_bytes();
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let collector = std::thread::spawn(move || -> anyhow::Result<()> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(run(
+            CollectorOptions {
+                listen: "127.0.0.1:0".parse()?,
+                http: Some("127.0.0.1:0".parse()?),
+                token: "bench".into(),
+                report: None,
+                join: roce_trace_correlate::JoinConfig {
+                    max_flows: 2_000_000,
+                    max_pending: 10_000_000,
+                    ..Default::default()
+                },
+                live: false,
+                trace: false,
+                interval: Duration::from_secs(2),
+            },
+            async {
+                let _ = stop_rx.await;
+            },
+            move |a, h| {
+                let _ = addr_tx.send((a, h.expect("http")));
+            },
+        ))?;
+        Ok(())
+    });
+    let (agents, http) = addr_rx.recv_timeout(Duration::from_secs(10))?;
+    let decl = |direction| PointDecl {
+        index: 0,
+        node: String::new(),
+        iface: "eth0".into(),
+        ifindex: 2,
+        direction,
+        mtu: 4200,
+    };
+    let mut out = WireAgent::connect(agents, "sender", decl(1))?;
+    let mut inn = WireAgent::connect(agents, "receiver", decl(0))?;
+    let flow = |i: u32| {
+        let mut src = [0u8; 16];
+        src[..4].copy_from_slice(&(i / 16).to_be_bytes());
+        let mut dst = src;
+        dst[15] = 1;
+        FlowId {
+            src,
+            dst,
+            ip_version: 6,
+            udp_sport: 49152 + (i % 16) as u16,
+            dest_qp: i & 0xff_ffff,
+        }
+    };
+    let t_feed = std::time::Instant::now();
+    let mut batch = (Vec::new(), Vec::new());
+    for i in 0..n {
+        for psn in 0..4u32 {
+            let o = Observation {
+                point: 0,
+                time_ns: 1_000_000_000 + u64::from(i) * 100 + u64::from(psn) * 10,
+                id: PacketId {
+                    flow: flow(i),
+                    psn,
+                    opcode: 7,
+                    icrc: (i ^ psn).to_le_bytes(),
+                },
+                udp_dport: 4791,
+                frame_len: 1100,
+                dscp: 26,
+                ecn: 2,
+                ttl: 64,
+                reasons: REASON_HASH as u8,
+                ..Default::default()
+            };
+            batch.0.push(o);
+            batch.1.push(Observation {
+                ttl: 63,
+                time_ns: o.time_ns + 2000,
+                ..o
+            });
+        }
+        if batch.0.len() >= MAX_BATCH - 4 || i + 1 == n {
+            out.send(&Frame::Observations(std::mem::take(&mut batch.0)))?;
+            inn.send(&Frame::Observations(std::mem::take(&mut batch.1)))?;
+        }
+    }
+    for chunk in (0..n).collect::<Vec<_>>().chunks(MAX_BATCH) {
+        for (a, ttl) in [(&mut out, 64), (&mut inn, 63)] {
+            let deltas = chunk
+                .iter()
+                .map(|&i| CounterDelta {
+                    point: 0,
+                    flow: flow(i),
+                    start_ns: 1_000_000_000,
+                    end_ns: 2_000_000_000,
+                    counts: Counts {
+                        packets: 1000,
+                        bytes: 1_100_000,
+                        ecn: [0, 0, 1000, 0],
+                        ..Default::default()
+                    },
+                    last_dscp: 26,
+                    last_pcp: 0xff,
+                    last_ttl: ttl,
+                })
+                .collect();
+            a.send(&Frame::Counters(deltas))?;
+        }
+    }
+    // Everything is in once the stats say so; trajectories complete a timeout later.
+    let want = u64::from(n) * 8;
+    let deadline = std::time::Instant::now() + Duration::from_secs(600);
+    // (Twice in a row: the pending count is the last tick's, 200 ms at most.)
+    let mut settled = 0;
+    let stats = loop {
+        let v: Value = roce_trace::http::get_json(http, "/stats")?;
+        settled = if v["observations"].as_u64() == Some(want) && v["pending"].as_u64() == Some(0) {
+            settled + 1
+        } else {
+            0
+        };
+        if settled == 2 {
+            break v;
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "the collector did not take it all: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let fed = t_feed.elapsed().as_secs_f64();
+    ensure!(
+        stats["flows"].as_u64() == Some(u64::from(n)),
+        "every flow tracked: {stats}"
+    );
+    ensure!(
+        stats["trajectories"].as_u64() == Some(u64::from(n) * 4),
+        "every packet joined once, at both points: {stats}"
+    );
+    let (rss, heap) = (rss_bytes(), live_bytes());
+    let best = |path: &str| -> anyhow::Result<(usize, f64)> {
+        let mut v = Vec::new();
+        for _ in 0..3 {
+            v.push(timed_get(http, path)?);
+        }
+        Ok(v.into_iter().min_by(|a, b| a.1.total_cmp(&b.1)).expect("three"))
+    };
+    let (flows_len, flows_s) = best("/flows")?;
+    let (metrics_len, metrics_s) = best("/metrics")?;
+    let (_, one_s) = best(&format!(
+        "/flow?id={}",
+        roce_trace::http::percent_encode(&flow(n / 2).to_string())
+    ))?;
+    println!(
+        "{n:>8} flows: fed and joined in {fed:.1}s; /flows {flows_s:.3}s ({:.2} µs/flow, {:.0} MB); /metrics {:.2} ms ({metrics_len} B); /flow?id= {:.2} ms; per flow {:.0} bytes of heap, {:.0} resident",
+        flows_s * 1e6 / f64::from(n),
+        flows_len as f64 / 1e6,
+        metrics_s * 1e3,
+        one_s * 1e3,
+        (heap - heap0) as f64 / f64::from(n),
+        rss.saturating_sub(rss0) as f64 / f64::from(n),
+    );
+    drop((out, inn));
+    let _ = stop_tx.send(());
+    collector
+        .join()
+        .map_err(|_| anyhow::anyhow!("collector thread panicked"))??;
+    Ok(())
+}
+
+/// The join's throughput alone and while a reader builds every flow's report (what
+/// `/flows` does) once a second from a snapshot, the ingest holding the same lock the
+/// collector's agent connections take per frame: observations fed in frames of
+/// `MAX_BATCH`, in time order and then out of it.
+fn join_with_reader(flows: u32) -> anyhow::Result<()> {
+    use roce_trace_common::{
+        datapath::REASON_HASH,
+        flow::{FlowId, PacketId},
+    };
+    use roce_trace_correlate::{Direction, JoinConfig, Joiner, PointInfo, observation::Observation};
+    use std::sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    };
+    const PACKETS: u32 = 25;
+    let build = || {
+        let mut j = Joiner::new(JoinConfig {
+            trajectory_timeout_ns: 1_000_000_000,
+            ..Default::default()
+        });
+        let pts: Vec<u32> = (0..8)
+            .map(|i| {
+                j.point(PointInfo {
+                    node: format!("n{}", i / 2),
+                    iface: "p".into(),
+                    direction: if i % 2 == 0 {
+                        Direction::Egress
+                    } else {
+                        Direction::Ingress
+                    },
+                    clock_synced: true,
+                    ..Default::default()
+                })
+            })
+            .collect();
+        (j, pts)
+    };
+    let (_, pts) = build();
+    // Frames as agents send them: each agent's observations of one interval together.
+    let mut obs: Vec<(u32, Observation)> = Vec::with_capacity((flows * PACKETS * 8) as usize);
+    for p in 0..PACKETS {
+        for f in 0..flows {
+            let mut src = [0u8; 16];
+            src[..4].copy_from_slice(&f.to_be_bytes());
+            let flow = FlowId {
+                src,
+                dst: [9; 16],
+                ip_version: 6,
+                udp_sport: 49152,
+                dest_qp: f & 0xff_ffff,
+            };
+            let id = PacketId {
+                flow,
+                psn: p,
+                opcode: 7,
+                icrc: (f ^ p).to_le_bytes(),
+            };
+            for (k, &pt) in pts.iter().enumerate() {
+                obs.push((
+                    pt,
+                    Observation {
+                        time_ns: u64::from(p) * 100_000_000 + u64::from(f) * 40 + k as u64 * 5,
+                        id,
+                        udp_dport: 4791,
+                        dscp: 26,
+                        ecn: 2,
+                        ttl: 64 - (k as u8).div_ceil(2),
+                        reasons: REASON_HASH as u8,
+                        ..Default::default()
+                    },
+                ));
+            }
+        }
+    }
+    obs.sort_by_key(|(_, o)| o.time_ns);
+    // Out of time order: each point's agent delivers its frames up to 0.8 s late, by a
+    // delay of its own, so frames of one packet arrive far apart and interleaved.
+    let mut late = obs.clone();
+    late.sort_by_key(|(p, o)| o.time_ns + u64::from(*p) * 100_000_000);
+    let total = obs.len() as u64;
+    let feed = |stream: &[(u32, Observation)], reader: bool| -> anyhow::Result<(f64, u64, u64)> {
+        let (j, _) = build();
+        let j = Arc::new(Mutex::new(j));
+        let done = Arc::new(AtomicBool::new(false));
+        let poller = reader.then(|| {
+            let (j, done) = (j.clone(), done.clone());
+            std::thread::spawn(move || {
+                let mut reads = 0u64;
+                while !done.load(Ordering::Relaxed) {
+                    let t = std::time::Instant::now();
+                    let snapshot = j.lock().expect("join").snapshot();
+                    let view = snapshot.view();
+                    let mut bytes = 0;
+                    for r in view.flow_reports() {
+                        bytes += serde_json::to_vec_pretty(&r).map_or(0, |v| v.len());
+                    }
+                    std::hint::black_box(bytes);
+                    reads += 1;
+                    while t.elapsed() < Duration::from_secs(1) && !done.load(Ordering::Relaxed) {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                }
+                reads
+            })
+        });
+        let t = std::time::Instant::now();
+        for (k, frame) in stream.chunks(roce_trace::protocol::MAX_BATCH).enumerate() {
+            let mut j = j.lock().expect("join");
+            let now = frame[0].1.time_ns;
+            for (p, o) in frame {
+                j.add(*p, o, now);
+            }
+            if k % 4 == 0 {
+                j.tick(now);
+            }
+        }
+        let trajectories = {
+            let mut j = j.lock().expect("join");
+            j.flush();
+            j.stats.trajectories
+        };
+        let secs = t.elapsed().as_secs_f64();
+        done.store(true, Ordering::Relaxed);
+        let reads = poller
+            .map_or(Ok(0), |p| p.join())
+            .map_err(|_| anyhow::anyhow!("reader panicked"))?;
+        Ok((secs, trajectories, reads))
+    };
+    println!(
+        "== the join while a reader builds every report once a second: {flows} flows, {PACKETS} packets each at 8 points, {total} observations"
+    );
+    for (name, stream) in [("in time order", &obs), ("out of time order", &late)] {
+        let mut rows = Vec::new();
+        for reader in [false, true, false, true] {
+            let (secs, trajectories, reads) = feed(stream, reader)?;
+            ensure!(
+                trajectories == u64::from(flows * PACKETS),
+                "{name}: every packet joined ({trajectories})"
+            );
+            rows.push((reader, total as f64 / secs, reads));
+        }
+        let rate = |r: bool| rows.iter().filter(|x| x.0 == r).map(|x| x.1).fold(0.0, f64::max);
+        let reads: u64 = rows.iter().map(|x| x.2).sum();
+        println!(
+            "{name:>18}: alone {:.0} observations/s; with the reader {:.0} observations/s ({:.0} %, {reads} full reads); every packet joined",
+            rate(false),
+            rate(true),
+            100.0 * rate(true) / rate(false)
+        );
+    }
     Ok(())
 }
 
