@@ -697,3 +697,111 @@ async fn a_server_with_a_password_refuses_clients_without_it() {
     assert!(publisher.flush(Duration::from_secs(10)).await);
     assert_eq!(publisher.stats().observations.acked, 10);
 }
+
+/// A throwaway CA and a server certificate for 127.0.0.1, made with the `openssl` CLI.
+fn make_certs(dir: &std::path::Path) -> (PathBuf, PathBuf, PathBuf) {
+    std::fs::create_dir_all(dir).expect("cert dir");
+    let run = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("running openssl (apt-get install openssl)");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=roce-trace test CA",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    ]);
+    std::fs::write(dir.join("ext.cnf"), "subjectAltName=IP:127.0.0.1\n").expect("ext");
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "ext.cnf",
+    ]);
+    (dir.join("ca.pem"), dir.join("server.pem"), dir.join("server.key"))
+}
+
+/// TLS as configured: a client given the server's CA connects; one without it (the
+/// system's CAs only) is refused, as is one that does not ask for TLS at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_server_is_reached_with_its_ca_and_not_without() {
+    let certs = std::env::temp_dir().join(format!("roce-trace-nats-certs-{}", std::process::id()));
+    let (ca, cert, key) = make_certs(&certs);
+    let (cert, key) = (cert.display().to_string(), key.display().to_string());
+    let srv = NatsServer::start(&["--tls", "--tlscert", &cert, "--tlskey", &key]);
+    let opts = test_options(&srv);
+    let f = fleet(NatsOptions {
+        tls: NatsTls {
+            ca: Some(ca.clone()),
+            ..NatsTls::default()
+        },
+        ..opts.clone()
+    })
+    .await;
+    let publisher = Publisher::new(&f, "h1", PublisherOptions::default()).expect("publisher");
+    publisher
+        .send(Frame::Observations(observations(5)))
+        .expect("send");
+    assert!(publisher.flush(Duration::from_secs(10)).await);
+    assert_eq!(publisher.stats().observations.acked, 5);
+    let without_ca = connect(NatsOptions {
+        tls: NatsTls {
+            required: true,
+            ..NatsTls::default()
+        },
+        ..opts.clone()
+    })
+    .await;
+    assert!(
+        matches!(without_ca, Err(FleetError::Connect { .. })),
+        "{:?}",
+        without_ca.err()
+    );
+    let plain = connect(opts).await;
+    assert!(
+        matches!(plain, Err(FleetError::Connect { .. })),
+        "{:?}",
+        plain.err()
+    );
+    let _ = std::fs::remove_dir_all(&certs);
+}
