@@ -7,6 +7,7 @@
 pub mod agent;
 pub mod capture;
 pub mod collector;
+pub mod fleet;
 #[doc(hidden)]
 pub mod fuzz_api;
 pub mod http;
