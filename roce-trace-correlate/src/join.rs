@@ -955,6 +955,22 @@ impl Joiner {
         Some((self.topo.points[first as usize].node.clone(), dscp, ecn))
     }
 
+    /// Forgets every flow `drop` picks, with its packets waiting to be joined (a group
+    /// member that lost the flows' partition: if it gains it again, it replays it from the
+    /// start). How many flows went.
+    pub fn forget_where(&mut self, drop: impl Fn(&FlowId) -> bool) -> usize {
+        let gone: Vec<FlowId> = self.flows.keys().filter(|id| drop(id)).copied().collect();
+        for id in &gone {
+            self.forget(id);
+        }
+        self.pending.retain(|id, _| !drop(&id.flow));
+        self.awaiting.retain(|m| !drop(&m.id.flow));
+        self.recent_losses.retain(|id, _| !drop(&id.flow));
+        self.stats.flows = self.flows.len() as u64;
+        self.stats.pending = self.pending.len() as u64;
+        gone.len()
+    }
+
     /// From now on, note each flow that gets its first path ([`Joiner::take_new_paths`]).
     pub fn note_new_paths(&mut self) {
         self.new_paths.get_or_insert_with(Vec::new);

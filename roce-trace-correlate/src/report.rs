@@ -568,6 +568,103 @@ pub struct CollectorReport {
     pub anomalies: Vec<Anomaly>,
 }
 
+impl JoinStats {
+    /// Adds another collector's figures: a group of collectors joins disjoint flows, so
+    /// the group's figures are the sums.
+    pub fn merge(&mut self, o: &Self) {
+        self.observations += o.observations;
+        self.probe_observations += o.probe_observations;
+        self.duplicates += o.duplicates;
+        self.trajectories += o.trajectories;
+        self.retransmissions += o.retransmissions;
+        self.fragments += o.fragments;
+        self.late_arrivals += o.late_arrivals;
+        self.pending_dropped += o.pending_dropped;
+        self.flows_expired += o.flows_expired;
+        self.flows_evicted += o.flows_evicted;
+        self.pending += o.pending;
+        self.flows += o.flows;
+    }
+}
+
+impl CollectorReport {
+    /// One report of a group of collectors, each joining its own share of the flows
+    /// (partitioned by address pair): flows by label, each once (the first report's
+    /// when two hold one, as during a hand-over); agents by node, their counts summed
+    /// (each collector counts what it received of them); points and health by point.
+    pub fn merge(reports: Vec<CollectorReport>) -> CollectorReport {
+        let mut it = reports.into_iter();
+        let mut out = it.next().unwrap_or_else(|| CollectorReport {
+            kind: "collector_report".into(),
+            stats: JoinStats::default(),
+            refused_connections: 0,
+            agents: Vec::new(),
+            points: Vec::new(),
+            health: Vec::new(),
+            flows: Vec::new(),
+            anomalies: Vec::new(),
+        });
+        for r in it {
+            out.stats.merge(&r.stats);
+            out.refused_connections += r.refused_connections;
+            out.agents = merge_agents(std::mem::take(&mut out.agents), r.agents);
+            for p in r.points {
+                if !out.points.iter().any(|q| q.point() == p.point()) {
+                    out.points.push(p);
+                }
+            }
+            for h in r.health {
+                if !out.health.iter().any(|g| g.point == h.point) {
+                    out.health.push(h);
+                }
+            }
+            out.flows.extend(r.flows);
+            out.anomalies.extend(r.anomalies);
+        }
+        out.flows = merge_flows(std::mem::take(&mut out.flows));
+        let kept: std::collections::HashSet<&str> = out.flows.iter().map(|f| f.id.as_str()).collect();
+        let mut seen = std::collections::HashSet::new();
+        let anomalies = std::mem::take(&mut out.anomalies);
+        out.anomalies = anomalies
+            .into_iter()
+            .filter(|a| {
+                kept.contains(a.flow.as_str()) && seen.insert((a.flow.clone(), a.kind, a.between.clone()))
+            })
+            .collect();
+        out.anomalies
+            .sort_by(|a, b| a.flow.cmp(&b.flow).then(a.kind.cmp(&b.kind)));
+        out.health.sort_by(|a, b| a.point.cmp(&b.point));
+        out
+    }
+}
+
+/// Flows of several collectors, each label once (the first seen wins), in label order.
+pub fn merge_flows(flows: Vec<FlowReport>) -> Vec<FlowReport> {
+    let mut seen = std::collections::HashSet::new();
+    let mut v: Vec<FlowReport> = flows.into_iter().filter(|f| seen.insert(f.id.clone())).collect();
+    v.sort_by(|a, b| a.id.cmp(&b.id));
+    v
+}
+
+/// Agents as several collectors know them: one per node, counts summed.
+pub fn merge_agents(mut a: Vec<AgentInfo>, b: Vec<AgentInfo>) -> Vec<AgentInfo> {
+    for x in b {
+        match a.iter_mut().find(|y| y.node == x.node) {
+            Some(y) => {
+                y.connected |= x.connected;
+                y.connections += x.connections;
+                y.observations += x.observations;
+                y.counter_deltas += x.counter_deltas;
+                y.dropped_observations = y.dropped_observations.max(x.dropped_observations);
+                y.dropped_counters = y.dropped_counters.max(x.dropped_counters);
+            }
+            None => a.push(x),
+        }
+    }
+    a.sort_by(|x, y| x.node.cmp(&y.node));
+    a
+}
+
 /// What the collector knows of one agent.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct AgentInfo {

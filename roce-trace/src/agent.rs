@@ -44,13 +44,16 @@ pub struct AgentOptions {
     /// This host's clock is synchronised (PTP/NTP): one-way delays are meaningful.
     pub clock_synced: bool,
     pub metrics: Option<SocketAddr>,
+    /// Fleet mode: publish to NATS JetStream instead of streaming to `collector`.
+    pub fleet: Option<crate::fleet::NatsOptions>,
 }
 
 impl AgentOptions {
     /// What every agent needs, whatever it reads from.
     fn check(&self) -> anyhow::Result<()> {
+        // Fleet mode authenticates to NATS with NATS's own credentials instead.
         anyhow::ensure!(
-            !self.token.is_empty(),
+            self.fleet.is_some() || !self.token.is_empty(),
             "a token is required (--token or --token-file)"
         );
         // HELLO carries both as u16-long strings: one longer could never be sent.
@@ -168,7 +171,7 @@ pub async fn run(
     // SAFETY: the RingBuf owns its map fd and keeps it open for as long as this AsyncFd.
     let mut ring = unsafe { tokio::io::unix::AsyncFd::register(ring) }
         .map_err(|e| anyhow::anyhow!("polling the sample ring buffer: {e}"))?;
-    let sender = tokio::spawn(send_loop(opts.clone(), shared.clone()));
+    let sender = start_sender(&opts, &shared).await?;
     ready(&hooks, metrics_addr);
 
     // Per flow: its counters at the last reading, and where the interval of its next
@@ -322,15 +325,99 @@ async fn send_loop(opts: AgentOptions, sh: Arc<Shared>) {
     }
 }
 
-/// Waits (at most `patience`) until the collector has acknowledged everything made, then
-/// stops the sender; what became of everything.
-async fn finish(sh: &Shared, sender: tokio::task::JoinHandle<()>, patience: Duration) -> AgentStats {
+/// What sends the agent's frames: a connection to the collector (reconnecting), or fleet
+/// mode's publisher to NATS JetStream.
+struct Sender {
+    task: tokio::task::JoinHandle<()>,
+    publisher: Option<Arc<crate::fleet::Publisher>>,
+}
+
+/// Starts the sender `opts` ask for (fleet mode connects to NATS first).
+async fn start_sender(opts: &AgentOptions, sh: &Arc<Shared>) -> anyhow::Result<Sender> {
+    let Some(nats) = &opts.fleet else {
+        return Ok(Sender {
+            task: tokio::spawn(send_loop(opts.clone(), sh.clone())),
+            publisher: None,
+        });
+    };
+    let fleet = crate::fleet::connect(nats.clone())
+        .await
+        .context("fleet mode: connecting to NATS")?;
+    let publisher = Arc::new(crate::fleet::Publisher::new(
+        &fleet,
+        &opts.node,
+        crate::fleet::PublisherOptions {
+            queue: opts.queue,
+            ..Default::default()
+        },
+    )?);
+    tracing::info!("fleet mode: publishing to NATS {}", nats.urls.join(","));
+    Ok(Sender {
+        task: tokio::spawn(fleet_send_loop(publisher.clone(), sh.clone())),
+        publisher: Some(publisher),
+    })
+}
+
+/// Fleet mode: hands the outbox's frames, the point table and the drop counts to the
+/// publisher, which partitions, holds (bounded) and delivers them. (Traces are not
+/// carried in fleet mode.)
+async fn fleet_send_loop(publisher: Arc<crate::fleet::Publisher>, sh: Arc<Shared>) {
+    let mut declared = None;
+    let mut last_dropped = (u64::MAX, u64::MAX);
+    loop {
+        let _ = tokio::time::timeout(Duration::from_millis(500), sh.notify.notified()).await;
+        // The whole table whenever it changed (a mirror session, an MTU): the publisher
+        // stores it before anything queued after it.
+        let table = {
+            let t = sh.points.lock().expect("points");
+            let now = (t.decls().len(), t.changes());
+            (declared != Some(now)).then(|| {
+                declared = Some(now);
+                t.decls().to_vec()
+            })
+        };
+        if let Some(points) = table
+            && let Err(e) = publisher.send(Frame::Points(points))
+        {
+            tracing::warn!("fleet mode: the point table was not taken: {e}");
+        }
+        loop {
+            let Some(f) = sh.outbox.lock().expect("outbox").hand_over() else {
+                break;
+            };
+            if let Err(e) = publisher.send(f) {
+                tracing::warn!("fleet mode: a frame was not taken: {e}");
+            }
+        }
+        let dropped = sh.outbox.lock().expect("outbox").dropped();
+        if dropped != last_dropped {
+            last_dropped = dropped;
+            let _ = publisher.send(Frame::Dropped {
+                observations: dropped.0,
+                counters: dropped.1,
+            });
+        }
+    }
+}
+
+/// Waits (at most `patience`) until the collector (or NATS) has acknowledged everything
+/// made, then stops the sender; what became of everything.
+async fn finish(sh: &Shared, sender: Sender, patience: Duration) -> AgentStats {
     sh.notify.notify_one();
     let deadline = Instant::now() + patience;
     while Instant::now() < deadline && !sh.outbox.lock().expect("outbox").is_empty() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    sender.abort();
+    if let Some(p) = &sender.publisher {
+        // One more round hands over what the last interval queued.
+        sh.notify.notify_one();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if !p.flush(deadline.saturating_duration_since(Instant::now())).await {
+            tracing::warn!("fleet mode: NATS did not acknowledge everything before the agent stopped");
+        }
+        tracing::info!("fleet mode: {:?}", p.stats());
+    }
+    sender.task.abort();
     sh.outbox.lock().expect("outbox").stats()
 }
 
@@ -949,7 +1036,7 @@ pub async fn run_pcap(
         direction: DIR_INGRESS,
     }];
     let shared = Arc::new(Shared::new(opts.queue, points));
-    let sender = tokio::spawn(send_loop(opts.clone(), shared.clone()));
+    let sender = start_sender(&opts, &shared).await?;
     ready(
         &[Attachment {
             iface: format!("pcap:{}", input.display()),
@@ -1084,6 +1171,7 @@ mod tests {
             queue: 1,
             clock_synced: false,
             metrics: None,
+            fleet: None,
         };
         assert!(opts.check().is_ok());
         for (node, token) in [("h1", "t".repeat(65_536)), (&*"n".repeat(65_536), "t".into())] {

@@ -40,6 +40,28 @@ pub struct CollectorOptions {
     /// Ask each flow's source agent to trace it once (in-band probes); hops in the report.
     pub trace: bool,
     pub interval: Duration,
+    /// Fleet mode: also join a group of collectors on NATS JetStream, reading the
+    /// partitions this member owns (agents publish there instead of connecting here).
+    pub fleet: Option<FleetOptions>,
+}
+
+#[derive(Clone, Debug)]
+pub struct FleetOptions {
+    pub nats: crate::fleet::NatsOptions,
+    /// This member's id in the group (unique: two members with one id would read the
+    /// same partitions).
+    pub member_id: String,
+}
+
+/// A group member's own view of the group, refreshed every second.
+#[derive(Default)]
+struct Group {
+    id: String,
+    members: Vec<crate::fleet::MemberInfo>,
+    owned: Vec<u32>,
+    consumed: crate::fleet::ConsumeStats,
+    /// Frames from NATS the join could not take (a point never declared), skipped.
+    refused_frames: u64,
 }
 
 /// A connection, as the node's next connection needs it: the next one's WELCOME says
@@ -79,6 +101,8 @@ struct State {
     traced: std::collections::HashSet<crate::observation::FlowId>,
     /// Flows with a path whose trace could not be asked for yet (no agent on their source).
     untraced: Vec<crate::observation::FlowId>,
+    /// Fleet mode: the group this collector is a member of.
+    group: Option<Group>,
     next_trace: u32,
 }
 
@@ -199,6 +223,56 @@ pub async fn run(
         http_addr = Some(bound);
         tokio::spawn(serve);
     }
+    // Fleet mode: a member of the group, reading the partitions it owns from NATS.
+    let mut group = None;
+    if let Some(f) = &opts.fleet {
+        use crate::fleet::{GroupMember, MemberOptions};
+        let http = http_addr.context("fleet mode needs --http: every member serves the group's view")?;
+        let fleet = crate::fleet::connect(f.nats.clone())
+            .await
+            .context("fleet mode: connecting to NATS")?;
+        let (tx, rx) = tokio::sync::mpsc::channel(256);
+        let member = Arc::new(
+            GroupMember::join(
+                &fleet,
+                MemberOptions {
+                    id: f.member_id.clone(),
+                    http: http.to_string(),
+                },
+                tx,
+            )
+            .await
+            .context("fleet mode: joining the group")?,
+        );
+        state.lock().expect("state").group = Some(Group {
+            id: f.member_id.clone(),
+            ..Group::default()
+        });
+        tokio::spawn(fleet_ingest(rx, state.clone(), start, f.nats.partitions));
+        let (st, m) = (state.clone(), member.clone());
+        let refresh = tokio::spawn(async move {
+            loop {
+                let members = m.members().await;
+                {
+                    let mut s = st.lock().expect("state");
+                    if let Some(g) = &mut s.group {
+                        if let Ok(v) = members {
+                            g.members = v;
+                        }
+                        g.owned = m.owned();
+                        g.consumed = m.stats();
+                    }
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+        tracing::info!(
+            "fleet: member `{}` of the group on NATS {}",
+            f.member_id,
+            f.nats.urls.join(",")
+        );
+        group = Some((member, refresh));
+    }
     ready(local, http_addr);
 
     let token = Arc::new(opts.token.clone());
@@ -262,6 +336,17 @@ pub async fn run(
         _ = shutdown => {}
         _ = accept => {}
         _ = ticker => {}
+    }
+    if let Some((member, refresh)) = group {
+        refresh.abort();
+        let _ = refresh.await;
+        // Handing the partitions over at once (the others replay them) rather than when
+        // the lease lapses.
+        if let Ok(m) = Arc::try_unwrap(member)
+            && let Err(e) = m.leave().await
+        {
+            tracing::warn!("fleet: leaving the group: {e}");
+        }
     }
     state
         .lock()
@@ -564,80 +649,17 @@ async fn serve_frames(
             _ = &mut stop => return Closed::Replaced(node.to_owned()),
         };
         let now = now_ns(start);
-        let mut s = st.lock().expect("state");
-        let mut data = false;
-        match f {
-            Frame::TraceResult(r) => {
-                s.probes.insert(r.flow, r);
-            }
-            Frame::Points(decls) => {
-                let j = s.joiner.as_mut().expect("joiner");
-                for d in decls {
-                    let p = j.point(PointInfo {
-                        // A mirror session is the switch's point, not the agent's.
-                        node: if d.node.is_empty() {
-                            node.to_owned()
-                        } else {
-                            d.node
-                        },
-                        iface: d.iface,
-                        direction: Direction::of_datapath(d.direction),
-                        clock_synced,
-                        mtu: (d.mtu != 0).then_some(d.mtu),
-                        mtu_history: Vec::new(),
-                    });
-                    points.insert(d.index, p);
-                }
-            }
-            Frame::Observations(obs) => {
-                if let Some(closed) = undeclared(&points, obs.iter().map(|o| o.point), "observation from") {
-                    return closed;
-                }
-                let State { joiner, agents, .. } = &mut *s;
-                let j = joiner.as_mut().expect("joiner");
-                for o in &obs {
-                    j.add(points[&o.point], o, now);
-                }
-                agents.get_mut(node).expect("registered").observations += obs.len() as u64;
-                data = true;
-            }
-            Frame::Counters(deltas) => {
-                if let Some(closed) = undeclared(&points, deltas.iter().map(|d| d.point), "counters from") {
-                    return closed;
-                }
-                let State { joiner, agents, .. } = &mut *s;
-                let j = joiner.as_mut().expect("joiner");
-                for d in &deltas {
-                    j.add_counters(points[&d.point], d, now);
-                }
-                agents.get_mut(node).expect("registered").counter_deltas += deltas.len() as u64;
-                data = true;
-            }
-            Frame::Health(v) => {
-                if let Some(closed) = undeclared(&points, v.iter().map(|h| h.point), "health of") {
-                    return closed;
-                }
-                let j = s.joiner.as_mut().expect("joiner");
-                for h in &v {
-                    j.add_health(points[&h.point], h);
-                }
-                data = true;
-            }
-            Frame::Dropped {
-                observations,
-                counters,
-            } => {
-                let a = s.agents.get_mut(node).expect("registered");
-                a.dropped_observations = observations;
-                a.dropped_counters = counters;
-            }
-            Frame::Heartbeat { .. } => {}
-            Frame::Bye { reason } => return Closed::Goodbye(reason),
-            Frame::Hello { .. } | Frame::Welcome { .. } | Frame::TraceRequest { .. } | Frame::Ack { .. } => {
-                return Closed::WrongFrame;
-            }
-        }
-        drop(s);
+        let data = match ingest(
+            &mut st.lock().expect("state"),
+            node,
+            clock_synced,
+            &mut points,
+            f,
+            now,
+        ) {
+            Ok(data) => data,
+            Err(closed) => return closed,
+        };
         conn.processed.store(dec.next_seq(), Ordering::SeqCst);
         if data {
             ack.send_replace(dec.next_seq() - 1);
@@ -645,10 +667,253 @@ async fn serve_frames(
     }
 }
 
+/// One frame from `node` into the join (its points mapped through `points`, which its
+/// POINTS frames fill); whether it was data the agent wants acknowledged. The agents'
+/// TCP connections and fleet mode's NATS consumers both come through here.
+fn ingest(
+    s: &mut State,
+    node: &str,
+    clock_synced: bool,
+    points: &mut HashMap<u16, PointId>,
+    f: Frame,
+    now: u64,
+) -> Result<bool, Closed> {
+    let mut data = false;
+    match f {
+        Frame::TraceResult(r) => {
+            s.probes.insert(r.flow, r);
+        }
+        Frame::Points(decls) => {
+            let j = s.joiner.as_mut().expect("joiner");
+            for d in decls {
+                let p = j.point(PointInfo {
+                    // A mirror session is the switch's point, not the agent's.
+                    node: if d.node.is_empty() {
+                        node.to_owned()
+                    } else {
+                        d.node
+                    },
+                    iface: d.iface,
+                    direction: Direction::of_datapath(d.direction),
+                    clock_synced,
+                    mtu: (d.mtu != 0).then_some(d.mtu),
+                    mtu_history: Vec::new(),
+                });
+                points.insert(d.index, p);
+            }
+        }
+        Frame::Observations(obs) => {
+            if let Some(closed) = undeclared(points, obs.iter().map(|o| o.point), "observation from") {
+                return Err(closed);
+            }
+            let State { joiner, agents, .. } = s;
+            let j = joiner.as_mut().expect("joiner");
+            for o in &obs {
+                j.add(points[&o.point], o, now);
+            }
+            agents.get_mut(node).expect("registered").observations += obs.len() as u64;
+            data = true;
+        }
+        Frame::Counters(deltas) => {
+            if let Some(closed) = undeclared(points, deltas.iter().map(|d| d.point), "counters from") {
+                return Err(closed);
+            }
+            let State { joiner, agents, .. } = s;
+            let j = joiner.as_mut().expect("joiner");
+            for d in &deltas {
+                j.add_counters(points[&d.point], d, now);
+            }
+            agents.get_mut(node).expect("registered").counter_deltas += deltas.len() as u64;
+            data = true;
+        }
+        Frame::Health(v) => {
+            if let Some(closed) = undeclared(points, v.iter().map(|h| h.point), "health of") {
+                return Err(closed);
+            }
+            let j = s.joiner.as_mut().expect("joiner");
+            for h in &v {
+                j.add_health(points[&h.point], h);
+            }
+            data = true;
+        }
+        Frame::Dropped {
+            observations,
+            counters,
+        } => {
+            let a = s.agents.get_mut(node).expect("registered");
+            a.dropped_observations = observations;
+            a.dropped_counters = counters;
+        }
+        Frame::Heartbeat { .. } => {}
+        Frame::Bye { reason } => return Err(Closed::Goodbye(reason)),
+        Frame::Hello { .. } | Frame::Welcome { .. } | Frame::TraceRequest { .. } | Frame::Ack { .. } => {
+            return Err(Closed::WrongFrame);
+        }
+    }
+    Ok(data)
+}
+
+/// Fleet mode: what this member's NATS consumers deliver, into the join. A partition
+/// lost is forgotten (gained again, it is replayed from the stream's start); a frame the
+/// join cannot take is counted and skipped, and the next one goes on.
+async fn fleet_ingest(
+    mut rx: tokio::sync::mpsc::Receiver<crate::fleet::FleetEvent>,
+    st: Shared,
+    start: Instant,
+    partitions: u32,
+) {
+    use crate::fleet::{Delivered, FleetEvent, partition_of};
+    let mut points: HashMap<String, HashMap<u16, PointId>> = HashMap::new();
+    while let Some(ev) = rx.recv().await {
+        let now = now_ns(start);
+        let mut s = st.lock().expect("state");
+        match ev {
+            FleetEvent::Gained(p) => tracing::info!("fleet: partition {p} is ours: replaying it"),
+            FleetEvent::Lost(p) => {
+                let n = s
+                    .joiner
+                    .as_mut()
+                    .expect("joiner")
+                    .forget_where(|id| partition_of(id, partitions) == p);
+                tracing::info!("fleet: partition {p} went to another member ({n} flows handed over)");
+            }
+            FleetEvent::Frame(Delivered { node, subject, frame }) => {
+                let a = s.agents.entry(node.clone()).or_default();
+                if a.node.is_empty() {
+                    a.node = node.clone();
+                    a.peer = "NATS".into();
+                    a.connected = true;
+                    a.connections = 1;
+                }
+                let pts = points.entry(node.clone()).or_default();
+                // Agents in fleet mode send no HELLO: their clocks count as not
+                // synchronised (no one-way delays).
+                if let Err(why) = ingest(&mut s, &node, false, pts, frame, now) {
+                    if let Some(g) = &mut s.group {
+                        g.refused_frames += 1;
+                    }
+                    tracing::warn!("fleet: skipped a frame of `{node}` on {subject}: {why}");
+                }
+            }
+        }
+    }
+}
+
+/// Whether a request asks for this member's own part only (`local=1`), as members ask
+/// each other when they build the group's view.
+fn local_only(query: &str) -> bool {
+    query.split('&').any(|kv| kv == "local=1")
+}
+
+/// Fleet mode: `path` (with `query`, and `local=1`) from every other member of the
+/// group; the first that fails makes the whole view fail (a partial view would be
+/// taken for the fabric's).
+fn from_members<T: serde::de::DeserializeOwned>(
+    st: &Shared,
+    path: &str,
+    query: &str,
+) -> Result<Vec<T>, Response> {
+    let (me, members) = {
+        let s = st.lock().expect("state");
+        match &s.group {
+            Some(g) if !local_only(query) => (g.id.clone(), g.members.clone()),
+            _ => return Ok(Vec::new()),
+        }
+    };
+    let q = if query.is_empty() {
+        "local=1".to_owned()
+    } else {
+        format!("{query}&local=1")
+    };
+    let mut out = Vec::new();
+    for m in members.iter().filter(|m| m.id != me) {
+        let got = m
+            .http
+            .parse()
+            .map_err(anyhow::Error::from)
+            .and_then(|addr| http::get_json(addr, &format!("{path}?{q}")));
+        match got {
+            Ok(v) => out.push(v),
+            Err(e) => {
+                return Err(Response::text(
+                    503,
+                    format!(
+                        "the group's view is incomplete: member `{}` ({}) did not answer: {e:#}\n",
+                        m.id, m.http
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The HTTP API (fleet mode: the group's view, merged from every member).
+fn api(st: &Shared, path: &str, query: &str) -> Response {
+    match group_api(st, path, query) {
+        Ok(Some(r)) | Err(r) => r,
+        Ok(None) => local_api(st, path, query),
+    }
+}
+
+/// Fleet mode's views of the whole group: this member's part and every other member's,
+/// merged (`None`: not a group view, or `local=1`).
+fn group_api(st: &Shared, path: &str, query: &str) -> Result<Option<Response>, Response> {
+    if local_only(query) || st.lock().expect("state").group.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(match path {
+        "/flows" => {
+            let mut flows: Vec<FlowReport> = {
+                let taken = Taken::of(&st.lock().expect("state"));
+                flow_reports(&taken.snapshot.view(), &taken.probes)
+            };
+            for v in from_members::<Vec<FlowReport>>(st, path, query)? {
+                flows.extend(v);
+            }
+            Response::json(&crate::correlate::merge_flows(flows))
+        }
+        "/flow" => match local_api(st, path, query) {
+            r if r.status == 200 => r,
+            local => {
+                // Not ours: the member that owns its partition has it (the others answer
+                // 404).
+                let members = st
+                    .lock()
+                    .expect("state")
+                    .group
+                    .as_ref()
+                    .map(|g| (g.id.clone(), g.members.clone()));
+                let (me, members) = members.unwrap_or_default();
+                members
+                    .iter()
+                    .filter(|m| m.id != me)
+                    .filter_map(|m| m.http.parse().ok())
+                    .find_map(|addr| {
+                        http::get_json::<FlowReport>(addr, &format!("{path}?{query}&local=1")).ok()
+                    })
+                    .map_or(local, |r| Response::json(&r))
+            }
+        },
+        "/report" | "/anomalies" | "/agents" | "/stats" => {
+            let mut all = vec![report(st)];
+            all.extend(from_members::<CollectorReport>(st, "/report", query)?);
+            let r = CollectorReport::merge(all);
+            match path {
+                "/anomalies" => Response::json(&r.anomalies),
+                "/agents" => Response::json(&r.agents),
+                "/stats" => Response::json(&r.stats),
+                _ => Response::json(&r),
+            }
+        }
+        _ => return Ok(None),
+    }))
+}
+
 /// The HTTP API. It runs on a blocking thread, never the agents' runtime; it holds the
 /// lock the agents' frames need only to take what it reads (a pointer per flow for the
 /// views of every flow, one address pair's flows for `/flow`, counters for `/metrics`).
-fn api(st: &Shared, path: &str, query: &str) -> Response {
+fn local_api(st: &Shared, path: &str, query: &str) -> Response {
     let flow_id = || {
         query
             .split('&')
@@ -767,6 +1032,50 @@ fn metrics(s: &State) -> String {
         "# TYPE roce_trace_collector_pending gauge\nroce_trace_collector_pending {}\n",
         st.pending
     ));
+    if let Some(g) = &s.group {
+        for (name, kind, help, v) in [
+            (
+                "roce_trace_collector_fleet_members",
+                "gauge",
+                "Live members of the group (leases).",
+                g.members.len() as u64,
+            ),
+            (
+                "roce_trace_collector_fleet_partitions_owned",
+                "gauge",
+                "Partitions this member reads.",
+                g.owned.len() as u64,
+            ),
+            (
+                "roce_trace_collector_fleet_frames_total",
+                "counter",
+                "Frames read from NATS.",
+                g.consumed.frames,
+            ),
+            (
+                "roce_trace_collector_fleet_malformed_total",
+                "counter",
+                "NATS messages skipped as malformed.",
+                g.consumed.malformed,
+            ),
+            (
+                "roce_trace_collector_fleet_misrouted_total",
+                "counter",
+                "Records on a partition their flow does not hash to.",
+                g.consumed.misrouted,
+            ),
+            (
+                "roce_trace_collector_fleet_refused_frames_total",
+                "counter",
+                "Frames from NATS the join could not take (undeclared points).",
+                g.refused_frames,
+            ),
+        ] {
+            m.push_str(&format!(
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"
+            ));
+        }
+    }
     m.push_str("# TYPE roce_trace_collector_agent_connected gauge\n");
     for a in s.agents.values() {
         m.push_str(&format!(

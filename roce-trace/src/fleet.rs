@@ -377,7 +377,12 @@ pub struct NatsArgs {
     pub user: Option<String>,
     #[arg(long = "nats-password", env = "NATS_PASSWORD", hide_env_values = true)]
     pub password: Option<String>,
-    #[arg(long = "nats-token", env = "NATS_TOKEN", hide_env_values = true)]
+    #[arg(
+        long = "nats-token",
+        id = "nats_token",
+        env = "NATS_TOKEN",
+        hide_env_values = true
+    )]
     pub token: Option<String>,
     #[arg(long = "nats-nkey-seed", env = "NATS_NKEY_SEED", hide_env_values = true)]
     pub nkey_seed: Option<String>,

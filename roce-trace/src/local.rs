@@ -96,6 +96,7 @@ where
         live: false,
         trace: false,
         interval: Duration::from_secs(3600),
+        fleet: None,
     };
     let coll = tokio::spawn(collector::run(
         copts,

@@ -46,6 +46,7 @@ impl Running {
                     live: false,
                     trace: false,
                     interval: Duration::from_secs(1),
+                    fleet: None,
                 };
                 collector::run(
                     opts,

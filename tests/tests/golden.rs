@@ -506,3 +506,245 @@ fn verify_table_json_and_junit_are_golden() {
         check(&format!("verify-{tag}-vs-baseline.json"), &out);
     }
 }
+
+/// A `nats-server -js` of the test's own on a free port, killed on drop.
+struct Nats {
+    _proc: Proc,
+    url: String,
+    _dir: TempDir,
+}
+
+impl Nats {
+    fn start() -> Self {
+        let bin = [
+            "/usr/sbin/nats-server",
+            "/usr/bin/nats-server",
+            "/usr/local/bin/nats-server",
+        ]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .unwrap_or_else(|| {
+            panic!("nats-server is not installed (scripts/setup installs Debian's `nats-server`)")
+        });
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = TempDir::new("fleet-nats");
+        let proc = Proc::spawn(
+            Command::new(bin)
+                .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+                .arg(dir.path("js"))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "nats-server did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Self {
+            _proc: proc,
+            url: format!("nats://127.0.0.1:{port}"),
+            _dir: dir,
+        }
+    }
+}
+
+/// A collector in fleet mode (a member of the group on `nats`); its HTTP address.
+fn fleet_collector(nats: &Nats, id: &str, dir: &TempDir) -> (Proc, SocketAddr) {
+    let mut c = Proc::spawn(
+        Command::new(roce_trace_bin())
+            .args([
+                "collect",
+                "--listen",
+                "127.0.0.1:0",
+                "--http",
+                "127.0.0.1:0",
+                "--token",
+                "tk",
+                "--quiet",
+            ])
+            .args(["--trajectory-timeout", "100ms", "--report"])
+            .arg(dir.path(&format!("{id}.json")))
+            .args([
+                "--nats-url",
+                &nats.url,
+                "--nats-partitions",
+                "8",
+                "--nats-lease-ttl",
+                "2s",
+                "--member-id",
+                id,
+            ])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped()),
+    );
+    let mut lines = BufReader::new(c.stderr.take().unwrap()).lines();
+    let http = loop {
+        let l = lines.next().expect("collector exited").unwrap();
+        if let Some(rest) = l.split(", API on http://").nth(1) {
+            break rest.trim_end_matches("/flows").parse::<SocketAddr>().unwrap();
+        }
+    };
+    std::thread::spawn(move || lines.for_each(drop));
+    (c, http)
+}
+
+/// A gauge or counter of the collector's `/metrics`.
+fn metric(http: SocketAddr, name: &str) -> u64 {
+    let (_, m) = http_get(http, "/metrics");
+    m.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Waits until the members at `https` are the whole group and own every partition.
+fn group_settles(https: &[SocketAddr]) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let members: Vec<u64> = https
+            .iter()
+            .map(|h| metric(*h, "roce_trace_collector_fleet_members"))
+            .collect();
+        let owned: u64 = https
+            .iter()
+            .map(|h| metric(*h, "roce_trace_collector_fleet_partitions_owned"))
+            .sum();
+        if members.iter().all(|m| *m == https.len() as u64) && owned == 8 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the group never settled: members {members:?}, partitions owned {owned}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Waits until the group's join (asked of `http`) holds `trajectories` and nothing is
+/// pending, then past the CNP settle time.
+fn group_joined(http: SocketAddr, trajectories: u64) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, s) = http_get(http, "/stats");
+        if status == 200 {
+            let st: Value = serde_json::from_str(&s).unwrap();
+            if st["pending"] == 0 && st["trajectories"].as_u64() == Some(trajectories) {
+                break;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the group's join never held all {trajectories} trajectories: {s}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::thread::sleep(Duration::from_millis(3500));
+}
+
+/// Fleet mode: the golden capture published by a pcap agent to NATS JetStream and joined
+/// by a group of three collectors, each owning a share of the partitions. Every member's
+/// view of the group is the one collector's golden view: every flow once, located as
+/// with one collector, the same counts. Then the member owning the most partitions is
+/// killed (SIGKILL: no hand-over): its partitions move to the survivors, which replay
+/// them from the stream — and the group's view is the golden view again, to the packet.
+#[test]
+fn a_group_of_collectors_on_nats_joins_as_one_collector_and_survives_losing_a_member() {
+    let golden = |name: &str| std::fs::read(golden_dir().join(name)).unwrap();
+    let stats: Value = serde_json::from_slice(&golden("collector-stats.json")).unwrap();
+    let trajectories = stats["trajectories"].as_u64().unwrap();
+    let nats = Nats::start();
+    let dir = TempDir::new("fleet-group");
+    let mut members: Vec<(Proc, SocketAddr)> = ["c0", "c1", "c2"]
+        .iter()
+        .map(|id| fleet_collector(&nats, id, &dir))
+        .collect();
+    let https: Vec<SocketAddr> = members.iter().map(|m| m.1).collect();
+    group_settles(&https);
+    let agent = Command::new(roce_trace_bin())
+        .current_dir(golden_dir())
+        .args([
+            "agent",
+            "-r",
+            "fabric.pcap",
+            "--nats-url",
+            &nats.url,
+            "--nats-partitions",
+            "8",
+        ])
+        .args(["--node", "sniffer", "--sample-rate", "1", "--interval", "1h"])
+        .output()
+        .unwrap();
+    assert!(
+        agent.status.success(),
+        "{}",
+        String::from_utf8_lossy(&agent.stderr)
+    );
+    group_joined(https[0], trajectories);
+    for (i, h) in https.iter().enumerate() {
+        for (path, name) in [
+            ("/flows", "collector-flows.json"),
+            ("/stats", "collector-stats.json"),
+        ] {
+            let (status, body) = http_get(*h, path);
+            assert_eq!(status, 200, "c{i}{path}: {body}");
+            assert!(
+                pretty(&body) == golden(name),
+                "c{i}{path}: the group's view differs from one collector's ({name}):\n{}",
+                String::from_utf8_lossy(&pretty(&body))
+            );
+        }
+    }
+    // Each member joined a share, not everything: the flows of the capture's host pairs
+    // are split between members, so a member that left another's share out of the
+    // group's view would show too few.
+    let own: Vec<u64> = https
+        .iter()
+        .map(|h| metric(*h, "roce_trace_collector_fleet_partitions_owned"))
+        .collect();
+    assert!(own.iter().all(|n| *n < 8), "partitions owned: {own:?}");
+    let local: Vec<usize> = https
+        .iter()
+        .map(|h| {
+            serde_json::from_str::<Vec<Value>>(&http_get(*h, "/flows?local=1").1)
+                .unwrap()
+                .len()
+        })
+        .collect();
+    let all = serde_json::from_slice::<Vec<Value>>(&golden("collector-flows.json"))
+        .unwrap()
+        .len();
+    assert_eq!(
+        local.iter().sum::<usize>(),
+        all,
+        "each flow joined by one member: {local:?}"
+    );
+    assert!(
+        local.iter().filter(|n| **n > 0).count() >= 2,
+        "the flows are split: {local:?}"
+    );
+    let (dead, _) = own.iter().enumerate().max_by_key(|(_, n)| **n).unwrap();
+    let (killed, _) = members.remove(dead);
+    killed.signal(libc::SIGKILL);
+    drop(killed);
+    let survivors: Vec<SocketAddr> = members.iter().map(|m| m.1).collect();
+    group_settles(&survivors);
+    group_joined(survivors[0], trajectories);
+    for h in &survivors {
+        for (path, name) in [
+            ("/flows", "collector-flows.json"),
+            ("/stats", "collector-stats.json"),
+        ] {
+            let (status, body) = http_get(*h, path);
+            assert_eq!(status, 200, "{path}: {body}");
+            assert!(
+                pretty(&body) == golden(name),
+                "after losing a member, {path} differs from one collector's ({name}):\n{}",
+                String::from_utf8_lossy(&pretty(&body))
+            );
+        }
+    }
+}

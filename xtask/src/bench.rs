@@ -1039,6 +1039,7 @@ fn collector_views(n: u32) -> anyhow::Result<()> {
                 live: false,
                 trace: false,
                 interval: Duration::from_secs(2),
+                fleet: None,
             },
             async {
                 let _ = stop_rx.await;

@@ -172,6 +172,8 @@ pub(super) struct Outbox {
     connection: u64,
     pub(super) connections: u64,
     pub(super) ringbuf_drops: u64,
+    /// Frames handed to fleet mode's publisher (their own sequence, never on a connection).
+    handed_over: u64,
 }
 
 impl Outbox {
@@ -183,6 +185,7 @@ impl Outbox {
             connection: 0,
             connections: 0,
             ringbuf_drops: 0,
+            handed_over: 0,
         }
     }
 
@@ -265,6 +268,26 @@ impl Outbox {
             }
         }
         Some(bytes)
+    }
+
+    /// The next data frame, handed over for good: fleet mode's publisher holds, resends
+    /// and counts it from here (its records count as sent and acknowledged here).
+    pub(super) fn hand_over(&mut self) -> Option<Frame> {
+        fn take<T: Clone>(lane: &mut Lane<T>, seq: &mut u64) -> Option<Vec<T>> {
+            let (v, again) = lane.take(MAX_BATCH)?;
+            *seq += 1;
+            lane.written(*seq, v.clone(), again);
+            lane.ack(*seq);
+            Some(v)
+        }
+        let seq = &mut self.handed_over;
+        if let Some(v) = take(&mut self.obs, seq) {
+            return Some(Frame::Observations(v));
+        }
+        if let Some(v) = take(&mut self.health, seq) {
+            return Some(Frame::Health(v));
+        }
+        take(&mut self.counters, seq).map(Frame::Counters)
     }
 
     /// Everything made was acknowledged or dropped.

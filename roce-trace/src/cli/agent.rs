@@ -1,7 +1,5 @@
 use std::{path::PathBuf, time::Duration};
 
-use anyhow::Context as _;
-
 use super::*;
 
 #[derive(clap::Args)]
@@ -46,6 +44,10 @@ pub struct AgentArgs {
     metrics: Option<std::net::SocketAddr>,
     #[command(flatten)]
     ingress: IngressArgs,
+    /// Fleet mode (`--nats-url`): publish to NATS JetStream, for a group of collectors,
+    /// instead of streaming to one collector.
+    #[command(flatten)]
+    nats: roce_trace::fleet::NatsArgs,
 }
 
 pub(super) async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
@@ -54,17 +56,29 @@ pub(super) async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
         Some(p) => AgentConfig::load(p)?,
         None => AgentConfig::default(),
     };
-    let token = read_token(&a.token, cfg.token_file.as_ref(), cfg.token.as_ref())?;
+    let fleet = if a.nats.urls.is_empty() {
+        None
+    } else {
+        Some(a.nats.options()?)
+    };
+    let token = if fleet.is_some() {
+        String::new()
+    } else {
+        read_token(&a.token, cfg.token_file.as_ref(), cfg.token.as_ref())?
+    };
     let interval = match (a.interval, &cfg.interval) {
         (Some(i), _) => i,
         (None, Some(s)) => humantime::parse_duration(s)?,
         (None, None) => Duration::from_secs(2),
     };
     let opts = AgentOptions {
-        collector: a
-            .collector
-            .or(cfg.collector)
-            .context("no collector: --collector HOST:PORT or `collector` in the config")?,
+        collector: match (a.collector.or(cfg.collector), &fleet) {
+            (Some(c), _) => c,
+            (None, Some(nats)) => format!("NATS {}", nats.urls.join(",")),
+            (None, None) => anyhow::bail!(
+                "no collector: --collector HOST:PORT or `collector` in the config, or --nats-url"
+            ),
+        },
         ifaces: if a.interfaces.is_empty() {
             cfg.interfaces.unwrap_or_default()
         } else {
@@ -90,6 +104,7 @@ pub(super) async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
         queue: a.queue.or(cfg.queue).unwrap_or(100_000),
         clock_synced: a.clock_synced || cfg.clock_synced.unwrap_or(false),
         metrics: a.metrics.or(cfg.metrics),
+        fleet,
     };
     let node = opts.node.clone();
     let collector = opts.collector.clone();

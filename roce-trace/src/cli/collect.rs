@@ -21,7 +21,8 @@ pub struct CollectArgs {
     /// A packet's trajectory is complete this long after its first observation.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
     trajectory_timeout: Duration,
-    /// Flows tracked at most (more are refused and counted).
+    /// Flows tracked at most (past it, the longest-idle are forgotten to make room, and
+    /// counted).
     #[arg(long, default_value_t = 100_000)]
     max_flows: usize,
     /// Forget flows idle this long.
@@ -34,6 +35,12 @@ pub struct CollectArgs {
     /// hops to its path.
     #[arg(long)]
     trace: bool,
+    /// Fleet mode (`--nats-url`): a member of a group of collectors on NATS JetStream.
+    #[command(flatten)]
+    nats: roce_trace::fleet::NatsArgs,
+    /// This collector's id in the group (default: the hostname and the HTTP port).
+    #[arg(long)]
+    member_id: Option<String>,
     /// Live view refresh.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
     interval: Duration,
@@ -56,6 +63,20 @@ pub(super) async fn run_collect(a: CollectArgs) -> anyhow::Result<()> {
         live: !a.quiet,
         trace: a.trace,
         interval: a.interval,
+        fleet: if a.nats.urls.is_empty() {
+            None
+        } else {
+            Some(collector::FleetOptions {
+                nats: a.nats.options()?,
+                member_id: a.member_id.clone().unwrap_or_else(|| {
+                    format!(
+                        "{}-{}",
+                        roce_trace::sys::hostname(),
+                        a.http.map_or(0, |h| h.port())
+                    )
+                }),
+            })
+        },
     };
     let stop = async {
         match a.duration {

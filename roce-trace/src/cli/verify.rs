@@ -118,6 +118,7 @@ pub(super) fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
                 queue: 1_000_000,
                 clock_synced: true,
                 metrics: None,
+                fleet: None,
             }),
             window: a.window,
         }
