@@ -637,6 +637,13 @@ impl Joiner {
             }
             self.stats.flows_expired += gone.len() as u64;
         }
+        // After a burst the waiting identities' tables keep their peak size: it is given
+        // back once they are far below it, keeping room for twice what waits.
+        let (n, cap) = (self.pending.len(), self.pending.capacity());
+        if cap > 4 * n + 4096 {
+            self.pending.shrink_to(2 * n);
+            self.order.shrink_to(2 * self.order.len());
+        }
         self.stats.pending = self.pending.len() as u64;
         self.stats.flows = self.flows.len() as u64;
     }
