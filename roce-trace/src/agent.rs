@@ -847,18 +847,15 @@ fn trace_for_collector(sh: &Arc<Shared>, id: u32, flow: crate::observation::Flow
 }
 
 fn render_metrics(sh: &Shared) -> String {
+    use crate::metrics::{Labels, Scrape, labels};
     let (points, globals) = sh.metrics.lock().expect("metrics").clone();
     let stats = sh.outbox.lock().expect("outbox").stats();
-    let mut m = String::new();
-    let mut family = |name: &str, help: &str, kind: &str, rows: Vec<(String, u64)>| {
-        m.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
-        for (labels, v) in rows {
-            m.push_str(&format!("{name}{{{labels}}} {v}\n"));
-        }
-    };
-    let lp = |k: &str| {
+    let mut m = Scrape::default();
+    let lp = |k: &str, more: &[(&str, &str)]| -> Labels {
         let (iface, dir) = k.split_once('\t').unwrap_or((k, ""));
-        format!("interface=\"{iface}\",direction=\"{dir}\"")
+        let mut l = labels(&[("interface", iface), ("direction", dir)]);
+        l.extend(labels(more));
+        l
     };
     let mut pk = Vec::new();
     let mut by = Vec::new();
@@ -866,69 +863,59 @@ fn render_metrics(sh: &Shared) -> String {
     let (mut ce, mut cnp, mut nak, mut gaps) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (k, p) in &points {
         for (dscp, (n, b)) in &p.packets_by_dscp {
-            pk.push((format!("{},dscp=\"{dscp}\"", lp(k)), *n));
-            by.push((format!("{},dscp=\"{dscp}\"", lp(k)), *b));
+            let dscp = dscp.to_string();
+            pk.push((lp(k, &[("dscp", &dscp)]), *n));
+            by.push((lp(k, &[("dscp", &dscp)]), *b));
         }
         let c = &p.counts;
         for (i, name) in ECN_NAMES.iter().enumerate() {
-            ecn.push((format!("{},ecn=\"{name}\"", lp(k)), c.ecn[i]));
+            ecn.push((lp(k, &[("ecn", name)]), c.ecn[i]));
         }
-        ce.push((lp(k), c.ecn[3]));
-        cnp.push((lp(k), c.cnp));
+        ce.push((lp(k, &[]), c.ecn[3]));
+        cnp.push((lp(k, &[]), c.cnp));
         for (kind, n) in [
             ("psn_seq_err", c.nak_psn_seq_err),
             ("rnr", c.nak_rnr),
             ("other", c.nak_other),
         ] {
-            nak.push((format!("{},kind=\"{kind}\"", lp(k)), n));
+            nak.push((lp(k, &[("kind", kind)]), n));
         }
-        gaps.push((lp(k), c.psn_gaps));
+        gaps.push((lp(k, &[]), c.psn_gaps));
     }
-    family(
+    m.counter(
         "roce_trace_packets_total",
         "RoCEv2 packets, by the flow's current DSCP.",
-        "counter",
         pk,
     );
-    family(
+    m.counter(
         "roce_trace_bytes_total",
         "RoCEv2 bytes, by the flow's current DSCP.",
-        "counter",
         by,
     );
-    family(
+    m.counter(
         "roce_trace_ecn_packets_total",
         "RoCEv2 packets by ECN codepoint.",
-        "counter",
         ecn,
     );
-    family(
-        "roce_trace_ce_marks_total",
-        "CE-marked RoCEv2 packets.",
-        "counter",
-        ce,
-    );
-    family("roce_trace_cnp_total", "CNPs.", "counter", cnp);
-    family("roce_trace_nak_total", "NAKs by kind.", "counter", nak);
-    family(
+    m.counter("roce_trace_ce_marks_total", "CE-marked RoCEv2 packets.", ce);
+    m.counter("roce_trace_cnp_total", "CNPs.", cnp);
+    m.counter("roce_trace_nak_total", "NAKs by kind.", nak);
+    m.counter(
         "roce_trace_psn_gaps_total",
         "Request PSNs that skipped ahead.",
-        "counter",
         gaps,
     );
-    family(
+    m.counter(
         "roce_trace_ringbuf_drops_total",
         "Samples the kernel could not queue (the packets passed).",
-        "counter",
         [(DIR_INGRESS, "ingress"), (DIR_EGRESS, "egress")]
             .iter()
             .map(|(d, n)| {
                 (
-                    format!("direction=\"{n}\""),
+                    labels(&[("direction", n)]),
                     globals.get(GlobalCounter::RingbufFull, *d),
                 )
-            })
-            .collect(),
+            }),
     );
     for (kind, what, d) in [
         ("samples", "Observations", stats.observations),
@@ -949,15 +936,14 @@ fn render_metrics(sh: &Shared) -> String {
                 d.dropped,
             ),
         ] {
-            family(
+            m.counter1(
                 &format!("roce_trace_{kind}_{name}"),
                 &format!("{what} {help}."),
-                "counter",
-                vec![(String::new(), v)],
+                v,
             );
         }
     }
-    m.replace("{}", "")
+    m.render()
 }
 
 /// The agent's config file (TOML). Every key is optional; flags override it.

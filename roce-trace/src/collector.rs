@@ -975,9 +975,10 @@ fn local_api(st: &Shared, path: &str, query: &str) -> Response {
 }
 
 fn metrics(s: &State) -> String {
+    use crate::metrics::{Scrape, labels};
     let j = s.joiner.as_ref().expect("joiner");
     let st = j.stats;
-    let mut m = String::new();
+    let mut m = Scrape::default();
     for (name, help, v) in [
         (
             "roce_trace_collector_observations_total",
@@ -1020,74 +1021,61 @@ fn metrics(s: &State) -> String {
             s.refused,
         ),
     ] {
-        m.push_str(&format!(
-            "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}\n"
-        ));
+        m.counter1(name, help, v);
     }
-    m.push_str(&format!(
-        "# TYPE roce_trace_collector_flows gauge\nroce_trace_collector_flows {}\n",
-        st.flows
-    ));
-    m.push_str(&format!(
-        "# TYPE roce_trace_collector_pending gauge\nroce_trace_collector_pending {}\n",
-        st.pending
-    ));
+    m.gauge1("roce_trace_collector_flows", "Flows tracked.", st.flows);
+    m.gauge1(
+        "roce_trace_collector_pending",
+        "Packet identities waiting for their trajectory.",
+        st.pending,
+    );
     if let Some(g) = &s.group {
-        for (name, kind, help, v) in [
-            (
-                "roce_trace_collector_fleet_members",
-                "gauge",
-                "Live members of the group (leases).",
-                g.members.len() as u64,
-            ),
-            (
-                "roce_trace_collector_fleet_partitions_owned",
-                "gauge",
-                "Partitions this member reads.",
-                g.owned.len() as u64,
-            ),
-            (
-                "roce_trace_collector_fleet_frames_total",
-                "counter",
-                "Frames read from NATS.",
-                g.consumed.frames,
-            ),
-            (
-                "roce_trace_collector_fleet_malformed_total",
-                "counter",
-                "NATS messages skipped as malformed.",
-                g.consumed.malformed,
-            ),
-            (
-                "roce_trace_collector_fleet_misrouted_total",
-                "counter",
-                "Records on a partition their flow does not hash to.",
-                g.consumed.misrouted,
-            ),
-            (
-                "roce_trace_collector_fleet_refused_frames_total",
-                "counter",
-                "Frames from NATS the join could not take (undeclared points).",
-                g.refused_frames,
-            ),
-        ] {
-            m.push_str(&format!(
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"
-            ));
-        }
+        m.gauge1(
+            "roce_trace_collector_fleet_members",
+            "Live members of the group (leases).",
+            g.members.len() as u64,
+        );
+        m.gauge1(
+            "roce_trace_collector_fleet_partitions_owned",
+            "Partitions this member reads.",
+            g.owned.len() as u64,
+        );
+        m.counter1(
+            "roce_trace_collector_fleet_frames_total",
+            "Frames read from NATS.",
+            g.consumed.frames,
+        );
+        m.counter1(
+            "roce_trace_collector_fleet_malformed_total",
+            "NATS messages skipped as malformed.",
+            g.consumed.malformed,
+        );
+        m.counter1(
+            "roce_trace_collector_fleet_misrouted_total",
+            "Records on a partition their flow does not hash to.",
+            g.consumed.misrouted,
+        );
+        m.counter1(
+            "roce_trace_collector_fleet_refused_frames_total",
+            "Frames from NATS the join could not take (undeclared points).",
+            g.refused_frames,
+        );
     }
-    m.push_str("# TYPE roce_trace_collector_agent_connected gauge\n");
-    for a in s.agents.values() {
-        m.push_str(&format!(
-            "roce_trace_collector_agent_connected{{node=\"{}\"}} {}\n",
-            a.node, a.connected as u8
-        ));
-    }
-    m.push_str("# HELP roce_trace_collector_anomalies Anomalies (one per flow and place) of the tracked flows, by kind.\n# TYPE roce_trace_collector_anomalies gauge\n");
-    for (k, v) in j.anomaly_counts() {
-        m.push_str(&format!("roce_trace_collector_anomalies{{kind=\"{k}\"}} {v}\n"));
-    }
-    m
+    m.gauge(
+        "roce_trace_collector_agent_connected",
+        "Agents, 1 while connected.",
+        s.agents
+            .values()
+            .map(|a| (labels(&[("node", &a.node)]), u64::from(a.connected))),
+    );
+    m.gauge(
+        "roce_trace_collector_anomalies",
+        "Anomalies (one per flow and place) of the tracked flows, by kind.",
+        j.anomaly_counts()
+            .into_iter()
+            .map(|(k, v)| (labels(&[("kind", k.name())]), v)),
+    );
+    m.render()
 }
 
 /// `node/iface<` (ingress) or `node/iface>` (egress, mirror); a node alone as itself.

@@ -1,12 +1,9 @@
-//! A small HTTP/1.1 server for GET requests: the collector's JSON API and the Prometheus
-//! endpoints. Each request is answered and the connection closed.
+//! The HTTP side of the collector's JSON API and both Prometheus endpoints: GET requests
+//! served by hyper (through axum), answered by a plain function of path and query.
 
 use std::{future::Future, net::SocketAddr, sync::Arc};
 
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpListener,
-};
+use tokio::net::TcpListener;
 
 pub struct Response {
     pub status: u16,
@@ -35,7 +32,7 @@ impl Response {
     pub fn metrics(body: String) -> Self {
         Self {
             status: 200,
-            content_type: "text/plain; version=0.0.4",
+            content_type: crate::metrics::CONTENT_TYPE,
             body,
         }
     }
@@ -80,18 +77,25 @@ pub fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// The path and query of a GET request's head (`GET /flow?id=x HTTP/1.1…`), or the
-/// answer to any other request: 405 for another method, 400 for no target.
-pub fn request_target(head: &str) -> Result<(&str, &str), Response> {
-    let mut parts = head.split_whitespace();
-    match (parts.next(), parts.next()) {
-        (Some("GET"), Some(target)) => Ok(target.split_once('?').unwrap_or((target, ""))),
-        (Some(_), Some(_)) => Err(Response::text(405, "only GET\n".into())),
-        _ => Err(Response::text(400, "bad request\n".into())),
+impl Response {
+    fn into_axum(self) -> axum::response::Response {
+        let status = axum::http::StatusCode::from_u16(self.status)
+            .unwrap_or(axum::http::StatusCode::INTERNAL_SERVER_ERROR);
+        (
+            status,
+            [(axum::http::header::CONTENT_TYPE, self.content_type)],
+            self.body,
+        )
+            .into_response()
     }
 }
 
-/// Binds `addr`; returns the bound address and a future serving `handler(path, query)`.
+use axum::response::IntoResponse as _;
+
+/// Binds `addr`; returns the bound address and a future serving `handler(path, query)`
+/// for GET requests (others get 405) with hyper, through axum. Answers are built on a
+/// blocking thread: a large view never holds up the runtime the agents' connections
+/// share.
 pub async fn bind<H>(addr: SocketAddr, handler: H) -> std::io::Result<(SocketAddr, impl Future<Output = ()>)>
 where
     H: Fn(&str, &str) -> Response + Send + Sync + 'static,
@@ -99,55 +103,22 @@ where
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
     let handler = Arc::new(handler);
+    let app = axum::Router::new().fallback(move |method: axum::http::Method, uri: axum::http::Uri| {
+        let handler = handler.clone();
+        async move {
+            if method != axum::http::Method::GET {
+                return Response::text(405, "only GET\n".into()).into_axum();
+            }
+            let (path, query) = (uri.path().to_owned(), uri.query().unwrap_or("").to_owned());
+            tokio::task::spawn_blocking(move || handler(&path, &query))
+                .await
+                .unwrap_or_else(|e| Response::text(500, format!("the request failed: {e}\n")))
+                .into_axum()
+        }
+    });
     Ok((local, async move {
-        loop {
-            let Ok((mut sock, _)) = listener.accept().await else {
-                continue;
-            };
-            let handler = handler.clone();
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 8192];
-                let mut n = 0;
-                // Read the request head (bounded); the body of a GET is ignored.
-                while n < buf.len() {
-                    match tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut buf[n..]))
-                        .await
-                    {
-                        Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
-                        Ok(Ok(k)) => n += k,
-                    }
-                    if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                        break;
-                    }
-                }
-                let head = String::from_utf8_lossy(&buf[..n]);
-                // Answers are built on a blocking thread: a large view never holds up
-                // the runtime the agents' connections share.
-                let resp = match request_target(&head) {
-                    Ok((path, query)) => {
-                        let (path, query) = (path.to_owned(), query.to_owned());
-                        tokio::task::spawn_blocking(move || handler(&path, &query))
-                            .await
-                            .unwrap_or_else(|e| Response::text(500, format!("the request failed: {e}\n")))
-                    }
-                    Err(refusal) => refusal,
-                };
-                let reason = match resp.status {
-                    200 => "OK",
-                    404 => "Not Found",
-                    405 => "Method Not Allowed",
-                    _ => "Error",
-                };
-                let out = format!(
-                    "HTTP/1.1 {} {reason}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",
-                    resp.status,
-                    resp.content_type,
-                    resp.body.len(),
-                    resp.body
-                );
-                let _ = sock.write_all(out.as_bytes()).await;
-                let _ = sock.shutdown().await;
-            });
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::warn!("HTTP on {local} stopped: {e}");
         }
     }))
 }

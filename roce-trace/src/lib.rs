@@ -12,6 +12,7 @@ pub mod fleet;
 pub mod fuzz_api;
 pub mod http;
 pub mod local;
+pub mod metrics;
 pub mod observation;
 pub mod protocol;
 pub mod trace;

@@ -15,7 +15,7 @@ fn get(ns: &Netns, addr: &'static str, path: &'static str) -> String {
     let body = ns.run(move || {
         use std::io::Write;
         let mut s = TcpStream::connect(addr).unwrap();
-        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
         let mut body = String::new();
         s.read_to_string(&mut body).unwrap();
         body

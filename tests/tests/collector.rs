@@ -70,7 +70,7 @@ impl Running {
 
     fn get(&self, path: &str) -> (u16, String) {
         let mut s = TcpStream::connect(self.http).unwrap();
-        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
         let mut out = String::new();
         s.read_to_string(&mut out).unwrap();
         let status = out.split_whitespace().nth(1).unwrap().parse().unwrap();

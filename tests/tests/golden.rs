@@ -360,7 +360,7 @@ fn pretty(body: &str) -> Vec<u8> {
 
 fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     let status = out.split_whitespace().nth(1).unwrap().parse().unwrap();
@@ -437,7 +437,11 @@ fn the_collector_report_views_and_table_are_golden() {
     let first = flows[0]["id"].as_str().unwrap().to_owned();
     for (name, path) in [
         ("collector-flows.json", "/flows".to_owned()),
-        ("collector-flow.json", format!("/flow?id={first}")),
+        // Flow ids in URLs are percent-encoded (`>` and `/` are no query characters).
+        (
+            "collector-flow.json",
+            format!("/flow?id={}", roce_trace::http::percent_encode(&first)),
+        ),
         ("collector-anomalies.json", "/anomalies".into()),
         ("collector-stats.json", "/stats".into()),
         ("collector-agents.json", "/agents".into()),
