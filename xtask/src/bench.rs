@@ -1207,7 +1207,7 @@ fn join_with_reader(flows: u32) -> anyhow::Result<()> {
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
     };
-    const PACKETS: u32 = 25;
+    const PACKETS: u32 = 50;
     let build = || {
         let mut j = Joiner::new(JoinConfig {
             trajectory_timeout_ns: 1_000_000_000,
