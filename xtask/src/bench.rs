@@ -1273,7 +1273,7 @@ fn join_with_reader(flows: u32) -> anyhow::Result<()> {
     let mut late = obs.clone();
     late.sort_by_key(|(p, o)| o.time_ns + u64::from(*p) * 100_000_000);
     let total = obs.len() as u64;
-    let feed = |stream: &[(u32, Observation)], reader: bool| -> anyhow::Result<(f64, u64, u64)> {
+    let feed = |stream: &[(u32, Observation)], reader: bool| -> anyhow::Result<(f64, u64, u64, f64)> {
         let (j, _) = build();
         let j = Arc::new(Mutex::new(j));
         let done = Arc::new(AtomicBool::new(false));
@@ -1299,8 +1299,12 @@ fn join_with_reader(flows: u32) -> anyhow::Result<()> {
             })
         });
         let t = std::time::Instant::now();
+        // How long the join waited for the lock the reader takes its snapshots under.
+        let mut waited = Duration::ZERO;
         for (k, frame) in stream.chunks(roce_trace::protocol::MAX_BATCH).enumerate() {
+            let w = std::time::Instant::now();
             let mut j = j.lock().expect("join");
+            waited += w.elapsed();
             let now = frame[0].1.time_ns;
             for (p, o) in frame {
                 j.add(*p, o, now);
@@ -1319,7 +1323,7 @@ fn join_with_reader(flows: u32) -> anyhow::Result<()> {
         let reads = poller
             .map_or(Ok(0), |p| p.join())
             .map_err(|_| anyhow::anyhow!("reader panicked"))?;
-        Ok((secs, trajectories, reads))
+        Ok((secs, trajectories, reads, waited.as_secs_f64()))
     };
     println!(
         "== the join while a reader builds every report once a second: {flows} flows, {PACKETS} packets each at 8 points, {total} observations"
@@ -1327,20 +1331,22 @@ fn join_with_reader(flows: u32) -> anyhow::Result<()> {
     for (name, stream) in [("in time order", &obs), ("out of time order", &late)] {
         let mut rows = Vec::new();
         for reader in [false, true, false, true] {
-            let (secs, trajectories, reads) = feed(stream, reader)?;
+            let (secs, trajectories, reads, waited) = feed(stream, reader)?;
             ensure!(
                 trajectories == u64::from(flows * PACKETS),
                 "{name}: every packet joined ({trajectories})"
             );
-            rows.push((reader, total as f64 / secs, reads));
+            rows.push((reader, total as f64 / secs, reads, waited));
         }
         let rate = |r: bool| rows.iter().filter(|x| x.0 == r).map(|x| x.1).fold(0.0, f64::max);
         let reads: u64 = rows.iter().map(|x| x.2).sum();
+        let waited = rows.iter().filter(|x| x.0).map(|x| x.3).fold(0.0, f64::max);
         println!(
-            "{name:>18}: alone {:.0} observations/s; with the reader {:.0} observations/s ({:.0} %, {reads} full reads); every packet joined",
+            "{name:>18}: alone {:.0} observations/s; with the reader {:.0} observations/s ({:.0} %, {reads} full reads, the join waited {:.1} ms for the lock); every packet joined",
             rate(false),
             rate(true),
-            100.0 * rate(true) / rate(false)
+            100.0 * rate(true) / rate(false),
+            waited * 1e3
         );
     }
     Ok(())
