@@ -79,7 +79,49 @@ fn interrupt_and_wait(c: Child, what: &str) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-pub fn run(seconds: u64) -> anyhow::Result<()> {
+/// Fleet mode's collectors in the demo: three members of one group.
+const MEMBERS: u16 = 3;
+
+/// The group's view, once its join has taken everything the agents published: nothing
+/// pending twice in a row with the observation count still, then past the CNP settle
+/// time; its report, from the first member.
+fn group_report(lab: &Lab, https: &[String]) -> anyhow::Result<Value> {
+    // Asked from the management network, where the collectors listen.
+    let get = |path: &str| -> anyhow::Result<Value> {
+        let body = lab.exec(
+            "mgmt",
+            &[
+                "curl",
+                "-sS",
+                "--fail-with-body",
+                &format!("http://{}{path}", https[0]),
+            ],
+        )?;
+        serde_json::from_str(&body).with_context(|| format!("{path}: not the expected JSON"))
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = None;
+    let mut still = 0;
+    while still < 2 {
+        ensure!(
+            Instant::now() < deadline,
+            "the group's join did not settle within a minute"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+        let st = get("/stats")?;
+        let now = (st["observations"].as_u64(), st["trajectories"].as_u64());
+        still = if st["pending"] == 0 && last == Some(now) {
+            still + 1
+        } else {
+            0
+        };
+        last = Some(now);
+    }
+    std::thread::sleep(Duration::from_millis(3500));
+    get("/report")
+}
+
+pub fn run(seconds: u64, nats: bool) -> anyhow::Result<()> {
     let bin = Path::new("target/release/roce-trace");
     ensure!(
         bin.exists(),
@@ -106,32 +148,135 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
         "roce-trace collect on the management network ({listen})"
     ));
     let rep = report.to_string_lossy().into_owned();
-    let collector = spawn(
-        &lab,
-        "mgmt",
-        &bin,
-        &[
-            "collect",
-            "--listen",
-            &listen,
-            "--token",
-            TOKEN,
-            "--quiet",
-            "--report",
-            &rep,
-            "--trajectory-timeout",
-            "1s",
-        ],
-        "collecting on",
-    )?;
+    // Fleet mode: a JetStream server on the management network and a group of
+    // collectors; otherwise one collector the agents connect to.
+    let nats_url = format!("nats://{MGMT_COLLECTOR}:4222");
+    let mut nats_server = None;
+    let mut collectors = Vec::new();
+    let mut https = Vec::new();
+    if nats {
+        say(&format!("NATS JetStream on the management network ({nats_url})"));
+        let store = dir.join("jetstream");
+        let mut n = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &lab.ns("mgmt"),
+                "nats-server",
+                "-js",
+                "-a",
+                MGMT_COLLECTOR,
+                "-p",
+                "4222",
+                "-sd",
+            ])
+            .arg(&store)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting nats-server (scripts/setup installs it)")?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while lab
+            .exec(
+                "mgmt",
+                &["bash", "-c", &format!("exec 3<>/dev/tcp/{MGMT_COLLECTOR}/4222")],
+            )
+            .is_err()
+        {
+            if Instant::now() > deadline {
+                let _ = n.kill();
+                bail!("nats-server did not start");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        nats_server = Some(n);
+        say(&format!(
+            "{MEMBERS} roce-trace collectors as a group (members c1..c{MEMBERS}), each serving the group's view"
+        ));
+        for m in 1..=MEMBERS {
+            let (id, http, listen, rep) = (
+                format!("c{m}"),
+                format!("{MGMT_COLLECTOR}:{}", 9470 + m),
+                format!("{MGMT_COLLECTOR}:{}", 4792 + m),
+                dir.join(format!("c{m}.json")).to_string_lossy().into_owned(),
+            );
+            collectors.push(spawn(
+                &lab,
+                "mgmt",
+                &bin,
+                &[
+                    "collect",
+                    "--listen",
+                    &listen,
+                    "--http",
+                    &http,
+                    "--token",
+                    TOKEN,
+                    "--quiet",
+                    "--report",
+                    &rep,
+                    "--trajectory-timeout",
+                    "1s",
+                    "--nats-url",
+                    &nats_url,
+                    "--member-id",
+                    &id,
+                    "--nats-partitions",
+                    "16",
+                    "--nats-lease-ttl",
+                    "3s",
+                ],
+                "collecting on",
+            )?);
+            https.push(http);
+        }
+    } else {
+        collectors.push(spawn(
+            &lab,
+            "mgmt",
+            &bin,
+            &[
+                "collect",
+                "--listen",
+                &listen,
+                "--token",
+                TOKEN,
+                "--quiet",
+                "--report",
+                &rep,
+                "--trajectory-timeout",
+                "1s",
+            ],
+            "collecting on",
+        )?);
+    }
     say(
         "a roce-trace agent on every node: XDP ingress + TC egress on every port of hosts, leaves and spines",
     );
     let mut agents = Vec::new();
     for n in Lab::nodes() {
-        let args = lab.agent_args(&n, &listen, TOKEN, 10)?;
+        let mut args = lab.agent_args(&n, &listen, TOKEN, 10)?;
+        let ready = if nats {
+            // The same agent, publishing to NATS instead of connecting to a collector.
+            let at = args
+                .iter()
+                .position(|a| a == "--collector")
+                .context("agent args")?;
+            args.drain(at..at + 2);
+            let at = args.iter().position(|a| a == "--token").context("agent args")?;
+            args.drain(at..at + 2);
+            args.extend([
+                "--nats-url".to_owned(),
+                nats_url.clone(),
+                "--nats-partitions".into(),
+                "16".into(),
+            ]);
+            "fleet mode: publishing to NATS"
+        } else {
+            "connected to collector"
+        };
         let a: Vec<&str> = args.iter().map(String::as_str).collect();
-        agents.push(spawn(&lab, &n, &bin, &a, "connected to collector")?);
+        agents.push(spawn(&lab, &n, &bin, &a, ready)?);
     }
     say("RDMA responders on h3 and h4 (ACK, NAK on PSN gaps, CNP on CE)");
     let mut responders = Vec::new();
@@ -198,9 +343,32 @@ pub fn run(seconds: u64) -> anyhow::Result<()> {
     for a in agents {
         interrupt_and_wait(a, "roce-trace agent")?;
     }
-    let view = interrupt_and_wait(collector, "roce-trace collect")?;
+    let view = if nats {
+        // The group's view, from any member, once the agents' last frames are joined.
+        let r = group_report(&lab, &https)?;
+        std::fs::write(&report, serde_json::to_vec_pretty(&r)?)?;
+        for c in collectors {
+            interrupt_and_wait(c, "roce-trace collect")?;
+        }
+        if let Some(mut n) = nats_server {
+            let _ = n.kill();
+            let _ = n.wait();
+        }
+        let r: roce_trace::collector::CollectorReport = serde_json::from_value(r)?;
+        roce_trace::collector::render(&r)
+    } else {
+        let mut out = String::new();
+        for c in collectors {
+            out.push_str(&interrupt_and_wait(c, "roce-trace collect")?);
+        }
+        out
+    };
 
-    say("what the collector found (path: node/port, < in, > out)");
+    say(if nats {
+        "what the group of collectors found (path: node/port, < in, > out)"
+    } else {
+        "what the collector found (path: node/port, < in, > out)"
+    });
     print!("{view}");
     let r: Value = serde_json::from_str(&std::fs::read_to_string(&report)?)?;
 

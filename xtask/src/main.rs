@@ -41,6 +41,10 @@ enum Cmd {
         /// How long traffic runs.
         #[arg(long, default_value_t = 10)]
         seconds: u64,
+        /// Fleet mode: a NATS JetStream server and three collectors as a group; agents
+        /// publish to NATS, and the group's merged view is judged.
+        #[arg(long)]
+        nats: bool,
     },
 }
 
@@ -71,7 +75,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Lint => lint(),
         Cmd::Bench { which, repeat } => bench::run(&which, repeat),
-        Cmd::Demo { seconds } => demo::run(seconds),
+        Cmd::Demo { seconds, nats } => demo::run(seconds, nats),
         Cmd::Lab(a) => lab::run(a),
     }
 }
