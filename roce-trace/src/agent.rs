@@ -513,7 +513,7 @@ async fn handshake(opts: &AgentOptions) -> Result<Connected, SessionEnd> {
         },
         Frame::Welcome { version, .. } => return Err(SessionEnd::Version(version)),
         Frame::Bye { reason } => return Err(SessionEnd::Refused(reason)),
-        other => return Err(SessionEnd::NotWelcome(frame_name(&other))),
+        other => return Err(SessionEnd::NotWelcome(other.name())),
     };
     Ok(Connected {
         sock,
@@ -522,23 +522,6 @@ async fn handshake(opts: &AgentOptions) -> Result<Connected, SessionEnd> {
         buf,
         welcome,
     })
-}
-
-fn frame_name(f: &Frame) -> &'static str {
-    match f {
-        Frame::Hello { .. } => "HELLO",
-        Frame::Welcome { .. } => "WELCOME",
-        Frame::Points(_) => "POINTS",
-        Frame::Observations(_) => "OBSERVATIONS",
-        Frame::Counters(_) => "COUNTERS",
-        Frame::Dropped { .. } => "DROPPED",
-        Frame::Heartbeat { .. } => "HEARTBEAT",
-        Frame::Bye { .. } => "BYE",
-        Frame::TraceRequest { .. } => "TRACE_REQUEST",
-        Frame::TraceResult(_) => "TRACE_RESULT",
-        Frame::Ack { .. } => "ACK",
-        Frame::Health(_) => "HEALTH",
-    }
 }
 
 /// One connection: handshake, then everything queued, until the connection fails or the
@@ -664,10 +647,7 @@ async fn send(
     match enc.encode(f) {
         Ok(b) => write(sock, &b).await,
         Err(e) => {
-            tracing::warn!(
-                "left out a {} frame the collector could not take: {e}",
-                frame_name(f)
-            );
+            tracing::warn!("left out a {} frame the collector could not take: {e}", f.name());
             Ok(())
         }
     }
@@ -796,7 +776,7 @@ async fn read_collector(
             Frame::Ack { seq } => sh.outbox.lock().expect("outbox").ack(connection, seq),
             Frame::TraceRequest { id, flow, dscp, ecn } => trace_for_collector(&sh, id, flow, dscp, ecn),
             Frame::Bye { reason } => return SessionEnd::Bye(reason),
-            other => return SessionEnd::Unexpected(frame_name(&other)),
+            other => return SessionEnd::Unexpected(other.name()),
         }
     }
 }

@@ -740,23 +740,6 @@ pub fn decode_payload(payload: &[u8]) -> Result<Frame, PayloadError> {
     }
 }
 
-fn kind_name(f: &Frame) -> &'static str {
-    match f {
-        Frame::Hello { .. } => "HELLO",
-        Frame::Welcome { .. } => "WELCOME",
-        Frame::Points(_) => "POINTS",
-        Frame::Observations(_) => "OBSERVATIONS",
-        Frame::Counters(_) => "COUNTERS",
-        Frame::Dropped { .. } => "DROPPED",
-        Frame::Heartbeat { .. } => "HEARTBEAT",
-        Frame::Bye { .. } => "BYE",
-        Frame::TraceRequest { .. } => "TRACE_REQUEST",
-        Frame::TraceResult(_) => "TRACE_RESULT",
-        Frame::Ack { .. } => "ACK",
-        Frame::Health(_) => "HEALTH",
-    }
-}
-
 /// A node's point table as a KV value: its POINTS frames back to back, numbered from 0.
 fn encode_points(points: &[PointDecl]) -> Result<Bytes, ProtoError> {
     let mut v = BytesMut::new();
@@ -775,7 +758,7 @@ fn decode_points(value: &[u8]) -> Result<Vec<PointDecl>, PayloadError> {
             Some(Frame::Points(p)) => points.extend(p),
             Some(f) => {
                 return Err(PayloadError::WrongKind {
-                    got: kind_name(&f),
+                    got: f.name(),
                     want: "POINTS",
                 });
             }

@@ -103,6 +103,24 @@ pub async fn read_frame(
 }
 
 impl Frame {
+    /// The frame's type as PROTOCOL.md names it (for logs and errors).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Frame::Hello { .. } => "HELLO",
+            Frame::Welcome { .. } => "WELCOME",
+            Frame::Points(_) => "POINTS",
+            Frame::Observations(_) => "OBSERVATIONS",
+            Frame::Counters(_) => "COUNTERS",
+            Frame::Dropped { .. } => "DROPPED",
+            Frame::Heartbeat { .. } => "HEARTBEAT",
+            Frame::Bye { .. } => "BYE",
+            Frame::TraceRequest { .. } => "TRACE_REQUEST",
+            Frame::TraceResult(_) => "TRACE_RESULT",
+            Frame::Ack { .. } => "ACK",
+            Frame::Health(_) => "HEALTH",
+        }
+    }
+
     /// BYE with `reason`, cut at a character boundary to fit its u16-long string (a
     /// reason quoting a long node name, say).
     pub fn bye(reason: impl Into<String>) -> Self {

@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use super::{
-    Fleet, FleetError, NODE_HEADER, PayloadError, check_name, decode_payload, decode_points, kind_name,
-    kv_key, kv_key_name, partition_of,
+    Fleet, FleetError, NODE_HEADER, PayloadError, check_name, decode_payload, decode_points, kv_key,
+    kv_key_name, partition_of,
 };
 use crate::protocol::Frame;
 
@@ -359,10 +359,7 @@ fn fits(sh: &Shared, partition: Option<u32>, subject: &str, f: &Frame) -> Result
         None if subject == subjects.dropped() => "DROPPED",
         None => "nothing",
     };
-    Err(PayloadError::WrongKind {
-        got: kind_name(f),
-        want,
-    })
+    Err(PayloadError::WrongKind { got: f.name(), want })
 }
 
 /// One message: checked, delivered; a malformed one counted, logged with its subject and

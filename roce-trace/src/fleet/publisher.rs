@@ -17,7 +17,7 @@ use serde::Serialize;
 use thiserror::Error;
 use tokio::sync::Notify;
 
-use super::{Fleet, FleetError, NODE_HEADER, Subjects, check_name, encode_points, kind_name, kv_key};
+use super::{Fleet, FleetError, NODE_HEADER, Subjects, check_name, encode_points, kv_key};
 use crate::{
     agent::Delivery,
     observation::PointDecl,
@@ -255,7 +255,7 @@ impl Publisher {
                 queue_dropped(&mut st);
             }
             Frame::Heartbeat { .. } => return Ok(()),
-            f => return Err(SendError::NotForFleet(kind_name(&f))),
+            f => return Err(SendError::NotForFleet(f.name())),
         }
         drop(st);
         self.sh.notify.notify_one();
