@@ -115,35 +115,15 @@ impl PackedCounts {
     pub(crate) fn pack(t: &PointTotals) -> Self {
         let mut out = Vec::with_capacity(32);
         for &v in t.counts.values() {
-            let mut v = v;
-            loop {
-                let b = (v & 0x7f) as u8;
-                v >>= 7;
-                if v == 0 {
-                    out.push(b);
-                    break;
-                }
-                out.push(b | 0x80);
-            }
+            put_varint(&mut out, v);
         }
         out.extend([t.last_dscp, t.last_pcp, t.last_ttl]);
         Self(out.into_boxed_slice())
     }
 
     pub(crate) fn unpack(&self) -> PointTotals {
-        let mut vals = [0u64; Counts::LEN];
         let mut i = 0;
-        for v in &mut vals {
-            let mut shift = 0;
-            while let Some(&b) = self.0.get(i) {
-                i += 1;
-                *v |= u64::from(b & 0x7f) << shift;
-                shift += 7;
-                if b & 0x80 == 0 || shift >= 64 {
-                    break;
-                }
-            }
-        }
+        let vals: [u64; Counts::LEN] = std::array::from_fn(|_| get_varint(&self.0, &mut i));
         let last = |k: usize| self.0.get(i + k).copied().unwrap_or(0);
         PointTotals {
             counts: Counts::from_values(vals),
