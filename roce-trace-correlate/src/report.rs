@@ -588,13 +588,9 @@ impl JoinStats {
 }
 
 impl CollectorReport {
-    /// One report of a group of collectors, each joining its own share of the flows
-    /// (partitioned by address pair): flows by label, each once (the first report's
-    /// when two hold one, as during a hand-over); agents by node, their counts summed
-    /// (each collector counts what it received of them); points and health by point.
-    pub fn merge(reports: Vec<CollectorReport>) -> CollectorReport {
-        let mut it = reports.into_iter();
-        let mut out = it.next().unwrap_or_else(|| CollectorReport {
+    /// A report of nothing: no agent, point or flow.
+    pub fn empty() -> Self {
+        Self {
             kind: "collector_report".into(),
             stats: JoinStats::default(),
             refused_connections: 0,
@@ -603,7 +599,16 @@ impl CollectorReport {
             health: Vec::new(),
             flows: Vec::new(),
             anomalies: Vec::new(),
-        });
+        }
+    }
+
+    /// One report of a group of collectors, each joining its own share of the flows
+    /// (partitioned by address pair): flows by label, each once (the first report's
+    /// when two hold one, as during a hand-over); agents by node, their counts summed
+    /// (each collector counts what it received of them); points and health by point.
+    pub fn merge(reports: Vec<CollectorReport>) -> CollectorReport {
+        let mut it = reports.into_iter();
+        let mut out = it.next().unwrap_or_else(CollectorReport::empty);
         for r in it {
             out.stats.merge(&r.stats);
             out.refused_connections += r.refused_connections;

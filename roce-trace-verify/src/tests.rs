@@ -8,7 +8,7 @@ use std::{
 
 use roce_trace_correlate::{
     Answers, ClassAt, ClassChange, ClassSeen, CnpDelivery, CollectorReport, CountedLoss, DeliveryAt,
-    FlowReport, JoinStats, Lost, MtuAt, PathAt, Point, PointInfo, Span,
+    FlowReport, Lost, MtuAt, PathAt, Point, PointInfo, Span,
     observation::{CounterDelta, Counts},
 };
 
@@ -133,14 +133,8 @@ fn acks(a: u8, b: u8, sport: u16, spine: Option<u8>) -> FlowReport {
 
 fn report(flows: Vec<FlowReport>) -> CollectorReport {
     CollectorReport {
-        kind: "collector_report".into(),
-        stats: JoinStats::default(),
-        refused_connections: 0,
-        agents: Vec::new(),
-        points: Vec::new(),
-        health: Vec::new(),
         flows,
-        anomalies: Vec::new(),
+        ..CollectorReport::empty()
     }
 }
 
