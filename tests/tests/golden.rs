@@ -687,21 +687,25 @@ fn a_group_of_collectors_on_nats_joins_as_one_collector_and_survives_losing_a_me
         "{}",
         String::from_utf8_lossy(&agent.stderr)
     );
-    group_joined(https[0], trajectories);
-    for (i, h) in https.iter().enumerate() {
-        for (path, name) in [
-            ("/flows", "collector-flows.json"),
-            ("/stats", "collector-stats.json"),
-        ] {
-            let (status, body) = http_get(*h, path);
-            assert_eq!(status, 200, "c{i}{path}: {body}");
-            assert!(
-                pretty(&body) == golden(name),
-                "c{i}{path}: the group's view differs from one collector's ({name}):\n{}",
-                String::from_utf8_lossy(&pretty(&body))
-            );
+    // Every member's view of the group is the one collector's golden view.
+    let views_are_golden = |https: &[SocketAddr], when: &str| {
+        for h in https {
+            for (path, name) in [
+                ("/flows", "collector-flows.json"),
+                ("/stats", "collector-stats.json"),
+            ] {
+                let (status, body) = http_get(*h, path);
+                assert_eq!(status, 200, "{when}, {h}{path}: {body}");
+                assert!(
+                    pretty(&body) == golden(name),
+                    "{when}, {h}{path} differs from one collector's ({name}):\n{}",
+                    String::from_utf8_lossy(&pretty(&body))
+                );
+            }
         }
-    }
+    };
+    group_joined(https[0], trajectories);
+    views_are_golden(&https, "with every member");
     // Each member joined a share, not everything: the flows of the capture's host pairs
     // are split between members, so a member that left another's share out of the
     // group's view would show too few.
@@ -737,18 +741,5 @@ fn a_group_of_collectors_on_nats_joins_as_one_collector_and_survives_losing_a_me
     let survivors: Vec<SocketAddr> = members.iter().map(|m| m.1).collect();
     group_settles(&survivors);
     group_joined(survivors[0], trajectories);
-    for h in &survivors {
-        for (path, name) in [
-            ("/flows", "collector-flows.json"),
-            ("/stats", "collector-stats.json"),
-        ] {
-            let (status, body) = http_get(*h, path);
-            assert_eq!(status, 200, "{path}: {body}");
-            assert!(
-                pretty(&body) == golden(name),
-                "after losing a member, {path} differs from one collector's ({name}):\n{}",
-                String::from_utf8_lossy(&pretty(&body))
-            );
-        }
-    }
+    views_are_golden(&survivors, "after losing a member");
 }
