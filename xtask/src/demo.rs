@@ -151,6 +151,23 @@ pub fn run(seconds: u64, nats: bool) -> anyhow::Result<()> {
     // Fleet mode: a JetStream server on the management network and a group of
     // collectors; otherwise one collector the agents connect to.
     let nats_url = format!("nats://{MGMT_COLLECTOR}:4222");
+    // What every collector of the demo is given; fleet mode adds its own.
+    let collect_args = |listen: &str, report: &str| -> Vec<String> {
+        [
+            "collect",
+            "--listen",
+            listen,
+            "--token",
+            TOKEN,
+            "--quiet",
+            "--report",
+            report,
+            "--trajectory-timeout",
+            "1s",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
     let mut nats_server = None;
     let mut collectors = Vec::new();
     let mut https = Vec::new();
@@ -200,23 +217,11 @@ pub fn run(seconds: u64, nats: bool) -> anyhow::Result<()> {
                 format!("{MGMT_COLLECTOR}:{}", 4792 + m),
                 dir.join(format!("c{m}.json")).to_string_lossy().into_owned(),
             );
-            collectors.push(spawn(
-                &lab,
-                "mgmt",
-                &bin,
-                &[
-                    "collect",
-                    "--listen",
-                    &listen,
+            let mut args = collect_args(&listen, &rep);
+            args.extend(
+                [
                     "--http",
                     &http,
-                    "--token",
-                    TOKEN,
-                    "--quiet",
-                    "--report",
-                    &rep,
-                    "--trajectory-timeout",
-                    "1s",
                     "--nats-url",
                     &nats_url,
                     "--member-id",
@@ -225,30 +230,17 @@ pub fn run(seconds: u64, nats: bool) -> anyhow::Result<()> {
                     "16",
                     "--nats-lease-ttl",
                     "3s",
-                ],
-                "collecting on",
-            )?);
+                ]
+                .map(String::from),
+            );
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            collectors.push(spawn(&lab, "mgmt", &bin, &args, "collecting on")?);
             https.push(http);
         }
     } else {
-        collectors.push(spawn(
-            &lab,
-            "mgmt",
-            &bin,
-            &[
-                "collect",
-                "--listen",
-                &listen,
-                "--token",
-                TOKEN,
-                "--quiet",
-                "--report",
-                &rep,
-                "--trajectory-timeout",
-                "1s",
-            ],
-            "collecting on",
-        )?);
+        let args = collect_args(&listen, &rep);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        collectors.push(spawn(&lab, "mgmt", &bin, &args, "collecting on")?);
     }
     say(
         "a roce-trace agent on every node: XDP ingress + TC egress on every port of hosts, leaves and spines",
