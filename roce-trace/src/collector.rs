@@ -805,6 +805,16 @@ fn local_only(query: &str) -> bool {
     query.split('&').any(|kv| kv == "local=1")
 }
 
+/// Fleet mode: the group's other members, as the last refresh of the leases saw them
+/// (none outside a group).
+fn others(st: &Shared) -> Vec<crate::fleet::MemberInfo> {
+    let s = st.lock().expect("state");
+    s.group
+        .as_ref()
+        .map(|g| g.members.iter().filter(|m| m.id != g.id).cloned().collect())
+        .unwrap_or_default()
+}
+
 /// Fleet mode: `path` (with `query`, and `local=1`) from every other member of the
 /// group; the first that fails makes the whole view fail (a partial view would be
 /// taken for the fabric's).
@@ -813,20 +823,13 @@ fn from_members<T: serde::de::DeserializeOwned>(
     path: &str,
     query: &str,
 ) -> Result<Vec<T>, Response> {
-    let (me, members) = {
-        let s = st.lock().expect("state");
-        match &s.group {
-            Some(g) if !local_only(query) => (g.id.clone(), g.members.clone()),
-            _ => return Ok(Vec::new()),
-        }
-    };
     let q = if query.is_empty() {
         "local=1".to_owned()
     } else {
         format!("{query}&local=1")
     };
     let mut out = Vec::new();
-    for m in members.iter().filter(|m| m.id != me) {
+    for m in others(st) {
         let got = m
             .http
             .parse()
@@ -878,16 +881,8 @@ fn group_api(st: &Shared, path: &str, query: &str) -> Result<Option<Response>, R
             local => {
                 // Not ours: the member that owns its partition has it (the others answer
                 // 404).
-                let members = st
-                    .lock()
-                    .expect("state")
-                    .group
-                    .as_ref()
-                    .map(|g| (g.id.clone(), g.members.clone()));
-                let (me, members) = members.unwrap_or_default();
-                members
+                others(st)
                     .iter()
-                    .filter(|m| m.id != me)
                     .filter_map(|m| m.http.parse().ok())
                     .find_map(|addr| {
                         http::get_json::<FlowReport>(addr, &format!("{path}?{query}&local=1")).ok()
