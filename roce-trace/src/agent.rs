@@ -326,37 +326,73 @@ async fn send_loop(opts: AgentOptions, sh: Arc<Shared>) {
 }
 
 /// What sends the agent's frames: a connection to the collector (reconnecting), or fleet
-/// mode's publisher to NATS JetStream.
+/// mode's publisher to NATS JetStream (set once NATS has been reached).
 struct Sender {
     task: tokio::task::JoinHandle<()>,
-    publisher: Option<Arc<crate::fleet::Publisher>>,
+    publisher: Arc<std::sync::OnceLock<Arc<crate::fleet::Publisher>>>,
 }
 
-/// Starts the sender `opts` ask for (fleet mode connects to NATS first).
+/// Starts the sender `opts` ask for. Fleet mode tries NATS once here, so a setting NATS
+/// refuses (the stream's partition count, a bad name or credentials file) stops the
+/// agent at the start; an unreachable server does not: the agent starts, buffers
+/// (bounded, counted, as for a collector that is away) and keeps trying.
 async fn start_sender(opts: &AgentOptions, sh: &Arc<Shared>) -> anyhow::Result<Sender> {
-    let Some(nats) = &opts.fleet else {
+    let slot = Arc::new(std::sync::OnceLock::new());
+    let Some(nats) = opts.fleet.clone() else {
         return Ok(Sender {
             task: tokio::spawn(send_loop(opts.clone(), sh.clone())),
-            publisher: None,
+            publisher: slot,
         });
     };
-    let fleet = crate::fleet::connect(nats.clone())
-        .await
-        .context("fleet mode: connecting to NATS")?;
-    let publisher = Arc::new(crate::fleet::Publisher::new(
-        &fleet,
-        &opts.node,
-        crate::fleet::PublisherOptions {
-            queue: opts.queue,
-            ..Default::default()
-        },
-    )?);
-    tracing::info!("fleet mode: publishing to NATS {}", nats.urls.join(","));
+    let publisher_opts = crate::fleet::PublisherOptions {
+        queue: opts.queue,
+        ..Default::default()
+    };
+    let first = match crate::fleet::connect(nats.clone()).await {
+        Ok(f) => Some(f),
+        Err(e) if e.is_transient() => {
+            tracing::warn!(
+                "fleet mode: NATS unreachable ({e}); buffering and retrying every {} s at most",
+                RETRY_MAX.as_secs()
+            );
+            None
+        }
+        Err(e) => return Err(anyhow::Error::new(e).context("fleet mode: connecting to NATS")),
+    };
+    let (node, sh, out) = (opts.node.clone(), sh.clone(), slot.clone());
+    let task = tokio::spawn(async move {
+        let mut fleet = first;
+        let mut backoff = Duration::from_millis(200);
+        let fleet = loop {
+            if let Some(f) = fleet.take() {
+                break f;
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(RETRY_MAX);
+            match crate::fleet::connect(nats.clone()).await {
+                Ok(f) => break f,
+                Err(e) => tracing::warn!("fleet mode: NATS: {e}; retrying"),
+            }
+        };
+        let publisher = match crate::fleet::Publisher::new(&fleet, &node, publisher_opts) {
+            Ok(p) => Arc::new(p),
+            Err(e) => {
+                tracing::error!("fleet mode: {e}");
+                return;
+            }
+        };
+        let _ = out.set(publisher.clone());
+        tracing::info!("fleet mode: publishing to NATS {}", nats.urls.join(","));
+        fleet_send_loop(publisher, sh).await
+    });
     Ok(Sender {
-        task: tokio::spawn(fleet_send_loop(publisher.clone(), sh.clone())),
-        publisher: Some(publisher),
+        task,
+        publisher: slot,
     })
 }
+
+/// The longest pause between attempts to reach NATS when it was not there at the start.
+const RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// Fleet mode: hands the outbox's frames, the point table and the drop counts to the
 /// publisher, which partitions, holds (bounded) and delivers them. (Traces are not
@@ -408,17 +444,36 @@ async fn finish(sh: &Shared, sender: Sender, patience: Duration) -> AgentStats {
     while Instant::now() < deadline && !sh.outbox.lock().expect("outbox").is_empty() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    if let Some(p) = &sender.publisher {
+    if let Some(p) = sender.publisher.get() {
         // One more round hands over what the last interval queued.
         sh.notify.notify_one();
         tokio::time::sleep(Duration::from_millis(50)).await;
         if !p.flush(deadline.saturating_duration_since(Instant::now())).await {
             tracing::warn!("fleet mode: NATS did not acknowledge everything before the agent stopped");
         }
-        tracing::info!("fleet mode: {:?}", p.stats());
     }
     sender.task.abort();
-    sh.outbox.lock().expect("outbox").stats()
+    let stats = sh.outbox.lock().expect("outbox").stats();
+    match sender.publisher.get() {
+        Some(p) => fleet_stats(stats, &p.stats()),
+        None => stats,
+    }
+}
+
+/// Fleet mode's account: the outbox counts a record handed to the publisher as
+/// acknowledged, but only JetStream's acknowledgement delivers it. What the agent made
+/// (and the outbox dropped before the hand-over) is the outbox's; what was sent,
+/// acknowledged and dropped after it is the publisher's.
+fn fleet_stats(mut stats: AgentStats, p: &crate::fleet::PublishStats) -> AgentStats {
+    let take = |d: &mut Delivery, p: &Delivery| {
+        d.sent = p.sent;
+        d.resent = p.resent;
+        d.acked = p.acked;
+        d.dropped += p.dropped;
+    };
+    take(&mut stats.observations, &p.observations);
+    take(&mut stats.counters, &p.counters);
+    stats
 }
 
 /// WELCOME's fields.
@@ -1112,6 +1167,37 @@ pub async fn run_pcap(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// In fleet mode a record handed to the publisher is not delivered until JetStream
+    /// acknowledges it: the agent's last line must not call it acknowledged before.
+    #[test]
+    fn fleet_mode_counts_what_jetstream_acknowledged() {
+        let d = |made, sent, resent, acked, dropped| Delivery {
+            made,
+            sent,
+            resent,
+            acked,
+            dropped,
+        };
+        // The outbox made 100, dropped 10 and handed 90 over (acknowledged, to it).
+        let outbox = AgentStats {
+            observations: d(100, 90, 0, 90, 10),
+            counters: d(50, 50, 0, 50, 0),
+            connections: 0,
+            ringbuf_drops: 3,
+        };
+        // NATS stored 70 of them, 5 were dropped while it was away, 15 are in flight.
+        let published = crate::fleet::PublishStats {
+            observations: d(90, 80, 4, 70, 5),
+            counters: d(50, 50, 0, 50, 0),
+            ..Default::default()
+        };
+        let s = fleet_stats(outbox, &published);
+        assert_eq!(s.observations, d(100, 80, 4, 70, 15));
+        assert_eq!(s.observations.pending(), 15);
+        assert_eq!(s.counters, d(50, 50, 0, 50, 0));
+        assert_eq!(s.ringbuf_drops, 3);
+    }
 
     #[test]
     fn the_shipped_example_config_is_valid() {

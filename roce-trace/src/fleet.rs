@@ -496,6 +496,23 @@ pub enum FleetError {
     Name(String),
 }
 
+impl FleetError {
+    /// Whether trying again later may succeed: the server, the stream or a bucket could
+    /// not be reached (or answered with an error). Settings NATS refuses — options, a
+    /// credentials file, the stream's partitions or subjects, a name — stay refused.
+    pub fn is_transient(&self) -> bool {
+        use async_nats::ConnectErrorKind as K;
+        match self {
+            FleetError::Connect { source, .. } => !matches!(
+                source.kind(),
+                K::ServerParse | K::AuthorizationViolation | K::Authentication | K::Tls
+            ),
+            FleetError::Stream { .. } | FleetError::Bucket { .. } => true,
+            _ => false,
+        }
+    }
+}
+
 /// The stream's description: how the partition count is recorded (stream metadata needs
 /// nats-server 2.10; Debian ships 2.9).
 fn stream_description(partitions: u32) -> String {

@@ -520,6 +520,15 @@ struct Nats {
 
 impl Nats {
     fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        Self::start_on(port)
+    }
+
+    fn start_on(port: u16) -> Self {
         let bin = [
             "/usr/sbin/nats-server",
             "/usr/bin/nats-server",
@@ -530,11 +539,6 @@ impl Nats {
         .unwrap_or_else(|| {
             panic!("nats-server is not installed (scripts/setup installs Debian's `nats-server`)")
         });
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
         let dir = TempDir::new("fleet-nats");
         let proc = Proc::spawn(
             Command::new(bin)
@@ -742,4 +746,71 @@ fn a_group_of_collectors_on_nats_joins_as_one_collector_and_survives_losing_a_me
     group_settles(&survivors);
     group_joined(survivors[0], trajectories);
     views_are_golden(&survivors, "after losing a member");
+}
+
+/// Fleet mode with NATS away when the agent starts: the agent starts all the same,
+/// buffers what it reads and keeps trying; once the server is up it delivers every
+/// record, and the group's view is the one collector's golden view, to the packet.
+#[test]
+fn an_agent_started_before_nats_buffers_and_delivers_everything() {
+    let golden = |name: &str| std::fs::read(golden_dir().join(name)).unwrap();
+    let stats: Value = serde_json::from_slice(&golden("collector-stats.json")).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("nats://127.0.0.1:{port}");
+    let mut agent = Proc::spawn(
+        Command::new(roce_trace_bin())
+            .current_dir(golden_dir())
+            .args(["agent", "-r", "fabric.pcap", "--nats-url", &url])
+            .args(["--nats-partitions", "8", "--node", "sniffer"])
+            .args(["--sample-rate", "1", "--interval", "1h"])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped()),
+    );
+    let mut lines = BufReader::new(agent.stderr.take().unwrap()).lines();
+    let mut log = String::new();
+    loop {
+        let l = lines.next().expect("the agent exited without NATS").unwrap();
+        log.push_str(&l);
+        log.push('\n');
+        assert!(!l.contains("publishing to NATS"), "no NATS yet: {log}");
+        if l.contains("NATS unreachable") {
+            break;
+        }
+    }
+    // The capture is read and buffered by now; NATS comes up, then a collector.
+    std::thread::sleep(Duration::from_millis(500));
+    let nats = Nats::start_on(port);
+    let dir = TempDir::new("fleet-late");
+    let (_c, http) = fleet_collector(&nats, "c0", &dir);
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let st = agent.wait().unwrap();
+    log.push_str(&rest.join("\n"));
+    assert!(st.success(), "{log}");
+    assert!(log.contains("publishing to NATS"), "{log}");
+    let last = rest
+        .iter()
+        .find(|l| l.contains("agent stopped"))
+        .unwrap_or_else(|| panic!("no last line: {log}"));
+    assert!(
+        last.contains("0 dropped, 0 undelivered"),
+        "every record delivered: {last}"
+    );
+    group_joined(http, stats["trajectories"].as_u64().unwrap());
+    for (path, name) in [
+        ("/flows", "collector-flows.json"),
+        ("/stats", "collector-stats.json"),
+    ] {
+        let (status, body) = http_get(http, path);
+        assert_eq!(status, 200, "{path}: {body}");
+        assert!(
+            pretty(&body) == golden(name),
+            "{path} differs from one collector's ({name}):\n{}",
+            String::from_utf8_lossy(&pretty(&body))
+        );
+    }
 }
