@@ -38,6 +38,13 @@ pub struct JoinConfig {
     /// old (by arrival): every agent has reported what crossed it by then (agents report
     /// every second by default), so packets in flight between two reports are no loss.
     pub counter_settle_ns: u64,
+    /// How long past its timeout a trajectory missing a point of its flow's path may wait
+    /// for that point's agent to catch up. Agents deliver late after an outage (NATS or
+    /// the collector away, a slow link): a trajectory completed before a lagging agent's
+    /// observations arrive would show a false class change or loss. It completes once
+    /// every node of the path it lacks has reported an observation past the packet's time
+    /// (plus [`PROOF_WINDOW_NS`]), or after this much more.
+    pub max_agent_lag_ns: u64,
 }
 
 impl Default for JoinConfig {
@@ -48,6 +55,7 @@ impl Default for JoinConfig {
             max_flows: 100_000,
             max_pending: 1_000_000,
             counter_settle_ns: 3_000_000_000,
+            max_agent_lag_ns: 10_000_000_000,
         }
     }
 }
@@ -196,6 +204,62 @@ impl Topology {
 struct Slot {
     last_ns: u64,
     f: Arc<FlowJoin>,
+    /// What this flow added to the join's running totals.
+    share: Share,
+}
+
+/// A flow's part of the join's running totals ([`JoinStats`]), given back when the flow is
+/// handed to another collector ([`Joiner::forget_where`]), which counts it again as it
+/// replays it: a group's merged totals then count each observation once. (A flow
+/// forgotten for being idle or to make room keeps its part: it was joined here.)
+#[derive(Clone, Copy, Debug, Default)]
+struct Share {
+    observations: u64,
+    trajectories: u64,
+    duplicates: u32,
+    retransmissions: u32,
+    fragments: u32,
+    late_arrivals: u32,
+    pending_dropped: u32,
+    agent_lag_gave_up: u32,
+}
+
+impl Share {
+    /// Adds what the totals gained from `before` to `now`.
+    fn add(&mut self, before: &JoinStats, now: &JoinStats) {
+        let d = |a: u64, b: u64| a.saturating_sub(b);
+        let d32 = |a: u64, b: u64| d(a, b).min(u32::MAX as u64) as u32;
+        self.observations += d(now.observations, before.observations);
+        self.trajectories += d(now.trajectories, before.trajectories);
+        self.duplicates = self.duplicates.saturating_add(d32(now.duplicates, before.duplicates));
+        self.retransmissions = self
+            .retransmissions
+            .saturating_add(d32(now.retransmissions, before.retransmissions));
+        self.fragments = self.fragments.saturating_add(d32(now.fragments, before.fragments));
+        self.late_arrivals = self
+            .late_arrivals
+            .saturating_add(d32(now.late_arrivals, before.late_arrivals));
+        self.pending_dropped = self
+            .pending_dropped
+            .saturating_add(d32(now.pending_dropped, before.pending_dropped));
+        self.agent_lag_gave_up = self
+            .agent_lag_gave_up
+            .saturating_add(d32(now.agent_lag_gave_up, before.agent_lag_gave_up));
+    }
+
+    /// Takes this share out of `stats`.
+    fn give_back(&self, stats: &mut JoinStats) {
+        stats.observations = stats.observations.saturating_sub(self.observations);
+        stats.trajectories = stats.trajectories.saturating_sub(self.trajectories);
+        stats.duplicates = stats.duplicates.saturating_sub(self.duplicates as u64);
+        stats.retransmissions = stats.retransmissions.saturating_sub(self.retransmissions as u64);
+        stats.fragments = stats.fragments.saturating_sub(self.fragments as u64);
+        stats.late_arrivals = stats.late_arrivals.saturating_sub(self.late_arrivals as u64);
+        stats.pending_dropped = stats.pending_dropped.saturating_sub(self.pending_dropped as u64);
+        stats.agent_lag_gave_up = stats
+            .agent_lag_gave_up
+            .saturating_sub(self.agent_lag_gave_up as u64);
+    }
 }
 
 /// Anomalies by kind (one per flow and place, as [`JoinView::anomalies`] lists them),
@@ -238,6 +302,12 @@ pub struct Joiner {
     topo: Arc<Topology>,
     pending: HashMap<PacketId, Pending>,
     order: VecDeque<(u64, PacketId)>,
+    /// Identities past their timeout that lack a node of their flow's path whose agent
+    /// has not reported that far yet (by arrival of their first observation).
+    held: VecDeque<(u64, PacketId)>,
+    /// Per node, the latest observation time its agent has delivered (the agent's
+    /// clock): how far its reports have come.
+    reported_to_ns: Vec<u64>,
     /// Packets just judged lost (the link they vanished on), kept for one more trajectory
     /// timeout: when their late observations arrive after all, the loss is taken back.
     recent_losses: HashMap<PacketId, (PointId, PointId)>,
@@ -274,6 +344,8 @@ impl Joiner {
             topo: Arc::default(),
             pending: HashMap::new(),
             order: VecDeque::new(),
+            held: VecDeque::new(),
+            reported_to_ns: Vec::new(),
             recent_losses: HashMap::new(),
             recent_order: VecDeque::new(),
             awaiting: VecDeque::new(),
@@ -345,6 +417,7 @@ impl Joiner {
                 Slot {
                     last_ns: now_ns,
                     f: Arc::default(),
+                    share: Share::default(),
                 },
             );
             self.ids.insert(id);
@@ -410,7 +483,21 @@ impl Joiner {
     /// One observation from `point` (already mapped to a collector point), arriving at
     /// collector time `now_ns`.
     pub fn add(&mut self, point: PointId, o: &Observation, now_ns: u64) {
+        let before = self.stats;
+        self.add_in(point, o, now_ns);
+        self.credit(&o.id.flow, &before);
+    }
+
+    /// Credits the flow with what the totals gained since `before`.
+    fn credit(&mut self, flow: &FlowId, before: &JoinStats) {
+        if let Some(s) = self.flows.get_mut(flow) {
+            s.share.add(before, &self.stats);
+        }
+    }
+
+    fn add_in(&mut self, point: PointId, o: &Observation, now_ns: u64) {
         self.stats.observations += 1;
+        self.reported_to(point, o.time_ns);
         if o.id.flow.dest_qp == PROBE_QP {
             // Our own in-band probes: they expire on purpose, so they are no flow's loss.
             self.stats.probe_observations += 1;
@@ -526,6 +613,12 @@ impl Joiner {
     }
 
     fn complete(&mut self, id: PacketId, p: Pending) {
+        let before = self.stats;
+        self.complete_in(id, p);
+        self.credit(&id.flow, &before);
+    }
+
+    fn complete_in(&mut self, id: PacketId, p: Pending) {
         let instances = self.transmissions(&id.flow, p.obs);
         self.stats.retransmissions += instances.len().saturating_sub(1) as u64;
         for inst in instances {
@@ -607,8 +700,29 @@ impl Joiner {
                 break;
             }
             self.order.pop_front();
-            if let Some(p) = self.pending.remove(&id) {
-                self.complete(id, p);
+            if let Some(p) = self.pending.get(&id) {
+                if self.lagging(&id, p) {
+                    self.held.push_back((t, id));
+                } else if let Some(p) = self.pending.remove(&id) {
+                    self.complete(id, p);
+                }
+            }
+        }
+        if !self.held.is_empty() {
+            let cap = self.cfg.trajectory_timeout_ns + self.cfg.max_agent_lag_ns;
+            let held = std::mem::take(&mut self.held);
+            for (t, id) in held {
+                let Some(p) = self.pending.get(&id) else { continue };
+                let capped = t.saturating_add(cap) <= now_ns;
+                if capped || !self.lagging(&id, p) {
+                    let p = self.pending.remove(&id).expect("pending");
+                    let before = self.stats;
+                    self.stats.agent_lag_gave_up += capped as u64;
+                    self.credit(&id.flow, &before);
+                    self.complete(id, p);
+                } else {
+                    self.held.push_back((t, id));
+                }
             }
         }
         self.judge_awaiting();
@@ -648,10 +762,44 @@ impl Joiner {
         self.stats.flows = self.flows.len() as u64;
     }
 
+    /// Whether `p` lacks a node of its flow's path whose agent has not yet reported past
+    /// the packet's time: its observation may still be on its way.
+    fn lagging(&self, id: &PacketId, p: &Pending) -> bool {
+        let Some(s) = self.flows.get(&id.flow) else {
+            return false;
+        };
+        let Some(t) = p.obs.iter().map(|o| o.time_ns).max() else {
+            return false;
+        };
+        let node = |pt: PointId| self.topo.point_node[pt as usize];
+        s.f.path.iter().any(|&pt| {
+            let n = node(pt);
+            !p.obs.iter().any(|o| node(o.point) == n)
+                && self
+                    .reported_to_ns
+                    .get(n as usize)
+                    .is_none_or(|&to| to < t.saturating_add(PROOF_WINDOW_NS))
+        })
+    }
+
     /// Completes every pending trajectory now (on exit).
     pub fn flush(&mut self) {
         self.flushed = true;
-        let ids: Vec<PacketId> = self.order.drain(..).map(|(_, id)| id).collect();
+        // The held ones are the oldest; they are judged without their lagging agents.
+        let held: Vec<PacketId> = self.held.iter().map(|(_, id)| *id).collect();
+        for id in &held {
+            if self.pending.contains_key(id) {
+                let before = self.stats;
+                self.stats.agent_lag_gave_up += 1;
+                self.credit(&id.flow, &before);
+            }
+        }
+        let ids: Vec<PacketId> = self
+            .held
+            .drain(..)
+            .chain(self.order.drain(..))
+            .map(|(_, id)| id)
+            .collect();
         for id in ids {
             if let Some(p) = self.pending.remove(&id) {
                 self.complete(id, p);
@@ -793,6 +941,23 @@ impl Joiner {
     }
 
     /// One point's health over one agent interval.
+    /// The agent of `point`'s node has delivered every observation it made up to `t_ns`
+    /// (its clock): its observations say so themselves; a HEALTH interval's end says so
+    /// where it comes in order with them (one TCP connection), not where it overtakes
+    /// them (fleet mode's separate subject). Trajectories lacking that node wait for it
+    /// ([`JoinConfig::max_agent_lag_ns`]).
+    pub fn reported_to(&mut self, point: PointId, t_ns: u64) {
+        let Some(&node) = self.topo.point_node.get(point as usize) else {
+            return;
+        };
+        let node = node as usize;
+        if self.reported_to_ns.len() <= node {
+            self.reported_to_ns.resize(node + 1, 0);
+        }
+        let to = &mut self.reported_to_ns[node];
+        *to = (*to).max(t_ns);
+    }
+
     pub fn add_health(&mut self, point: PointId, h: &PointHealth) {
         let q = Arc::make_mut(self.health.entry(point).or_default());
         push_bounded(q, *h, HEALTH_INTERVALS);
@@ -968,6 +1133,9 @@ impl Joiner {
     pub fn forget_where(&mut self, drop: impl Fn(&FlowId) -> bool) -> usize {
         let gone: Vec<FlowId> = self.flows.keys().filter(|id| drop(id)).copied().collect();
         for id in &gone {
+            if let Some(s) = self.flows.get(id) {
+                s.share.give_back(&mut self.stats);
+            }
             self.forget(id);
         }
         self.pending.retain(|id, _| !drop(&id.flow));
@@ -1075,7 +1243,8 @@ mod tests {
         (j, pts.to_vec())
     }
 
-    /// A clean health interval of `p` over [from, to].
+    /// A clean health interval of `p` over [from, to], in order with the observations
+    /// (as on TCP): `p`'s agent has reported everything up to `to`.
     fn clean(j: &mut Joiner, p: PointId, from: u64, to: u64) {
         j.add_health(
             p,
@@ -1085,6 +1254,7 @@ mod tests {
                 ..Default::default()
             },
         );
+        j.reported_to(p, to);
     }
 
     /// The lab path through s2 instead of s1.
@@ -1354,6 +1524,69 @@ mod tests {
         assert_eq!((j.stats.fragments, j.stats.late_arrivals), (2, 1));
     }
 
+    /// Fleet mode after a NATS outage: the agents of h1 and l1 deliver their backlog
+    /// at once, those of s1, l2 and h3 seconds later (their health, on a subject of its
+    /// own, says nothing of how far their observations have come). A trajectory judged
+    /// on its time alone would be h1, l1 and nothing: a loss after l1, and the rewrite at
+    /// s1 moved to wherever the path resumed. It waits for the lagging agents instead,
+    /// and the flow reads as it was: one path, the rewrite between l1 and s1, no loss.
+    #[test]
+    fn a_lagging_agent_is_waited_for_not_taken_for_a_loss_or_a_class_change() {
+        let mut j = Joiner::new(JoinConfig {
+            trajectory_timeout_ns: 100 * MS,
+            ..Default::default()
+        });
+        let pts = [
+            ("h1", "eth0", "egress"),
+            ("l1", "h1", "ingress"),
+            ("s1", "l1", "ingress"),
+            ("l2", "s1", "ingress"),
+            ("h3", "eth0", "ingress"),
+        ]
+        .map(|(n, i, d)| {
+            j.point(PointInfo {
+                node: n.into(),
+                iface: i.into(),
+                direction: d.parse().unwrap(),
+                clock_synced: true,
+                ..Default::default()
+            })
+        });
+        let rewrite = |i: usize| if i >= 2 { 0 } else { 26 };
+        // Ten packets delivered as they go: the flow's path is known.
+        for psn in 0..10 {
+            let at = psn as u64 * 10 * MS;
+            send(&mut j, &pts, psn, at, &[], rewrite, at);
+            j.tick(at);
+        }
+        // Ten more during the outage: h1 and l1 deliver at 300 ms …
+        for psn in 10..20 {
+            let at = psn as u64 * 10 * MS;
+            send(&mut j, &pts, psn, at, &[2, 3, 4], rewrite, 300 * MS);
+        }
+        for t in [400, 1_000, 2_900] {
+            j.tick(t * MS);
+        }
+        assert_eq!(j.stats.pending, 10, "waiting for s1, l2 and h3");
+        // … s1, l2 and h3 at 3 s.
+        for psn in 10..20 {
+            let at = psn as u64 * 10 * MS;
+            for i in 2..5 {
+                j.add(pts[i], &obs(psn, TTLS[i], at + 1000 * i as u64, rewrite(i), 2), 3_000 * MS);
+            }
+        }
+        j.tick(3_050 * MS);
+        assert_eq!(j.stats.pending, 0);
+        let r = j.flow_report(&flow()).unwrap();
+        assert!(r.lost.is_empty() && r.unobserved.is_empty(), "{:?} {:?}", r.lost, r.unobserved);
+        assert_eq!(r.path_history.len(), 1, "one path");
+        assert_eq!(r.class_changes.len(), 1, "{:?}", r.class_changes);
+        assert_eq!(r.class_changes[0].between, ["l1:h1:ingress", "s1:l1:ingress"]);
+        assert_eq!(r.class_changes[0].span.packets, 20);
+        assert_eq!(r.trajectories, 20);
+        assert_eq!((j.stats.fragments, j.stats.agent_lag_gave_up), (0, 0));
+    }
+
     #[test]
     fn a_missing_downstream_observation_is_a_loss_between_two_points() {
         let (mut j, pts) = lab();
@@ -1481,10 +1714,18 @@ mod tests {
         let r = j.flow_report(&flow()).unwrap();
         assert_eq!(r.lost.len(), 1);
         assert_eq!(r.lost[0].span.packets, 1, "PSN 1, proven by l2's next interval");
-        // PSN 3: l2's agent never reports that time; five seconds on, it is unobserved.
+        // PSN 3: l2's agent never reports that time. Its trajectory waits for l2 to catch
+        // up (`max_agent_lag`, 10 s), then is judged without it: l2 is missing, and five
+        // seconds on, with no health of l2 for that time, it is unobserved.
         j.tick(3_200 * MS);
-        assert_eq!(j.flow_report(&flow()).unwrap().unobserved.len(), 0);
         j.tick(8_300 * MS);
+        assert_eq!(j.flow_report(&flow()).unwrap().unobserved.len(), 0);
+        assert_eq!((j.stats.pending, j.stats.agent_lag_gave_up), (1, 0));
+        j.tick(13_200 * MS);
+        assert_eq!((j.stats.pending, j.stats.agent_lag_gave_up), (0, 1));
+        j.tick(18_100 * MS);
+        assert_eq!(j.flow_report(&flow()).unwrap().unobserved.len(), 0);
+        j.tick(18_300 * MS);
         let r = j.flow_report(&flow()).unwrap();
         assert_eq!(r.unobserved.len(), 1);
         assert_eq!(
@@ -1987,6 +2228,7 @@ mod tests {
             trajectory_timeout_ns: MS,
             flow_idle_ns: 10 * MS,
             counter_settle_ns: MS,
+            max_agent_lag_ns: MS,
         });
         let p = j.point(PointInfo {
             node: "h".into(),
@@ -2052,8 +2294,9 @@ mod tests {
             j.tick(t);
             assert_eq!(j.anomaly_counts(), count(&j), "after packet {psn}");
         }
-        // A loss whose proof comes later: the next point's health is not in when the
-        // trajectory completes, so it waits, and is judged when the health arrives.
+        // A loss whose proof comes later: the next points' agents have not reported that
+        // far when the trajectory's time is up, so it waits, and is judged when their
+        // health arrives.
         let late = 150_000 * MS;
         for (i, p) in s2.iter().enumerate().take(3) {
             j.add(*p, &obs(100, TTLS[i], late + 1000 * i as u64, 26, 2), t);
@@ -2061,6 +2304,7 @@ mod tests {
         j.tick(t + 200 * MS);
         let before = j.anomaly_counts();
         clean(&mut j, s2[3], 100_000 * MS, 200_000 * MS);
+        clean(&mut j, s2[4], 100_000 * MS, 200_000 * MS);
         j.tick(t + 300 * MS);
         assert_eq!(j.anomaly_counts(), count(&j));
         assert_ne!(j.anomaly_counts(), before, "the late proof found a loss");
@@ -2136,6 +2380,37 @@ mod tests {
         j.tick(10 * MS);
         assert_eq!(j.stats.trajectories, u64::from(n) * 8);
         j
+    }
+
+    /// A group member handing a partition over forgets its flows, and gives back their
+    /// part of its running totals: the member that takes the partition over replays it
+    /// and counts it again, so the group's merged totals count every observation once.
+    #[test]
+    fn flows_handed_over_take_their_part_of_the_totals_with_them() {
+        let mut j = fabric(4);
+        assert_eq!((j.stats.observations, j.stats.trajectories), (64, 32));
+        // One observation of host pair 0 arrives twice.
+        let first = *j.ids.iter().next().unwrap();
+        let mut o = obs(9, 64, 50 * MS, 26, 2);
+        o.id.flow = first;
+        j.add(0, &o, 20 * MS);
+        j.add(0, &o, 20 * MS);
+        j.tick(30 * MS);
+        let mut before = j.stats;
+        // (Its trajectory waits for b, which has not reported that far.)
+        assert_eq!((before.observations, before.duplicates, before.pending), (66, 1, 1));
+        let pair0 = |f: &FlowId| f.src[..4] == [0; 4] || f.dst[..4] == [0; 4];
+        assert_eq!(j.forget_where(pair0), 2);
+        // Pair 0 had 16 + 2 observations, 8 trajectories and the duplicate.
+        before.observations -= 18;
+        before.trajectories -= 8;
+        before.duplicates -= 1;
+        before.flows = 6;
+        before.pending = 0;
+        assert_eq!(j.stats, before);
+        // Flows that went idle keep their part: they were joined here.
+        j.tick(1_000_000 * MS);
+        assert_eq!((j.stats.flows, j.stats.observations, j.stats.trajectories), (0, 48, 24));
     }
 
     /// The collector's views were quadratic (each flow's report scanned every flow for

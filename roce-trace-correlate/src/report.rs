@@ -241,6 +241,11 @@ pub struct JoinStats {
     /// longest-idle first. (Absent from reports of older collectors: read as 0.)
     #[serde(default)]
     pub flows_evicted: u64,
+    /// Trajectories judged without a node of their flow's path whose agent never
+    /// reported as far as the packet's time: the wait for it (`max_agent_lag`) ran out,
+    /// or the collector stopped first. (Absent from older reports: read as 0.)
+    #[serde(default)]
+    pub agent_lag_gave_up: u64,
     pub pending: u64,
     pub flows: u64,
 }
@@ -582,6 +587,7 @@ impl JoinStats {
         self.pending_dropped += o.pending_dropped;
         self.flows_expired += o.flows_expired;
         self.flows_evicted += o.flows_evicted;
+        self.agent_lag_gave_up += o.agent_lag_gave_up;
         self.pending += o.pending;
         self.flows += o.flows;
     }

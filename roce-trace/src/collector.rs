@@ -653,6 +653,7 @@ async fn serve_frames(
             &mut st.lock().expect("state"),
             node,
             clock_synced,
+            true,
             &mut points,
             f,
             now,
@@ -669,11 +670,14 @@ async fn serve_frames(
 
 /// One frame from `node` into the join (its points mapped through `points`, which its
 /// POINTS frames fill); whether it was data the agent wants acknowledged. The agents'
-/// TCP connections and fleet mode's NATS consumers both come through here.
+/// TCP connections and fleet mode's NATS consumers both come through here; `in_order`:
+/// HEALTH follows the observations made before it (TCP), so it says how far the agent
+/// has reported.
 fn ingest(
     s: &mut State,
     node: &str,
     clock_synced: bool,
+    in_order: bool,
     points: &mut HashMap<u16, PointId>,
     f: Frame,
     now: u64,
@@ -733,6 +737,9 @@ fn ingest(
             let j = s.joiner.as_mut().expect("joiner");
             for h in &v {
                 j.add_health(points[&h.point], h);
+                if in_order {
+                    j.reported_to(points[&h.point], h.end_ns);
+                }
             }
             data = true;
         }
@@ -788,7 +795,9 @@ async fn fleet_ingest(
                 let pts = points.entry(node.clone()).or_default();
                 // Agents in fleet mode send no HELLO: their clocks count as not
                 // synchronised (no one-way delays).
-                if let Err(why) = ingest(&mut s, &node, false, pts, frame, now) {
+                // HEALTH comes on a subject of its own, read apart from the partitions:
+                // it may overtake the observations it follows (`in_order` false).
+                if let Err(why) = ingest(&mut s, &node, false, false, pts, frame, now) {
                     if let Some(g) = &mut s.group {
                         g.refused_frames += 1;
                     }
@@ -1009,6 +1018,11 @@ fn metrics(s: &State) -> String {
             "roce_trace_collector_flows_expired_total",
             "Idle flows forgotten.",
             st.flows_expired,
+        ),
+        (
+            "roce_trace_collector_agent_lag_gave_up_total",
+            "Trajectories judged without a path node whose agent never reported that far (max-agent-lag ran out).",
+            st.agent_lag_gave_up,
         ),
         (
             "roce_trace_collector_refused_connections_total",

@@ -539,7 +539,8 @@ impl Nats {
         .unwrap_or_else(|| {
             panic!("nats-server is not installed (scripts/setup installs Debian's `nats-server`)")
         });
-        let dir = TempDir::new("fleet-nats");
+        // One directory per server: tests run side by side in one process.
+        let dir = TempDir::new(&format!("fleet-nats-{port}"));
         let proc = Proc::spawn(
             Command::new(bin)
                 .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])

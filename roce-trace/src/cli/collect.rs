@@ -21,6 +21,12 @@ pub struct CollectArgs {
     /// A packet's trajectory is complete this long after its first observation.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
     trajectory_timeout: Duration,
+    /// How much longer a trajectory that lacks a point of its flow's path waits for that
+    /// point's agent to catch up (agents deliver late after an outage of NATS or the
+    /// collector): it completes as soon as that agent has reported past the packet's
+    /// time, or after this (counted in /stats and /metrics as `agent_lag_gave_up`).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "10s")]
+    max_agent_lag: Duration,
     /// Flows tracked at most (past it, the longest-idle are forgotten to make room, and
     /// counted).
     #[arg(long, default_value_t = 100_000)]
@@ -58,6 +64,7 @@ pub(super) async fn run_collect(a: CollectArgs) -> anyhow::Result<()> {
             trajectory_timeout_ns: a.trajectory_timeout.as_nanos() as u64,
             flow_idle_ns: a.flow_idle.as_nanos() as u64,
             max_flows: a.max_flows,
+            max_agent_lag_ns: a.max_agent_lag.as_nanos() as u64,
             ..JoinConfig::default()
         },
         live: !a.quiet,

@@ -1,0 +1,398 @@
+//! Fleet mode on the lab: a NATS JetStream server and three collectors as a group on the
+//! management network, an agent on every node (hosts and switches) publishing to NATS,
+//! RoCEv2 traffic through a spine that rewrites DSCP. Mid-run one collector is killed and
+//! later the NATS server itself is killed and restarted. At the end the group's view must
+//! be what one collector makes of everything the agents published: every flow once, the
+//! rewrite located at the spine for exactly the flows through it, and every sampled
+//! packet the agents had acknowledged joined — exact counts.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    process::{Command, Stdio},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use roce_trace_tests::{
+    lab::{Fault, Lab, MGMT_COLLECTOR},
+    *,
+};
+use serde_json::Value;
+
+const PARTITIONS: u64 = 16;
+const NATS_PORT: u16 = 4222;
+
+/// The lab, and every process the test started in it, gone however the test ends.
+struct Fabric {
+    lab: Lab,
+    dir: TempDir,
+    nats: Option<Proc>,
+    collectors: BTreeMap<String, Daemon>,
+    agents: Vec<(String, Daemon)>,
+}
+
+impl Drop for Fabric {
+    fn drop(&mut self) {
+        for (_, a) in self.agents.drain(..) {
+            a.kill();
+        }
+        for (_, c) in std::mem::take(&mut self.collectors) {
+            c.kill();
+        }
+        self.nats.take();
+        let _ = self.lab.down();
+    }
+}
+
+impl Fabric {
+    fn nats_url() -> String {
+        format!("nats://{MGMT_COLLECTOR}:{NATS_PORT}")
+    }
+
+    /// nats-server with JetStream on the management network, its store in the test's
+    /// directory (the same store across a restart).
+    fn start_nats(&mut self) {
+        let bin = ["/usr/sbin/nats-server", "/usr/bin/nats-server", "/usr/local/bin/nats-server"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists())
+            .unwrap_or_else(|| panic!("nats-server is not installed (scripts/setup installs it)"));
+        let n = Proc::spawn(
+            Command::new("ip")
+                .args(["netns", "exec", &self.lab.ns("mgmt"), bin, "-js", "-a", MGMT_COLLECTOR])
+                .args(["-p", &NATS_PORT.to_string(), "-sd"])
+                .arg(self.dir.path("jetstream"))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let probe = format!("exec 3<>/dev/tcp/{MGMT_COLLECTOR}/{NATS_PORT}");
+        while self.lab.exec("mgmt", &["bash", "-c", &probe]).is_err() {
+            assert!(Instant::now() < deadline, "nats-server did not start");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        self.nats = Some(n);
+    }
+
+    /// A collector in the group, serving HTTP on `MGMT_COLLECTOR:9470+m`.
+    fn start_collector(&mut self, id: &str, m: u16) {
+        let (listen, http) = (
+            format!("{MGMT_COLLECTOR}:{}", 4792 + m),
+            format!("{MGMT_COLLECTOR}:{}", 9470 + m),
+        );
+        let report = self.dir.path(&format!("{id}.json"));
+        let url = Self::nats_url();
+        let args = [
+            "collect",
+            "--listen",
+            &listen,
+            "--http",
+            &http,
+            "--token",
+            "t",
+            "--quiet",
+            "--report",
+            report.to_str().unwrap(),
+            "--trajectory-timeout",
+            "2s",
+            "--nats-url",
+            &url,
+            "--member-id",
+            id,
+            "--nats-partitions",
+            "16",
+            "--nats-lease-ttl",
+            "3s",
+        ];
+        let c = Daemon::start(&self.lab.ns("mgmt"), &args, "collecting on");
+        self.collectors.insert(id.to_owned(), c);
+    }
+
+    fn http(id: &str) -> String {
+        let m: u16 = id.trim_start_matches('c').parse().unwrap();
+        format!("{MGMT_COLLECTOR}:{}", 9470 + m)
+    }
+
+    fn get(&self, id: &str, path: &str) -> String {
+        let url = format!("http://{}{path}", Self::http(id));
+        self.lab
+            .exec("mgmt", &["curl", "-sS", "--fail-with-body", &url])
+            .unwrap_or_else(|e| panic!("GET {url}: {e:#}"))
+    }
+
+    fn json(&self, id: &str, path: &str) -> Value {
+        serde_json::from_str(&self.get(id, path)).unwrap()
+    }
+
+    fn metric(&self, id: &str, name: &str) -> u64 {
+        self.get(id, "/metrics")
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Waits until the running collectors are the whole group and own every partition.
+    fn group_settles(&self) {
+        let ids: Vec<&String> = self.collectors.keys().collect();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let members: Vec<u64> = ids
+                .iter()
+                .map(|id| self.metric(id, "roce_trace_collector_fleet_members"))
+                .collect();
+            let owned: u64 = ids
+                .iter()
+                .map(|id| self.metric(id, "roce_trace_collector_fleet_partitions_owned"))
+                .sum();
+            if members.iter().all(|m| *m == ids.len() as u64) && owned == PARTITIONS {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the group never settled: members {members:?}, partitions owned {owned}"
+            );
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    }
+
+    /// Waits until the group's join (asked of `id`) holds `observations` with nothing
+    /// pending, then past the CNP settle time; the group's flows and stats.
+    fn group_joined(&self, id: &str, observations: u64) -> (Value, Value) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let st = self.json(id, "/stats");
+            if st["pending"] == 0 && st["observations"].as_u64() == Some(observations) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the group's join never held the {observations} observations the agents had acknowledged: {st}"
+            );
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        std::thread::sleep(Duration::from_millis(3500));
+        (self.json(id, "/flows"), self.json(id, "/stats"))
+    }
+}
+
+/// The agent's last line's observation account: (made, acknowledged, dropped, undelivered).
+fn observations_account(stderr: &str) -> (u64, u64, u64, u64) {
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("agent stopped: observations"))
+        .unwrap_or_else(|| panic!("no last line: {stderr}"));
+    let obs = line.split("observations ").nth(1).unwrap().split(';').next().unwrap();
+    let n = |what: &str| -> u64 {
+        obs.split(", ")
+            .find_map(|p| p.strip_suffix(what)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no `{what}` in {line}"))
+    };
+    (n(" made"), n(" acknowledged"), n(" dropped"), n(" undelivered"))
+}
+
+/// The data flows (h1 → h3, h2 → h4) by (source host, UDP source port).
+fn data_flows(flows: &Value) -> BTreeMap<(u8, u16), Value> {
+    let mut out = BTreeMap::new();
+    for f in flows.as_array().unwrap() {
+        for (src, dst) in [(1u8, 3u8), (2, 4)] {
+            if f["src_ip"] == Lab::host_ip(src, false).to_string()
+                && f["dst_ip"] == Lab::host_ip(dst, false).to_string()
+            {
+                let key = (src, f["udp_sport"].as_u64().unwrap() as u16);
+                assert!(out.insert(key, f.clone()).is_none(), "{key:?} twice in the group's view");
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn a_group_on_nats_locates_a_rewrite_through_losing_a_member_and_a_nats_restart() {
+    if !require_root() {
+        return;
+    }
+    let lab = Lab {
+        prefix: "rtf".into(),
+        ..Lab::default()
+    };
+    lab.down().unwrap();
+    lab.up().unwrap();
+    let mut fab = Fabric {
+        lab: lab.clone(),
+        dir: TempDir::new("fleet-lab"),
+        nats: None,
+        collectors: BTreeMap::new(),
+        agents: Vec::new(),
+    };
+    fab.start_nats();
+    for m in 1..=3 {
+        fab.start_collector(&format!("c{m}"), m);
+    }
+    fab.group_settles();
+    let url = Fabric::nats_url();
+    for n in Lab::nodes() {
+        let mut args = lab.agent_args(&n, "unused:1", "unused", 4).unwrap();
+        for flag in ["--collector", "--token"] {
+            let at = args.iter().position(|a| a == flag).unwrap();
+            args.drain(at..at + 2);
+        }
+        args.extend(["--nats-url", &url, "--nats-partitions", "16"].map(String::from));
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        let d = Daemon::start(&lab.ns(&n), &a, "publishing to NATS");
+        fab.agents.push((n, d));
+    }
+    lab.apply(&Fault::DscpRewrite {
+        spine: 1,
+        from: 26,
+        to: 0,
+    })
+    .unwrap();
+
+    // Traffic for 14 s: h1 → h3 and h2 → h4, 8 QPs each.
+    let secs = 14;
+    let mut responders = Vec::new();
+    for h in [3u8, 4] {
+        let ip = Lab::host_ip(h, false).to_string();
+        let dur = format!("{}s", secs + 2);
+        responders.push(spawn_gen(&lab.ns(&format!("h{h}")), &["--bind", &ip, "--duration", &dur]));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let mut senders = Vec::new();
+    for (src, dst) in [(1u8, 3u8), (2, 4)] {
+        let ip = Lab::host_ip(dst, false).to_string();
+        let dur = format!("{secs}s");
+        senders.push(spawn_gen(
+            &lab.ns(&format!("h{src}")),
+            &["--to", &ip, "--qps", "8", "--rate", "4mbit", "--duration", &dur],
+        ));
+    }
+    let started = Instant::now();
+    let at = |s: u64| {
+        let t = started + Duration::from_secs(s);
+        std::thread::sleep(t.saturating_duration_since(Instant::now()));
+    };
+
+    // At 4 s the member owning the most partitions dies (SIGKILL: no hand-over) …
+    at(4);
+    let owned: Vec<(u64, String)> = fab
+        .collectors
+        .keys()
+        .map(|id| (fab.metric(id, "roce_trace_collector_fleet_partitions_owned"), id.clone()))
+        .collect();
+    assert!(owned.iter().all(|(n, _)| *n < PARTITIONS), "each owns a share: {owned:?}");
+    let (_, dead) = owned.iter().max().unwrap().clone();
+    let local: usize = serde_json::from_str::<Vec<Value>>(&fab.get(&dead, "/flows?local=1"))
+        .unwrap()
+        .len();
+    assert!(local > 0, "{dead} had joined flows of its own before it died");
+    fab.collectors.remove(&dead).unwrap().kill();
+
+    // … at 7 s the NATS server dies too (SIGKILL), and comes back at 9 s on its store.
+    at(7);
+    let mut n = fab.nats.take().unwrap();
+    n.signal(libc::SIGKILL);
+    n.wait().unwrap();
+    at(9);
+    fab.start_nats();
+
+    for s in senders {
+        gen_report(s);
+    }
+    for r in responders {
+        interrupt(r);
+    }
+    std::thread::sleep(Duration::from_millis(1500)); // the last counters and samples
+
+    // Every agent delivered everything it made: NATS acknowledged each record.
+    let mut acked = 0;
+    for (node, a) in std::mem::take(&mut fab.agents) {
+        let err: Arc<Mutex<String>> = a.stderr.clone();
+        a.stop();
+        let (made, ack, dropped, undelivered) = observations_account(&err.lock().unwrap());
+        assert_eq!(
+            (ack, dropped, undelivered),
+            (made, 0, 0),
+            "{node}: every observation acknowledged by JetStream"
+        );
+        acked += ack;
+    }
+    assert!(acked > 1000, "{acked} observations");
+
+    // The survivors took the dead member's partitions over and replayed them: the group
+    // holds every observation acknowledged, each once.
+    fab.group_settles();
+    let survivor = fab.collectors.keys().next().unwrap().clone();
+    let (flows, stats) = fab.group_joined(&survivor, acked);
+    assert_eq!(stats["duplicates"], 0, "{stats}");
+
+    // Every flow once, with its path and the rewrite located at s1 for exactly the
+    // flows through it.
+    let ids: Vec<&Value> = flows.as_array().unwrap().iter().map(|f| &f["id"]).collect();
+    let unique: BTreeSet<String> = ids.iter().map(|i| i.to_string()).collect();
+    assert_eq!(unique.len(), ids.len(), "a flow twice in the group's view");
+    let data = data_flows(&flows);
+    assert_eq!(data.len(), 16, "{:?}", data.keys());
+    let mut through_s1 = 0;
+    for ((src, sport), f) in &data {
+        let dst = src + 2;
+        let spine = lab.spine_for(*src, dst, *sport, false).unwrap();
+        let path: Vec<&str> = f["path"].as_array().unwrap().iter().map(|p| p.as_str().unwrap()).collect();
+        assert_eq!(path.len(), 8, "h{src} sport {sport}: {path:?}");
+        assert_eq!(path[3], format!("s{spine}:l{}:ingress", (src + 1) / 2), "h{src} sport {sport}");
+        let changes = f["class_changes"].as_array().unwrap();
+        if spine == 1 {
+            through_s1 += 1;
+            assert_eq!(changes.len(), 1, "h{src} sport {sport}: {changes:?}");
+            let leaf_in = format!("s1:l{}:ingress", (src + 1) / 2);
+            let leaf_out = format!("s1:l{}:egress", (dst + 1) / 2);
+            assert_eq!(changes[0]["between"], serde_json::json!([leaf_in, leaf_out]));
+            assert_eq!(
+                (changes[0]["from_dscp"].as_u64(), changes[0]["to_dscp"].as_u64()),
+                (Some(26), Some(0))
+            );
+        } else {
+            assert!(changes.is_empty(), "h{src} sport {sport} through s2: {changes:?}");
+        }
+        assert!(
+            f["lost"].as_array().unwrap().is_empty() && f["unobserved"].as_array().unwrap().is_empty(),
+            "h{src} sport {sport}: nothing lost on a fabric that drops nothing: {} {}",
+            f["lost"],
+            f["unobserved"]
+        );
+    }
+    assert!(through_s1 > 0 && through_s1 < 16, "{through_s1} of 16 through s1");
+
+    // What one collector makes of everything in the stream: the survivors stop, one
+    // fresh member joins alone and replays every partition. The group's view must be
+    // the same, flow by flow, to the packet.
+    for (_, c) in std::mem::take(&mut fab.collectors) {
+        c.stop();
+    }
+    fab.start_collector("c9", 9);
+    fab.group_settles();
+    let (one_flows, one_stats) = fab.group_joined("c9", acked);
+    assert_eq!(one_stats["flows"], stats["flows"]);
+    assert_eq!(one_stats["trajectories"], stats["trajectories"]);
+    let one: BTreeMap<String, &Value> = one_flows
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| (f["id"].to_string(), f))
+        .collect();
+    let group: BTreeMap<String, &Value> = flows
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| (f["id"].to_string(), f))
+        .collect();
+    assert_eq!(
+        one.keys().collect::<Vec<_>>(),
+        group.keys().collect::<Vec<_>>(),
+        "the same flows"
+    );
+    for (id, f) in &group {
+        assert_eq!(
+            *f, one[id],
+            "flow {id}: the group's view differs from one collector's"
+        );
+    }
+}
