@@ -231,11 +231,15 @@ impl Share {
         let d32 = |a: u64, b: u64| d(a, b).min(u32::MAX as u64) as u32;
         self.observations += d(now.observations, before.observations);
         self.trajectories += d(now.trajectories, before.trajectories);
-        self.duplicates = self.duplicates.saturating_add(d32(now.duplicates, before.duplicates));
+        self.duplicates = self
+            .duplicates
+            .saturating_add(d32(now.duplicates, before.duplicates));
         self.retransmissions = self
             .retransmissions
             .saturating_add(d32(now.retransmissions, before.retransmissions));
-        self.fragments = self.fragments.saturating_add(d32(now.fragments, before.fragments));
+        self.fragments = self
+            .fragments
+            .saturating_add(d32(now.fragments, before.fragments));
         self.late_arrivals = self
             .late_arrivals
             .saturating_add(d32(now.late_arrivals, before.late_arrivals));
@@ -305,8 +309,8 @@ pub struct Joiner {
     /// Identities past their timeout that lack a node of their flow's path whose agent
     /// has not reported that far yet (by arrival of their first observation).
     held: VecDeque<(u64, PacketId)>,
-    /// Per node, the latest observation time its agent has delivered (the agent's
-    /// clock): how far its reports have come.
+    /// Per node, how far (the agent's clock) its agent has delivered every observation,
+    /// as HEALTH received in order with them says ([`Joiner::reported_to`]).
     reported_to_ns: Vec<u64>,
     /// Packets just judged lost (the link they vanished on), kept for one more trajectory
     /// timeout: when their late observations arrive after all, the loss is taken back.
@@ -497,7 +501,6 @@ impl Joiner {
 
     fn add_in(&mut self, point: PointId, o: &Observation, now_ns: u64) {
         self.stats.observations += 1;
-        self.reported_to(point, o.time_ns);
         if o.id.flow.dest_qp == PROBE_QP {
             // Our own in-band probes: they expire on purpose, so they are no flow's loss.
             self.stats.probe_observations += 1;
@@ -763,7 +766,11 @@ impl Joiner {
     }
 
     /// Whether `p` lacks a node of its flow's path whose agent has not yet reported past
-    /// the packet's time: its observation may still be on its way.
+    /// the packet's time: its observation may still be on its way. How far a node has
+    /// reported: its in-order HEALTH ([`Joiner::reported_to`]), or its latest observation
+    /// of this same flow — an agent delivers a flow's observations in order, but not
+    /// its flows in order with each other (fleet mode reads them on separate
+    /// partitions), so another flow's observation says nothing.
     fn lagging(&self, id: &PacketId, p: &Pending) -> bool {
         let Some(s) = self.flows.get(&id.flow) else {
             return false;
@@ -771,14 +778,18 @@ impl Joiner {
         let Some(t) = p.obs.iter().map(|o| o.time_ns).max() else {
             return false;
         };
+        let due = t.saturating_add(PROOF_WINDOW_NS);
         let node = |pt: PointId| self.topo.point_node[pt as usize];
         s.f.path.iter().any(|&pt| {
             let n = node(pt);
-            !p.obs.iter().any(|o| node(o.point) == n)
-                && self
-                    .reported_to_ns
-                    .get(n as usize)
-                    .is_none_or(|&to| to < t.saturating_add(PROOF_WINDOW_NS))
+            if p.obs.iter().any(|o| node(o.point) == n)
+                || self.reported_to_ns.get(n as usize).is_some_and(|&to| to >= due)
+            {
+                return false;
+            }
+            !s.f.seen
+                .iter()
+                .any(|((q, ..), span)| node(*q) == n && span.last_ns >= due)
         })
     }
 
@@ -940,12 +951,11 @@ impl Joiner {
         }
     }
 
-    /// One point's health over one agent interval.
     /// The agent of `point`'s node has delivered every observation it made up to `t_ns`
-    /// (its clock): its observations say so themselves; a HEALTH interval's end says so
-    /// where it comes in order with them (one TCP connection), not where it overtakes
-    /// them (fleet mode's separate subject). Trajectories lacking that node wait for it
-    /// ([`JoinConfig::max_agent_lag_ns`]).
+    /// (its clock), of every flow: a HEALTH interval's end says so where it comes in
+    /// order with them (one TCP connection), not where it may overtake them (fleet
+    /// mode's separate subject). Trajectories lacking that node wait for it, or for a
+    /// later observation of their own flow there ([`JoinConfig::max_agent_lag_ns`]).
     pub fn reported_to(&mut self, point: PointId, t_ns: u64) {
         let Some(&node) = self.topo.point_node.get(point as usize) else {
             return;
@@ -958,6 +968,7 @@ impl Joiner {
         *to = (*to).max(t_ns);
     }
 
+    /// One point's health over one agent interval.
     pub fn add_health(&mut self, point: PointId, h: &PointHealth) {
         let q = Arc::make_mut(self.health.entry(point).or_default());
         push_bounded(q, *h, HEALTH_INTERVALS);
@@ -1572,13 +1583,22 @@ mod tests {
         for psn in 10..20 {
             let at = psn as u64 * 10 * MS;
             for i in 2..5 {
-                j.add(pts[i], &obs(psn, TTLS[i], at + 1000 * i as u64, rewrite(i), 2), 3_000 * MS);
+                j.add(
+                    pts[i],
+                    &obs(psn, TTLS[i], at + 1000 * i as u64, rewrite(i), 2),
+                    3_000 * MS,
+                );
             }
         }
         j.tick(3_050 * MS);
         assert_eq!(j.stats.pending, 0);
         let r = j.flow_report(&flow()).unwrap();
-        assert!(r.lost.is_empty() && r.unobserved.is_empty(), "{:?} {:?}", r.lost, r.unobserved);
+        assert!(
+            r.lost.is_empty() && r.unobserved.is_empty(),
+            "{:?} {:?}",
+            r.lost,
+            r.unobserved
+        );
         assert_eq!(r.path_history.len(), 1, "one path");
         assert_eq!(r.class_changes.len(), 1, "{:?}", r.class_changes);
         assert_eq!(r.class_changes[0].between, ["l1:h1:ingress", "s1:l1:ingress"]);
@@ -2398,7 +2418,10 @@ mod tests {
         j.tick(30 * MS);
         let mut before = j.stats;
         // (Its trajectory waits for b, which has not reported that far.)
-        assert_eq!((before.observations, before.duplicates, before.pending), (66, 1, 1));
+        assert_eq!(
+            (before.observations, before.duplicates, before.pending),
+            (66, 1, 1)
+        );
         let pair0 = |f: &FlowId| f.src[..4] == [0; 4] || f.dst[..4] == [0; 4];
         assert_eq!(j.forget_where(pair0), 2);
         // Pair 0 had 16 + 2 observations, 8 trajectories and the duplicate.
@@ -2410,7 +2433,10 @@ mod tests {
         assert_eq!(j.stats, before);
         // Flows that went idle keep their part: they were joined here.
         j.tick(1_000_000 * MS);
-        assert_eq!((j.stats.flows, j.stats.observations, j.stats.trajectories), (0, 48, 24));
+        assert_eq!(
+            (j.stats.flows, j.stats.observations, j.stats.trajectories),
+            (0, 48, 24)
+        );
     }
 
     /// The collector's views were quadratic (each flow's report scanned every flow for

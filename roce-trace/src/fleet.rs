@@ -26,6 +26,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     path::PathBuf,
+    sync::Arc,
     time::Duration,
 };
 
@@ -533,9 +534,16 @@ pub struct Fleet {
     members: kv::Store,
     /// The members bucket's TTL as the server has it (it wins over `opts.lease_ttl`).
     lease_ttl: Duration,
+    /// Counts the client's connections to a server: a change is a reconnection, after
+    /// which consumers are started again at once (a restarted server has lost them, and
+    /// the client would notice only after missing two idle heartbeats).
+    connections: tokio::sync::watch::Receiver<u64>,
 }
 
-async fn connect_options(opts: &NatsOptions) -> Result<async_nats::ConnectOptions, FleetError> {
+async fn connect_options(
+    opts: &NatsOptions,
+    connections: tokio::sync::watch::Sender<u64>,
+) -> Result<async_nats::ConnectOptions, FleetError> {
     let mut c = match &opts.auth {
         NatsAuth::None => async_nats::ConnectOptions::new(),
         NatsAuth::UserPassword { user, password } => {
@@ -559,6 +567,16 @@ async fn connect_options(opts: &NatsOptions) -> Result<async_nats::ConnectOption
     if let Some((cert, key)) = &opts.tls.client {
         c = c.add_client_certificate(cert.clone(), key.clone());
     }
+    let connections = Arc::new(connections);
+    c = c.event_callback(move |ev| {
+        let connections = connections.clone();
+        async move {
+            // (async-nats logs every event itself.)
+            if matches!(ev, async_nats::Event::Connected) {
+                connections.send_modify(|n| *n += 1);
+            }
+        }
+    });
     Ok(c.connection_timeout(opts.request_timeout)
         .request_timeout(Some(opts.request_timeout))
         // Reconnect quickly at first, then every second at most: agents buffer meanwhile.
@@ -580,7 +598,8 @@ pub async fn connect(opts: NatsOptions) -> Result<Fleet, FleetError> {
             urls: urls.clone(),
             source: async_nats::ConnectError::with_source(async_nats::ConnectErrorKind::ServerParse, e),
         })?;
-    let client = connect_options(&opts)
+    let (tx, connections) = tokio::sync::watch::channel(0);
+    let client = connect_options(&opts, tx)
         .await?
         .connect(addrs)
         .await
@@ -627,6 +646,7 @@ pub async fn connect(opts: NatsOptions) -> Result<Fleet, FleetError> {
         } else {
             lease_ttl
         },
+        connections,
     })
 }
 

@@ -207,9 +207,21 @@ async fn keep_lease(fleet: Fleet, info: MemberInfo, refresh: Duration) {
     }
 }
 
-/// The members whose leases are live, sorted by id. A lease that does not read as one is
-/// skipped (and logged): another member's bad value must not stop this one.
+/// The members whose leases are live, sorted by id (within twice the request timeout: a
+/// listing cut by a server restart must not hold ownership up for ever). A lease that
+/// does not read as one is skipped (and logged): another member's bad value must not
+/// stop this one.
 async fn live_members(fleet: &Fleet) -> Result<Vec<MemberInfo>, FleetError> {
+    match tokio::time::timeout(2 * fleet.opts.request_timeout, list_members(fleet)).await {
+        Ok(r) => r,
+        Err(_) => Err(FleetError::Bucket {
+            bucket: fleet.opts.members_bucket(),
+            source: "listing the leases timed out".into(),
+        }),
+    }
+}
+
+async fn list_members(fleet: &Fleet) -> Result<Vec<MemberInfo>, FleetError> {
     let err = |source: async_nats::Error| FleetError::Bucket {
         bucket: fleet.opts.members_bucket(),
         source,
@@ -327,9 +339,19 @@ async fn consume(sh: Arc<Shared>, subject: String, partition: Option<u32>) {
                 continue;
             }
         };
-        while let Some(m) = messages.next().await {
+        let mut connections = sh.fleet.connections.clone();
+        connections.mark_unchanged();
+        loop {
+            let m = tokio::select! {
+                m = messages.next() => m,
+                // Reconnected: the server may have restarted without this consumer.
+                _ = connections.changed() => {
+                    tracing::info!(%subject, "reconnected: resuming the consumer");
+                    break;
+                }
+            };
             match m {
-                Ok(msg) => {
+                Some(Ok(msg)) => {
                     if let Ok(info) = msg.info() {
                         resume = Some(info.stream_sequence + 1);
                     }
@@ -337,10 +359,11 @@ async fn consume(sh: Arc<Shared>, subject: String, partition: Option<u32>) {
                         return;
                     }
                 }
-                Err(e) => {
+                Some(Err(e)) => {
                     tracing::warn!(%subject, "reading: {e}; resuming");
                     break;
                 }
+                None => break,
             }
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -478,13 +501,21 @@ async fn watch_points(sh: Arc<Shared>) {
                 continue;
             }
         };
-        while let Some(entry) = watch.next().await {
+        let mut connections = sh.fleet.connections.clone();
+        connections.mark_unchanged();
+        loop {
+            let entry = tokio::select! {
+                e = watch.next() => e,
+                // Reconnected: the server may have restarted without this watch.
+                _ = connections.changed() => break,
+            };
             let entry = match entry {
-                Ok(e) => e,
-                Err(e) => {
+                Some(Ok(e)) => e,
+                Some(Err(e)) => {
                     tracing::warn!("watching the points bucket: {e}; again");
                     break;
                 }
+                None => break,
             };
             if entry.operation != kv::Operation::Put {
                 continue;
