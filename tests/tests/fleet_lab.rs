@@ -1,10 +1,11 @@
 //! Fleet mode on the lab: a NATS JetStream server and three collectors as a group on the
 //! management network, an agent on every node (hosts and switches) publishing to NATS,
-//! RoCEv2 traffic through a spine that rewrites DSCP. Mid-run one collector is killed and
-//! later the NATS server itself is killed and restarted. At the end the group's view must
-//! be what one collector makes of everything the agents published: every flow once, the
-//! rewrite located at the spine for exactly the flows through it, and every sampled
-//! packet the agents had acknowledged joined — exact counts.
+//! RoCEv2 traffic through a spine that rewrites DSCP. Mid-run one collector is killed,
+//! that spine's agent is cut off from NATS for 4 s, and the NATS server itself is killed
+//! and restarted. At the end the group's view must be what one collector makes of
+//! everything the agents published: every flow once, the rewrite located at the spine
+//! for exactly the flows through it, nothing lost, and every sampled packet the agents
+//! had acknowledged joined — exact counts.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -283,8 +284,8 @@ fn a_group_on_nats_locates_a_rewrite_through_losing_a_member_and_a_nats_restart(
     })
     .unwrap();
 
-    // Traffic for 14 s: h1 → h3 and h2 → h4, 8 QPs each.
-    let secs = 14;
+    // Traffic for 16 s: h1 → h3 and h2 → h4, 8 QPs each.
+    let secs = 16;
     let mut responders = Vec::new();
     for h in [3u8, 4] {
         let ip = Lab::host_ip(h, false).to_string();
@@ -310,8 +311,8 @@ fn a_group_on_nats_locates_a_rewrite_through_losing_a_member_and_a_nats_restart(
         std::thread::sleep(t.saturating_duration_since(Instant::now()));
     };
 
-    // At 4 s the member owning the most partitions dies (SIGKILL: no hand-over) …
-    at(4);
+    // At 3 s the member owning the most partitions dies (SIGKILL: no hand-over) …
+    at(3);
     let owned: Vec<(u64, String)> = fab
         .collectors
         .keys()
@@ -333,12 +334,21 @@ fn a_group_on_nats_locates_a_rewrite_through_losing_a_member_and_a_nats_restart(
     assert!(local > 0, "{dead} had joined flows of its own before it died");
     fab.collectors.remove(&dead).unwrap().kill();
 
-    // … at 7 s the NATS server dies too (SIGKILL), and comes back at 9 s on its store.
-    at(7);
+    // … from 4 s to 8 s the spine doing the rewrite cannot reach NATS (its management
+    // link drops everything): its agent buffers and delivers seconds after the others,
+    // long past the trajectory timeout …
+    at(4);
+    let cut = "add table inet rtlag; add chain inet rtlag out { type filter hook output priority 0; }; add rule inet rtlag out tcp dport 4222 drop";
+    lab.exec("s1", &["nft", cut]).unwrap();
+    at(8);
+    lab.exec("s1", &["nft", "delete table inet rtlag"]).unwrap();
+
+    // … at 10 s the NATS server dies too (SIGKILL), and comes back at 12 s on its store.
+    at(10);
     let mut n = fab.nats.take().unwrap();
     n.signal(libc::SIGKILL);
     n.wait().unwrap();
-    at(9);
+    at(12);
     fab.start_nats();
 
     for s in senders {
