@@ -899,6 +899,17 @@ fn group_api(st: &Shared, path: &str, query: &str) -> Result<Option<Response>, R
                     .map_or(local, |r| Response::json(&r))
             }
         },
+        "/metrics" | "/metrics.json" => {
+            let mut v = MetricValues::of(&st.lock().expect("state"));
+            for o in from_members::<MetricValues>(st, "/metrics.json", query)? {
+                v.merge(&o);
+            }
+            if path == "/metrics" {
+                Response::metrics(v.render())
+            } else {
+                Response::json(&v)
+            }
+        }
         "/report" | "/anomalies" | "/agents" | "/stats" => {
             let mut all = vec![report(st)];
             all.extend(from_members::<CollectorReport>(st, "/report", query)?);
@@ -970,121 +981,189 @@ fn local_api(st: &Shared, path: &str, query: &str) -> Response {
         "/agents" => Response::json(&st.lock().expect("state").agents.values().collect::<Vec<_>>()),
         "/stats" => Response::json(&st.lock().expect("state").joiner.as_ref().expect("joiner").stats),
         "/report" => Response::json(&report(st)),
-        "/metrics" => Response::metrics(metrics(&st.lock().expect("state"))),
+        "/metrics" => Response::metrics(MetricValues::of(&st.lock().expect("state")).render()),
+        "/metrics.json" => Response::json(&MetricValues::of(&st.lock().expect("state"))),
         _ => Response::text(
             404,
-            "try /flows, /flow?id=…, /trace?id=…, /anomalies, /agents, /stats, /report, /metrics\n".into(),
+            "try /flows, /flow?id=…, /trace?id=…, /anomalies, /agents, /stats, /report, /metrics, /metrics.json\n".into(),
         ),
     }
 }
 
-fn metrics(s: &State) -> String {
-    use crate::metrics::{Scrape, labels};
-    let j = s.joiner.as_ref().expect("joiner");
-    let st = j.stats;
-    let mut m = Scrape::default();
-    for (name, help, v) in [
-        (
-            "roce_trace_collector_observations_total",
-            "Observations received.",
-            st.observations,
-        ),
-        (
-            "roce_trace_collector_duplicates_total",
-            "Duplicate observations dropped.",
-            st.duplicates,
-        ),
-        (
-            "roce_trace_collector_trajectories_total",
-            "Trajectories completed.",
-            st.trajectories,
-        ),
-        (
-            "roce_trace_collector_retransmissions_total",
-            "Packet identities seen again at a point.",
-            st.retransmissions,
-        ),
-        (
-            "roce_trace_collector_pending_dropped_total",
-            "Identities dropped: pending limit reached.",
-            st.pending_dropped,
-        ),
-        (
-            "roce_trace_collector_flows_evicted_total",
-            "Longest-idle flows forgotten to make room: flow limit reached.",
-            st.flows_evicted,
-        ),
-        (
-            "roce_trace_collector_flows_expired_total",
-            "Idle flows forgotten.",
-            st.flows_expired,
-        ),
-        (
-            "roce_trace_collector_agent_lag_gave_up_total",
-            "Trajectories judged without a path node whose agent never reported that far (max-agent-lag ran out).",
-            st.agent_lag_gave_up,
-        ),
-        (
-            "roce_trace_collector_refused_connections_total",
-            "Connections refused (handshake, token, version).",
-            s.refused,
-        ),
-    ] {
-        m.counter1(name, help, v);
+/// Every number `/metrics` shows, as one member has them (`/metrics.json?local=1`, which
+/// members ask each other for) or merged for the group.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize, PartialEq)]
+struct MetricValues {
+    stats: crate::correlate::JoinStats,
+    refused: u64,
+    group: Option<GroupValues>,
+    /// Per agent's node: connected (to any member, in the group).
+    agents: BTreeMap<String, bool>,
+    /// Anomalies of the tracked flows by kind name.
+    anomalies: BTreeMap<String, u64>,
+}
+
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize, PartialEq)]
+struct GroupValues {
+    /// Live members, as the leases say (the same for every member; merged: the most).
+    members: u64,
+    /// Partitions read (merged: by the whole group).
+    partitions_owned: u64,
+    consumed: crate::fleet::ConsumeStats,
+    refused_frames: u64,
+}
+
+impl MetricValues {
+    fn of(s: &State) -> Self {
+        let j = s.joiner.as_ref().expect("joiner");
+        Self {
+            stats: j.stats,
+            refused: s.refused,
+            group: s.group.as_ref().map(|g| GroupValues {
+                members: g.members.len() as u64,
+                partitions_owned: g.owned.len() as u64,
+                consumed: g.consumed,
+                refused_frames: g.refused_frames,
+            }),
+            agents: s.agents.values().map(|a| (a.node.clone(), a.connected)).collect(),
+            anomalies: j
+                .anomaly_counts()
+                .into_iter()
+                .map(|(k, v)| (k.name().to_owned(), v))
+                .collect(),
+        }
     }
-    m.gauge1("roce_trace_collector_flows", "Flows tracked.", st.flows);
-    m.gauge1(
-        "roce_trace_collector_pending",
-        "Packet identities waiting for their trajectory.",
-        st.pending,
-    );
-    if let Some(g) = &s.group {
-        m.gauge1(
-            "roce_trace_collector_fleet_members",
-            "Live members of the group (leases).",
-            g.members.len() as u64,
-        );
-        m.gauge1(
-            "roce_trace_collector_fleet_partitions_owned",
-            "Partitions this member reads.",
-            g.owned.len() as u64,
-        );
-        m.counter1(
-            "roce_trace_collector_fleet_frames_total",
-            "Frames read from NATS.",
-            g.consumed.frames,
-        );
-        m.counter1(
-            "roce_trace_collector_fleet_malformed_total",
-            "NATS messages skipped as malformed.",
-            g.consumed.malformed,
-        );
-        m.counter1(
-            "roce_trace_collector_fleet_misrouted_total",
-            "Records on a partition their flow does not hash to.",
-            g.consumed.misrouted,
-        );
-        m.counter1(
-            "roce_trace_collector_fleet_refused_frames_total",
-            "Frames from NATS the join could not take (undeclared points).",
-            g.refused_frames,
-        );
+
+    /// The group's: counts summed (each member counts its own partitions' flows), the
+    /// membership as the members agree on it, an agent connected if it is to any member.
+    fn merge(&mut self, o: &Self) {
+        self.stats.merge(&o.stats);
+        self.refused += o.refused;
+        if let Some(og) = &o.group {
+            let g = self.group.get_or_insert_with(GroupValues::default);
+            g.members = g.members.max(og.members);
+            g.partitions_owned += og.partitions_owned;
+            g.consumed.frames += og.consumed.frames;
+            g.consumed.malformed += og.consumed.malformed;
+            g.consumed.misrouted += og.consumed.misrouted;
+            g.consumed.undeclared += og.consumed.undeclared;
+            g.refused_frames += og.refused_frames;
+        }
+        for (node, c) in &o.agents {
+            *self.agents.entry(node.clone()).or_default() |= *c;
+        }
+        for (k, v) in &o.anomalies {
+            *self.anomalies.entry(k.clone()).or_default() += v;
+        }
     }
-    m.gauge(
-        "roce_trace_collector_agent_connected",
-        "Agents, 1 while connected.",
-        s.agents
-            .values()
-            .map(|a| (labels(&[("node", &a.node)]), u64::from(a.connected))),
-    );
-    m.gauge(
-        "roce_trace_collector_anomalies",
-        "Anomalies (one per flow and place) of the tracked flows, by kind.",
-        j.anomaly_counts()
-            .into_iter()
-            .map(|(k, v)| (labels(&[("kind", k.name())]), v)),
-    );
-    m.render()
+
+    fn render(&self) -> String {
+        use crate::metrics::{Scrape, labels};
+        let st = self.stats;
+        let mut m = Scrape::default();
+        for (name, help, v) in [
+            (
+                "roce_trace_collector_observations_total",
+                "Observations received.",
+                st.observations,
+            ),
+            (
+                "roce_trace_collector_duplicates_total",
+                "Duplicate observations dropped.",
+                st.duplicates,
+            ),
+            (
+                "roce_trace_collector_trajectories_total",
+                "Trajectories completed.",
+                st.trajectories,
+            ),
+            (
+                "roce_trace_collector_retransmissions_total",
+                "Packet identities seen again at a point.",
+                st.retransmissions,
+            ),
+            (
+                "roce_trace_collector_pending_dropped_total",
+                "Identities dropped: pending limit reached.",
+                st.pending_dropped,
+            ),
+            (
+                "roce_trace_collector_flows_evicted_total",
+                "Longest-idle flows forgotten to make room: flow limit reached.",
+                st.flows_evicted,
+            ),
+            (
+                "roce_trace_collector_flows_expired_total",
+                "Idle flows forgotten.",
+                st.flows_expired,
+            ),
+            (
+                "roce_trace_collector_agent_lag_gave_up_total",
+                "Trajectories judged without a path node whose agent never reported that far (max-agent-lag ran out).",
+                st.agent_lag_gave_up,
+            ),
+            (
+                "roce_trace_collector_refused_connections_total",
+                "Connections refused (handshake, token, version).",
+                self.refused,
+            ),
+        ] {
+            m.counter1(name, help, v);
+        }
+        m.gauge1("roce_trace_collector_flows", "Flows tracked.", st.flows);
+        m.gauge1(
+            "roce_trace_collector_pending",
+            "Packet identities waiting for their trajectory.",
+            st.pending,
+        );
+        if let Some(g) = &self.group {
+            m.gauge1(
+                "roce_trace_collector_fleet_members",
+                "Live members of the group (leases).",
+                g.members,
+            );
+            m.gauge1(
+                "roce_trace_collector_fleet_partitions_owned",
+                "Partitions read (by this member with local=1, else by the group).",
+                g.partitions_owned,
+            );
+            m.counter1(
+                "roce_trace_collector_fleet_frames_total",
+                "Frames read from NATS.",
+                g.consumed.frames,
+            );
+            m.counter1(
+                "roce_trace_collector_fleet_malformed_total",
+                "NATS messages skipped as malformed.",
+                g.consumed.malformed,
+            );
+            m.counter1(
+                "roce_trace_collector_fleet_misrouted_total",
+                "Records on a partition their flow does not hash to.",
+                g.consumed.misrouted,
+            );
+            m.counter1(
+                "roce_trace_collector_fleet_refused_frames_total",
+                "Frames from NATS the join could not take (undeclared points).",
+                g.refused_frames,
+            );
+        }
+        m.gauge(
+            "roce_trace_collector_agent_connected",
+            "Agents, 1 while connected.",
+            self.agents
+                .iter()
+                .map(|(node, c)| (labels(&[("node", node)]), u64::from(*c))),
+        );
+        m.gauge(
+            "roce_trace_collector_anomalies",
+            "Anomalies (one per flow and place) of the tracked flows, by kind.",
+            self.anomalies
+                .iter()
+                .map(|(k, v)| (labels(&[("kind", k)]), *v)),
+        );
+        m.render()
+    }
 }
 
 /// `node/iface<` (ingress) or `node/iface>` (egress, mirror); a node alone as itself.

@@ -137,7 +137,7 @@ impl Fabric {
     }
 
     fn metric(&self, id: &str, name: &str) -> u64 {
-        self.get(id, "/metrics")
+        self.get(id, "/metrics?local=1")
             .lines()
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
             .unwrap_or(0)

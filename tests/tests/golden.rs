@@ -602,9 +602,10 @@ fn fleet_collector(nats: &Nats, id: &str, dir: &TempDir) -> (Proc, SocketAddr) {
     (c, http)
 }
 
-/// A gauge or counter of the collector's `/metrics`.
+/// A gauge or counter of the collector's own `/metrics` (`local=1`: this member's part,
+/// not the group's).
 fn metric(http: SocketAddr, name: &str) -> u64 {
-    let (_, m) = http_get(http, "/metrics");
+    let (_, m) = http_get(http, "/metrics?local=1");
     m.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
         .unwrap_or(0)
@@ -694,6 +695,33 @@ fn a_group_of_collectors_on_nats_joins_as_one_collector_and_survives_losing_a_me
     );
     // Every member's view of the group is the one collector's golden view.
     let views_are_golden = |https: &[SocketAddr], when: &str| {
+        // The group's metrics, from any member: the one collector's counts and anomalies.
+        let series = |m: &str, names: &[&str]| -> Vec<String> {
+            m.lines()
+                .filter(|l| names.iter().any(|n| l.starts_with(n)))
+                .map(str::to_owned)
+                .collect()
+        };
+        let golden_metrics = String::from_utf8(golden("collector-metrics.txt")).unwrap();
+        let names = [
+            "roce_trace_collector_observations_total",
+            "roce_trace_collector_trajectories_total",
+            "roce_trace_collector_flows ",
+            "roce_trace_collector_anomalies{",
+        ];
+        for h in https {
+            let (status, m) = http_get(*h, "/metrics");
+            assert_eq!(status, 200, "{when}, {h}/metrics: {m}");
+            assert_eq!(
+                series(&m, &names),
+                series(&golden_metrics, &names),
+                "{when}, {h}/metrics: the group's counts"
+            );
+            assert!(
+                m.contains("roce_trace_collector_fleet_partitions_owned 8\n"),
+                "{when}, {h}/metrics: every partition read by the group: {m}"
+            );
+        }
         for h in https {
             for (path, name) in [
                 ("/flows", "collector-flows.json"),

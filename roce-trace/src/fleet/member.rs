@@ -64,7 +64,7 @@ pub enum FleetEvent {
 }
 
 /// What the member's consumers read.
-#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct ConsumeStats {
     /// Frames delivered to the caller (points included).
     pub frames: u64,
