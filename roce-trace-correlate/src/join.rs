@@ -135,6 +135,8 @@ pub struct FlowJoin {
     /// counters themselves so delivery starts with the first deltas, not the first path.
     pub(crate) delivery: DeliveryLog,
     pub(crate) delivery_point: Option<(PointId, u8, bool)>,
+    /// What this flow added to the join's running totals.
+    pub(crate) share: Share,
 }
 
 /// Counter deltas kept per flow for its delivery over time (a minute at 1 s intervals).
@@ -204,8 +206,6 @@ impl Topology {
 struct Slot {
     last_ns: u64,
     f: Arc<FlowJoin>,
-    /// What this flow added to the join's running totals.
-    share: Share,
 }
 
 /// A flow's part of the join's running totals ([`JoinStats`]), given back when the flow is
@@ -213,7 +213,7 @@ struct Slot {
 /// replays it: a group's merged totals then count each observation once. (A flow
 /// forgotten for being idle or to make room keeps its part: it was joined here.)
 #[derive(Clone, Copy, Debug, Default)]
-struct Share {
+pub(crate) struct Share {
     observations: u64,
     trajectories: u64,
     duplicates: u32,
@@ -421,7 +421,6 @@ impl Joiner {
                 Slot {
                     last_ns: now_ns,
                     f: Arc::default(),
-                    share: Share::default(),
                 },
             );
             self.ids.insert(id);
@@ -487,19 +486,6 @@ impl Joiner {
     /// One observation from `point` (already mapped to a collector point), arriving at
     /// collector time `now_ns`.
     pub fn add(&mut self, point: PointId, o: &Observation, now_ns: u64) {
-        let before = self.stats;
-        self.add_in(point, o, now_ns);
-        self.credit(&o.id.flow, &before);
-    }
-
-    /// Credits the flow with what the totals gained since `before`.
-    fn credit(&mut self, flow: &FlowId, before: &JoinStats) {
-        if let Some(s) = self.flows.get_mut(flow) {
-            s.share.add(before, &self.stats);
-        }
-    }
-
-    fn add_in(&mut self, point: PointId, o: &Observation, now_ns: u64) {
         self.stats.observations += 1;
         if o.id.flow.dest_qp == PROBE_QP {
             // Our own in-band probes: they expire on purpose, so they are no flow's loss.
@@ -523,6 +509,7 @@ impl Joiner {
         let node = self.topo.point_node[point as usize];
         let opcode = o.id.opcode;
         let f = self.flow(o.id.flow, now_ns);
+        f.share.observations += 1;
         if o.ecn == 3 {
             push_recent(&mut f.ce_times, (node, o.time_ns));
         }
@@ -562,6 +549,9 @@ impl Joiner {
         if !self.pending.contains_key(&o.id) {
             if self.pending.len() >= self.cfg.max_pending {
                 self.stats.pending_dropped += 1;
+                if let Some(f) = self.flow_mut(&o.id.flow) {
+                    f.share.pending_dropped = f.share.pending_dropped.saturating_add(1);
+                }
                 return;
             }
             self.pending.insert(o.id, Pending { obs: Vec::new() });
@@ -573,6 +563,9 @@ impl Joiner {
             .any(|x| x.point == point && x.time_ns == obs.time_ns && x.ttl == obs.ttl)
         {
             self.stats.duplicates += 1;
+            if let Some(f) = self.flow_mut(&o.id.flow) {
+                f.share.duplicates = f.share.duplicates.saturating_add(1);
+            }
             return;
         }
         p.obs.push(obs);
@@ -619,6 +612,14 @@ impl Joiner {
         let before = self.stats;
         self.complete_in(id, p);
         self.credit(&id.flow, &before);
+    }
+
+    /// Credits the flow with what the totals gained since `before`.
+    fn credit(&mut self, flow: &FlowId, before: &JoinStats) {
+        let now = self.stats;
+        if let Some(f) = self.flow_mut(flow) {
+            f.share.add(before, &now);
+        }
     }
 
     fn complete_in(&mut self, id: PacketId, p: Pending) {
@@ -1145,7 +1146,7 @@ impl Joiner {
         let gone: Vec<FlowId> = self.flows.keys().filter(|id| drop(id)).copied().collect();
         for id in &gone {
             if let Some(s) = self.flows.get(id) {
-                s.share.give_back(&mut self.stats);
+                s.f.share.give_back(&mut self.stats);
             }
             self.forget(id);
         }

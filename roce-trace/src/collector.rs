@@ -1158,9 +1158,7 @@ impl MetricValues {
         m.gauge(
             "roce_trace_collector_anomalies",
             "Anomalies (one per flow and place) of the tracked flows, by kind.",
-            self.anomalies
-                .iter()
-                .map(|(k, v)| (labels(&[("kind", k)]), *v)),
+            self.anomalies.iter().map(|(k, v)| (labels(&[("kind", k)]), *v)),
         );
         m.render()
     }
