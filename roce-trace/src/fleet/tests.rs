@@ -758,6 +758,38 @@ fn make_certs(dir: &std::path::Path) -> (PathBuf, PathBuf, PathBuf) {
         "-extfile",
         "ext.cnf",
     ]);
+    // A client certificate from the same CA, for servers that verify clients (X.509 v3:
+    // rustls takes no v1 certificate).
+    std::fs::write(dir.join("client.cnf"), "extendedKeyUsage=clientAuth\n").expect("ext");
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "client.key",
+        "-out",
+        "client.csr",
+        "-subj",
+        "/CN=roce-trace agent",
+    ]);
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "client.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "client.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "client.cnf",
+    ]);
     (dir.join("ca.pem"), dir.join("server.pem"), dir.join("server.key"))
 }
 
@@ -804,4 +836,93 @@ async fn a_tls_server_is_reached_with_its_ca_and_not_without() {
         plain.err()
     );
     let _ = std::fs::remove_dir_all(&certs);
+}
+
+/// Mutual TLS: a server that verifies clients takes one with a certificate from its CA
+/// and refuses one without.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_verifying_clients_takes_a_client_certificate_and_refuses_none() {
+    let certs = std::env::temp_dir().join(format!("roce-trace-nats-mtls-{}", std::process::id()));
+    let (ca, cert, key) = make_certs(&certs);
+    let (client_cert, client_key) = (certs.join("client.pem"), certs.join("client.key"));
+    let (ca_s, cert, key) = (
+        ca.display().to_string(),
+        cert.display().to_string(),
+        key.display().to_string(),
+    );
+    let srv = NatsServer::start(&[
+        "--tlsverify",
+        "--tlscert",
+        &cert,
+        "--tlskey",
+        &key,
+        "--tlscacert",
+        &ca_s,
+    ]);
+    let opts = test_options(&srv);
+    let f = fleet(NatsOptions {
+        tls: NatsTls {
+            ca: Some(ca.clone()),
+            client: Some((client_cert, client_key)),
+            required: false,
+        },
+        ..opts.clone()
+    })
+    .await;
+    let publisher = Publisher::new(&f, "h1", PublisherOptions::default()).expect("publisher");
+    publisher
+        .send(Frame::Observations(observations(3)))
+        .expect("send");
+    assert!(publisher.flush(Duration::from_secs(10)).await);
+    assert_eq!(publisher.stats().observations.acked, 3);
+    let no_client_cert = connect(NatsOptions {
+        tls: NatsTls {
+            ca: Some(ca),
+            ..NatsTls::default()
+        },
+        ..opts
+    })
+    .await;
+    assert!(
+        matches!(no_client_cert, Err(FleetError::Connect { .. })),
+        "{:?}",
+        no_client_cert.err()
+    );
+    let _ = std::fs::remove_dir_all(&certs);
+}
+
+/// NKey authentication: the server knows the user's public key; the client signs the
+/// server's nonce with its seed. The right seed connects and publishes, another user's
+/// seed or none is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_with_nkey_users_takes_the_seed_and_refuses_others() {
+    let user = nkeys::KeyPair::new_user();
+    let stranger = nkeys::KeyPair::new_user();
+    let conf = std::env::temp_dir().join(format!("roce-trace-nats-nkey-{}.conf", std::process::id()));
+    std::fs::write(
+        &conf,
+        format!(
+            "authorization {{ users = [ {{ nkey: \"{}\" }} ] }}\n",
+            user.public_key()
+        ),
+    )
+    .expect("server config");
+    let srv = NatsServer::start(&["-c", &conf.display().to_string()]);
+    let opts = test_options(&srv);
+    let f = fleet(NatsOptions {
+        auth: NatsAuth::NkeySeed(user.seed().expect("seed")),
+        ..opts.clone()
+    })
+    .await;
+    for auth in [NatsAuth::None, NatsAuth::NkeySeed(stranger.seed().expect("seed"))] {
+        let r = connect(NatsOptions { auth, ..opts.clone() }).await;
+        assert!(matches!(r, Err(FleetError::Connect { .. })), "{:?}", r.err());
+    }
+    let publisher = Publisher::new(&f, "h1", PublisherOptions::default()).expect("publisher");
+    publisher
+        .send(Frame::Observations(observations(4)))
+        .expect("send");
+    assert!(publisher.flush(Duration::from_secs(10)).await);
+    assert_eq!(publisher.stats().observations.acked, 4);
+    let _ = std::fs::remove_file(&conf);
 }
