@@ -15,7 +15,7 @@ use std::{
 };
 
 use roce_trace_tests::{
-    lab::{Fault, Lab, MGMT_COLLECTOR},
+    lab::{Fault, Lab, MGMT_COLLECTOR, leaf_of},
     *,
 };
 use serde_json::Value;
@@ -407,15 +407,15 @@ fn a_group_on_nats_locates_a_rewrite_through_losing_a_member_and_a_nats_restart(
         assert_eq!(path.len(), 8, "h{src} sport {sport}: {path:?}");
         assert_eq!(
             path[3],
-            format!("s{spine}:l{}:ingress", (src + 1) / 2),
+            format!("s{spine}:l{}:ingress", leaf_of(*src)),
             "h{src} sport {sport}"
         );
         let changes = f["class_changes"].as_array().unwrap();
         if spine == 1 {
             through_s1 += 1;
             assert_eq!(changes.len(), 1, "h{src} sport {sport}: {changes:?}");
-            let leaf_in = format!("s1:l{}:ingress", (src + 1) / 2);
-            let leaf_out = format!("s1:l{}:egress", (dst + 1) / 2);
+            let leaf_in = format!("s1:l{}:ingress", leaf_of(*src));
+            let leaf_out = format!("s1:l{}:egress", leaf_of(dst));
             assert_eq!(changes[0]["between"], serde_json::json!([leaf_in, leaf_out]));
             assert_eq!(
                 (changes[0]["from_dscp"].as_u64(), changes[0]["to_dscp"].as_u64()),
