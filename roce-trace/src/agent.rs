@@ -346,6 +346,7 @@ async fn start_sender(opts: &AgentOptions, sh: &Arc<Shared>) -> anyhow::Result<S
     };
     let publisher_opts = crate::fleet::PublisherOptions {
         queue: opts.queue,
+        clock_synced: opts.clock_synced,
         ..Default::default()
     };
     let first = match crate::fleet::connect(nats.clone()).await {

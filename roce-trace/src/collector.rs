@@ -784,7 +784,12 @@ async fn fleet_ingest(
                     .forget_where(|id| partition_of(id, partitions) == p);
                 tracing::info!("fleet: partition {p} went to another member ({n} flows handed over)");
             }
-            FleetEvent::Frame(Delivered { node, subject, frame }) => {
+            FleetEvent::Frame(Delivered {
+                node,
+                clock_synced,
+                subject,
+                frame,
+            }) => {
                 let a = s.agents.entry(node.clone()).or_default();
                 if a.node.is_empty() {
                     a.node = node.clone();
@@ -793,11 +798,26 @@ async fn fleet_ingest(
                     a.connections = 1;
                 }
                 let pts = points.entry(node.clone()).or_default();
-                // Agents in fleet mode send no HELLO: their clocks count as not
-                // synchronised (no one-way delays).
+                // Agents in fleet mode send no HELLO: whether their clock is synchronised
+                // (one-way delays count) comes on every message but the point table (read
+                // from the bucket), which takes what the node's messages last said.
+                let synced = if matches!(frame, Frame::Points(_)) {
+                    a.clock_synced
+                } else {
+                    if a.clock_synced != clock_synced {
+                        a.clock_synced = clock_synced;
+                        let j = s.joiner.as_mut().expect("joiner");
+                        for pid in pts.values() {
+                            let mut info = j.points()[*pid as usize].clone();
+                            info.clock_synced = clock_synced;
+                            j.point(info);
+                        }
+                    }
+                    clock_synced
+                };
                 // HEALTH comes on a subject of its own, read apart from the partitions:
                 // it may overtake the observations it follows (`in_order` false).
-                if let Err(why) = ingest(&mut s, &node, false, false, pts, frame, now) {
+                if let Err(why) = ingest(&mut s, &node, synced, false, pts, frame, now) {
                     if let Some(g) = &mut s.group {
                         g.refused_frames += 1;
                     }

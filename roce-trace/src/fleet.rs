@@ -180,6 +180,10 @@ impl Subjects {
 /// The header naming the agent's node on every message.
 pub const NODE_HEADER: &str = "Roce-Node";
 
+/// The header an agent whose clock is synchronised (PTP/NTP: `--clock-synced`) puts on
+/// every message, value `1` (what HELLO says on TCP): its points' one-way delays count.
+pub const CLOCK_HEADER: &str = "Roce-Clock-Synced";
+
 /// `s` as a KV key: bytes outside `[A-Za-z0-9_-]` as `=XX` (KV keys allow `=`), so any
 /// node name or member id maps to a valid key and back.
 pub fn kv_key(s: &str) -> String {
@@ -681,6 +685,21 @@ async fn ensure_stream(js: &Context, opts: &NatsOptions) -> Result<(), FleetErro
             found,
             want: opts.partitions,
         });
+    }
+    // Retention and replicas are the operator's to tune on a live stream: the stream's
+    // own win, and a process asking for others says so.
+    let c = &info.config;
+    if (c.max_age, c.max_bytes, c.num_replicas) != (opts.max_age, opts.max_bytes, opts.replicas) {
+        tracing::warn!(
+            "stream {} keeps max_age {:?}, max_bytes {}, replicas {} (this process asked for {:?}, {}, {}): the stream's settings apply",
+            opts.stream,
+            c.max_age,
+            c.max_bytes,
+            c.num_replicas,
+            opts.max_age,
+            opts.max_bytes,
+            opts.replicas
+        );
     }
     let have: BTreeSet<&String> = info.config.subjects.iter().collect();
     if have != subjects.iter().collect() {

@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use super::{
-    Fleet, FleetError, NODE_HEADER, PayloadError, check_name, decode_payload, decode_points, kv_key,
-    kv_key_name, partition_of,
+    CLOCK_HEADER, Fleet, FleetError, NODE_HEADER, PayloadError, check_name, decode_payload, decode_points,
+    kv_key, kv_key_name, partition_of,
 };
 use crate::protocol::Frame;
 
@@ -47,6 +47,9 @@ pub struct MemberOptions {
 pub struct Delivered {
     /// The agent's node (its `Roce-Node` header; a point table's key).
     pub node: String,
+    /// Its clock is synchronised (its `Roce-Clock-Synced` header; false for a point
+    /// table, read from the bucket).
+    pub clock_synced: bool,
     pub subject: String,
     pub frame: Frame,
 }
@@ -401,6 +404,11 @@ async fn handle(sh: &Arc<Shared>, partition: Option<u32>, msg: &jetstream::Messa
         fits(sh, partition, &subject, &frame)?;
         Ok((node, frame))
     };
+    let clock_synced = msg
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(CLOCK_HEADER))
+        .is_some_and(|v| v.as_str() == "1");
     let (node, frame) = match read() {
         Ok(x) => x,
         Err(e) => {
@@ -432,7 +440,12 @@ async fn handle(sh: &Arc<Shared>, partition: Option<u32>, msg: &jetstream::Messa
     }
     lock(&sh.stats).frames += 1;
     sh.tx
-        .send(FleetEvent::Frame(Delivered { node, subject, frame }))
+        .send(FleetEvent::Frame(Delivered {
+            node,
+            clock_synced,
+            subject,
+            frame,
+        }))
         .await
         .is_ok()
 }
@@ -476,6 +489,7 @@ async fn deliver_points(sh: &Shared, node: &str, entry: &kv::Entry) -> bool {
             sh.tx
                 .send(FleetEvent::Frame(Delivered {
                     node: node.to_string(),
+                    clock_synced: false,
                     subject,
                     frame: Frame::Points(points),
                 }))

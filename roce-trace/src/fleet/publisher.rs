@@ -17,7 +17,7 @@ use serde::Serialize;
 use thiserror::Error;
 use tokio::sync::Notify;
 
-use super::{Fleet, FleetError, NODE_HEADER, Subjects, check_name, encode_points, kv_key};
+use super::{CLOCK_HEADER, Fleet, FleetError, NODE_HEADER, Subjects, check_name, encode_points, kv_key};
 use crate::{
     agent::Delivery,
     observation::PointDecl,
@@ -32,6 +32,8 @@ pub struct PublisherOptions {
     pub queue: usize,
     /// Publishes awaiting acknowledgement at most: the pipeline depth.
     pub window: usize,
+    /// The node's clock is synchronised ([`CLOCK_HEADER`] on every message).
+    pub clock_synced: bool,
 }
 
 impl Default for PublisherOptions {
@@ -39,6 +41,7 @@ impl Default for PublisherOptions {
         Self {
             queue: 65_536,
             window: 64,
+            clock_synced: false,
         }
     }
 }
@@ -132,6 +135,7 @@ struct Shared {
     instance: String,
     subjects: Subjects,
     partitions: u32,
+    clock_synced: bool,
 }
 
 impl Shared {
@@ -190,6 +194,7 @@ impl Publisher {
             instance,
             subjects: fleet.subjects(),
             partitions: fleet.opts.partitions,
+            clock_synced: opts.clock_synced,
         });
         let task = tokio::spawn(run(
             sh.clone(),
@@ -452,10 +457,13 @@ async fn publish(
     m: Message,
     in_flight: &mut VecDeque<(Message, PublishAckFuture)>,
 ) -> bool {
-    let p = PublishMessage::build()
+    let mut p = PublishMessage::build()
         .payload(m.payload.clone())
         .header(NODE_HEADER, sh.node.as_str())
         .message_id(&m.id);
+    if sh.clock_synced {
+        p = p.header(CLOCK_HEADER, "1");
+    }
     match js.send_publish(m.subject.clone(), p).await {
         Ok(ack) => {
             let mut st = sh.lock();

@@ -515,6 +515,7 @@ async fn the_publisher_buffers_through_a_server_restart_and_counts_what_it_dropp
         PublisherOptions {
             queue: 1000,
             window: 64,
+            ..Default::default()
         },
     )
     .expect("publisher");
@@ -925,4 +926,53 @@ async fn a_server_with_nkey_users_takes_the_seed_and_refuses_others() {
     assert!(publisher.flush(Duration::from_secs(10)).await);
     assert_eq!(publisher.stats().observations.acked, 4);
     let _ = std::fs::remove_file(&conf);
+}
+
+/// Whether an agent's clock is synchronised (what HELLO says on TCP) reaches the member
+/// on every data message: one-way delays count only between synchronised points.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_synchronised_clock_is_said_on_every_message() {
+    let srv = NatsServer::start(&[]);
+    let f = fleet(test_options(&srv)).await;
+    let (tx, mut rx) = mpsc::channel(1024);
+    let m = GroupMember::join(
+        &f,
+        MemberOptions {
+            id: "c1".into(),
+            http: "-".into(),
+        },
+        tx,
+    )
+    .await
+    .expect("joins");
+    until("c1 to own every partition", Duration::from_secs(10), || {
+        m.owned().len() == 16
+    })
+    .await;
+    for (node, synced) in [("ptp", true), ("free", false)] {
+        let p = Publisher::new(
+            &f,
+            node,
+            PublisherOptions {
+                clock_synced: synced,
+                ..Default::default()
+            },
+        )
+        .expect("publisher");
+        p.send(Frame::Observations(observations(5))).expect("send");
+        assert!(p.flush(Duration::from_secs(10)).await);
+    }
+    let mut seen: BTreeMap<String, BTreeSet<bool>> = BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while seen.values().map(|v| v.len()).sum::<usize>() < 2 || seen.len() < 2 {
+        assert!(Instant::now() < deadline, "both nodes' observations: {seen:?}");
+        if let Ok(Some(FleetEvent::Frame(d))) =
+            tokio::time::timeout(Duration::from_millis(200), rx.recv()).await
+            && matches!(d.frame, Frame::Observations(_))
+        {
+            seen.entry(d.node).or_default().insert(d.clock_synced);
+        }
+    }
+    assert_eq!(seen["ptp"], BTreeSet::from([true]));
+    assert_eq!(seen["free"], BTreeSet::from([false]));
 }
