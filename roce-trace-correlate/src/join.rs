@@ -1227,6 +1227,17 @@ mod tests {
 
     /// A 5-point lab path for flow A→B: h1 egress, l1 in, s1 in, l2 in, h3 in.
     fn lab() -> (Joiner, Vec<PointId>) {
+        let (mut j, pts) = lab_without_health();
+        // Every agent reports clean health for the first 100 s: what it missed, it was
+        // never sent.
+        for p in pts {
+            clean(&mut j, p, 0, 100_000 * MS);
+        }
+        (j, pts.to_vec())
+    }
+
+    /// The same path, no health reported yet.
+    fn lab_without_health() -> (Joiner, [PointId; 5]) {
         let mut j = Joiner::new(JoinConfig {
             trajectory_timeout_ns: 100 * MS,
             ..Default::default()
@@ -1247,12 +1258,7 @@ mod tests {
                 ..Default::default()
             })
         });
-        // Every agent reports clean health for the first 100 s: what it missed, it was
-        // never sent.
-        for p in pts {
-            clean(&mut j, p, 0, 100_000 * MS);
-        }
-        (j, pts.to_vec())
+        (j, pts)
     }
 
     /// A clean health interval of `p` over [from, to], in order with the observations
@@ -1544,26 +1550,7 @@ mod tests {
     /// and the flow reads as it was: one path, the rewrite between l1 and s1, no loss.
     #[test]
     fn a_lagging_agent_is_waited_for_not_taken_for_a_loss_or_a_class_change() {
-        let mut j = Joiner::new(JoinConfig {
-            trajectory_timeout_ns: 100 * MS,
-            ..Default::default()
-        });
-        let pts = [
-            ("h1", "eth0", "egress"),
-            ("l1", "h1", "ingress"),
-            ("s1", "l1", "ingress"),
-            ("l2", "s1", "ingress"),
-            ("h3", "eth0", "ingress"),
-        ]
-        .map(|(n, i, d)| {
-            j.point(PointInfo {
-                node: n.into(),
-                iface: i.into(),
-                direction: d.parse().unwrap(),
-                clock_synced: true,
-                ..Default::default()
-            })
-        });
+        let (mut j, pts) = lab_without_health();
         let rewrite = |i: usize| if i >= 2 { 0 } else { 26 };
         // Ten packets delivered as they go: the flow's path is known.
         for psn in 0..10 {
@@ -1629,27 +1616,7 @@ mod tests {
     /// sent no health for that time, proves nothing.
     #[test]
     fn a_sample_missing_where_the_agent_could_not_report_it_is_unobserved_not_lost() {
-        let mut j = Joiner::new(JoinConfig {
-            trajectory_timeout_ns: 100 * MS,
-            ..Default::default()
-        });
-        let pts: Vec<PointId> = [
-            ("h1", "eth0", "egress"),
-            ("l1", "h1", "ingress"),
-            ("s1", "l1", "ingress"),
-            ("l2", "s1", "ingress"),
-            ("h3", "eth0", "ingress"),
-        ]
-        .map(|(n, i, d)| {
-            j.point(PointInfo {
-                node: n.into(),
-                iface: i.into(),
-                direction: d.parse().unwrap(),
-                clock_synced: true,
-                ..Default::default()
-            })
-        })
-        .to_vec();
+        let (mut j, pts) = lab_without_health();
         for &p in &pts[..3] {
             clean(&mut j, p, 0, 100_000 * MS);
         }

@@ -446,6 +446,18 @@ pub fn sh(args: &[&str]) -> String {
 }
 
 /// The roce-trace binary of this build (the README's test command builds it first).
+/// Debian's `nats-server` (fleet-mode tests); `scripts/setup` installs it.
+pub fn nats_server_bin() -> &'static str {
+    [
+        "/usr/sbin/nats-server",
+        "/usr/bin/nats-server",
+        "/usr/local/bin/nats-server",
+    ]
+    .into_iter()
+    .find(|p| Path::new(p).exists())
+    .unwrap_or_else(|| panic!("nats-server is not installed (scripts/setup installs Debian's `nats-server`)"))
+}
+
 pub fn roce_trace_bin() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().unwrap().parent().unwrap();

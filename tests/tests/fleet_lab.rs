@@ -53,14 +53,7 @@ impl Fabric {
     /// nats-server with JetStream on the management network, its store in the test's
     /// directory (the same store across a restart).
     fn start_nats(&mut self) {
-        let bin = [
-            "/usr/sbin/nats-server",
-            "/usr/bin/nats-server",
-            "/usr/local/bin/nats-server",
-        ]
-        .into_iter()
-        .find(|p| std::path::Path::new(p).exists())
-        .unwrap_or_else(|| panic!("nats-server is not installed (scripts/setup installs it)"));
+        let bin = nats_server_bin();
         let n = Proc::spawn(
             Command::new("ip")
                 .args([
@@ -442,18 +435,15 @@ fn a_group_on_nats_locates_a_rewrite_through_losing_a_member_and_a_nats_restart(
     fab.start_collector("c9", 9);
     fab.group_settles();
     let (one_flows, one_stats) = fab.group_joined("c9", acked);
-    let one: BTreeMap<String, &Value> = one_flows
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|f| (f["id"].to_string(), f))
-        .collect();
-    let group: BTreeMap<String, &Value> = flows
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|f| (f["id"].to_string(), f))
-        .collect();
+    let by_id = |flows: &Value| -> BTreeMap<String, Value> {
+        flows
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| (f["id"].to_string(), f.clone()))
+            .collect()
+    };
+    let (one, group) = (by_id(&one_flows), by_id(&flows));
     assert_eq!(
         one.keys().collect::<Vec<_>>(),
         group.keys().collect::<Vec<_>>(),

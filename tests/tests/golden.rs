@@ -529,16 +529,7 @@ impl Nats {
     }
 
     fn start_on(port: u16) -> Self {
-        let bin = [
-            "/usr/sbin/nats-server",
-            "/usr/bin/nats-server",
-            "/usr/local/bin/nats-server",
-        ]
-        .into_iter()
-        .find(|p| Path::new(p).exists())
-        .unwrap_or_else(|| {
-            panic!("nats-server is not installed (scripts/setup installs Debian's `nats-server`)")
-        });
+        let bin = nats_server_bin();
         // One directory per server: tests run side by side in one process.
         let dir = TempDir::new(&format!("fleet-nats-{port}"));
         let proc = Proc::spawn(

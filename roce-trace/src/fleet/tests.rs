@@ -125,6 +125,26 @@ async fn fleet(opts: NatsOptions) -> Fleet {
     }
 }
 
+/// Member `c1`, alone in its group, once it owns every partition; what it delivers.
+async fn sole_member(f: &Fleet) -> (GroupMember, mpsc::Receiver<FleetEvent>) {
+    let (tx, rx) = mpsc::channel(1024);
+    let m = GroupMember::join(
+        f,
+        MemberOptions {
+            id: "c1".into(),
+            http: "-".into(),
+        },
+        tx,
+    )
+    .await
+    .expect("joins");
+    until("c1 to own every partition", Duration::from_secs(10), || {
+        m.owned().len() == 16
+    })
+    .await;
+    (m, rx)
+}
+
 fn v4(a: [u8; 4]) -> [u8; 16] {
     std::net::Ipv4Addr::from(a).to_ipv6_mapped().octets()
 }
@@ -591,21 +611,7 @@ async fn the_publisher_buffers_through_a_server_restart_and_counts_what_it_dropp
 async fn a_malformed_message_is_counted_and_skipped_and_later_ones_arrive() {
     let srv = NatsServer::start(&[]);
     let f = fleet(test_options(&srv)).await;
-    let (tx, mut rx) = mpsc::channel(1024);
-    let m = GroupMember::join(
-        &f,
-        MemberOptions {
-            id: "c1".into(),
-            http: "-".into(),
-        },
-        tx,
-    )
-    .await
-    .expect("joins");
-    until("c1 to own every partition", Duration::from_secs(10), || {
-        m.owned().len() == 16
-    })
-    .await;
+    let (m, mut rx) = sole_member(&f).await;
     let subjects = f.subjects();
     let good = |psn| obs(flow([10, 0, 0, 1], [10, 0, 0, 2], 1, 1), psn);
     let p = partition_of(&good(0).id.flow, 16);
@@ -934,21 +940,7 @@ async fn a_server_with_nkey_users_takes_the_seed_and_refuses_others() {
 async fn a_synchronised_clock_is_said_on_every_message() {
     let srv = NatsServer::start(&[]);
     let f = fleet(test_options(&srv)).await;
-    let (tx, mut rx) = mpsc::channel(1024);
-    let m = GroupMember::join(
-        &f,
-        MemberOptions {
-            id: "c1".into(),
-            http: "-".into(),
-        },
-        tx,
-    )
-    .await
-    .expect("joins");
-    until("c1 to own every partition", Duration::from_secs(10), || {
-        m.owned().len() == 16
-    })
-    .await;
+    let (_member, mut rx) = sole_member(&f).await;
     for (node, synced) in [("ptp", true), ("free", false)] {
         let p = Publisher::new(
             &f,
