@@ -79,16 +79,36 @@ struct Pending {
 const RECENT: usize = 64;
 
 impl FlowJoin {
+    /// The flow's rarer state (empty when it has none).
+    pub(crate) fn marks(&self) -> &Marks {
+        self.marks.as_deref().unwrap_or(&NO_MARKS)
+    }
+
+    /// The flow's rarer state, made on first use.
+    pub(crate) fn marks_mut(&mut self) -> &mut Marks {
+        self.marks.get_or_insert_with(Box::default)
+    }
+
+    /// Every path the flow took, oldest first, with when each began: the earlier ones
+    /// and the current one (none before its first trajectory).
+    pub(crate) fn paths(&self) -> impl DoubleEndedIterator<Item = (u64, &[PointId])> {
+        self.marks()
+            .history
+            .iter()
+            .map(|(t, p)| (*t, &p[..]))
+            .chain((!self.path.is_empty()).then_some((self.path_since_ns, &self.path[..])))
+    }
+
     /// A point's running counters of this flow.
     pub(crate) fn totals_at(&self, p: PointId) -> Option<PointTotals> {
-        self.counters.get(&p).map(PackedCounts::unpack)
+        self.counters.get(p)
     }
 
     /// Every point's running counters, in point order.
     pub(crate) fn totals(&self) -> VecMap<PointId, PointTotals> {
         let mut m = VecMap::default();
-        for (p, c) in self.counters.iter() {
-            m.insert(*p, c.unpack());
+        for (p, t) in self.counters.iter() {
+            m.insert(p, t);
         }
         m
     }
@@ -96,14 +116,49 @@ impl FlowJoin {
 
 #[derive(Clone, Default)]
 pub struct FlowJoin {
-    pub(crate) path: Vec<PointId>,
+    pub(crate) path: Box<[PointId]>,
     pub(crate) path_since_ns: u64,
-    pub(crate) history: Vec<(u64, Vec<PointId>)>,
     pub(crate) hops: VecMap<(PointId, PointId), u8>,
-    pub(crate) class_at: VecMap<PointId, (u8, u8, u8)>,
+    /// Per point: the class (DSCP, ECN, PCP) of the flow's latest trajectory there, and
+    /// the largest frame seen there.
+    pub(crate) at: VecMap<PointId, AtPoint>,
     /// Every class each point saw, CNPs apart, with when and how many: a class that was
     /// wrong for a while is wrong, whatever the point shows at the end.
     pub(crate) seen: VecMap<(PointId, bool, u8, u8), Span>,
+    pub(crate) delays: VecMap<(PointId, PointId), Delay>,
+    pub(crate) counters: PackedCounts,
+    pub(crate) trajectories: u64,
+    /// The span of sampled request PSNs, and recent ACK PSNs: the two directions of a
+    /// connection agree on PSNs (QPs start at random PSNs, so flows rarely overlap).
+    pub(crate) request_psns: Option<(u32, u32)>,
+    pub(crate) ack_psns: VecDeque<u32>,
+    pub(crate) carries_cnp: bool,
+    /// Bytes delivered at the flow's most downstream point per counter delta, by arrival
+    /// time; that point (lowest TTL, ingress before egress at equal TTL), known from the
+    /// counters themselves so delivery starts with the first deltas, not the first path.
+    pub(crate) delivery: DeliveryLog,
+    pub(crate) delivery_point: Option<(PointId, u8, bool)>,
+    /// What this flow added to the join's running totals.
+    pub(crate) share: Share,
+    /// What most flows never have (anomalies, CE and CNP state, earlier paths), in a box
+    /// made on first use: a healthy flow does not pay for its empty vectors.
+    marks: Option<Box<Marks>>,
+}
+
+/// What a flow keeps about each point it was seen at ([`FlowJoin::at`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct AtPoint {
+    /// (DSCP, ECN, PCP) of its latest trajectory through the point.
+    pub(crate) class: Option<(u8, u8, u8)>,
+    pub(crate) max_frame: u16,
+}
+
+/// A flow's rarer state ([`FlowJoin::marks`]).
+#[derive(Clone, Default)]
+pub(crate) struct Marks {
+    /// The paths before the current one, with when each began (the last
+    /// [`PATH_HISTORY`]).
+    pub(crate) history: Vec<(u64, Box<[PointId]>)>,
     pub(crate) changes: VecMap<(PointId, PointId, u8, u8), Span>,
     pub(crate) ce_onset: VecMap<(Option<PointId>, PointId), Span>,
     pub(crate) lost: VecMap<(PointId, PointId), Span>,
@@ -112,32 +167,20 @@ pub struct FlowJoin {
     /// Sampled packets missing between two points that could have been seen there but
     /// whose absence proves nothing (see [`Unseen`]).
     pub(crate) unseen: VecMap<(PointId, PointId, Unseen), Span>,
-    pub(crate) delays: VecMap<(PointId, PointId), Delay>,
-    pub(crate) counters: VecMap<PointId, PackedCounts>,
-    pub(crate) trajectories: u64,
-    /// The span of sampled request PSNs, and recent ACK PSNs: the two directions of a
-    /// connection agree on PSNs (QPs start at random PSNs, so flows rarely overlap).
-    pub(crate) request_psns: Option<(u32, u32)>,
-    pub(crate) ack_psns: VecDeque<u32>,
     /// Recent CE-marked arrivals and CNP departures, per node: (node, time).
     pub(crate) ce_times: VecDeque<(u32, u64)>,
     pub(crate) cnp_times: VecDeque<(u32, u64)>,
-    pub(crate) carries_cnp: bool,
     /// Class of the CNPs at each point (CNPs are always reported, so this is exact).
     pub(crate) cnp_class_at: VecMap<PointId, (u8, u8, u8)>,
     /// Each point's running CNP count after each counter delta, by arrival time (the last
     /// [`SETTLE_SAMPLES`]): what a point had counted long enough ago to compare.
     pub(crate) cnp_counts: VecMap<PointId, VecDeque<(u64, u64)>>,
-    /// Largest frame seen at each point.
-    pub(crate) max_frame: VecMap<PointId, u16>,
-    /// Bytes delivered at the flow's most downstream point per counter delta, by arrival
-    /// time; that point (lowest TTL, ingress before egress at equal TTL), known from the
-    /// counters themselves so delivery starts with the first deltas, not the first path.
-    pub(crate) delivery: DeliveryLog,
-    pub(crate) delivery_point: Option<(PointId, u8, bool)>,
-    /// What this flow added to the join's running totals.
-    pub(crate) share: Share,
 }
+
+static NO_MARKS: std::sync::LazyLock<Marks> = std::sync::LazyLock::new(Marks::default);
+
+/// Earlier paths kept per flow: a flow that keeps moving keeps its latest moves.
+const PATH_HISTORY: usize = 64;
 
 /// Counter deltas kept per flow for its delivery over time (a minute at 1 s intervals).
 const DELIVERY_SAMPLES: usize = 64;
@@ -281,10 +324,10 @@ impl Tally {
 
     fn of(f: &FlowJoin) -> Self {
         Self([
-            f.changes.len() as u64,
-            f.lost.len() as u64,
-            f.ce_onset.len() as u64,
-            (f.history.len() > 1) as u64,
+            f.marks().changes.len() as u64,
+            f.marks().lost.len() as u64,
+            f.marks().ce_onset.len() as u64,
+            (!f.marks().history.is_empty()) as u64,
         ])
     }
 
@@ -338,6 +381,8 @@ pub struct Joiner {
     /// Flows that just got their first path, for a caller that asked
     /// ([`Joiner::note_new_paths`]).
     new_paths: Option<Vec<FlowId>>,
+    /// Ticks that gave a large amount of state back (see [`Joiner::gave_back`]).
+    gave_back: u64,
     pub stats: JoinStats,
 }
 
@@ -362,6 +407,7 @@ impl Joiner {
             tally: Tally::default(),
             expired_at_ns: 0,
             new_paths: None,
+            gave_back: 0,
             stats: JoinStats::default(),
         }
     }
@@ -511,17 +557,19 @@ impl Joiner {
         let f = self.flow(o.id.flow, now_ns);
         f.share.observations += 1;
         if o.ecn == 3 {
-            push_recent(&mut f.ce_times, (node, o.time_ns));
+            push_recent(&mut f.marks_mut().ce_times, (node, o.time_ns));
         }
         f.seen
             .entry_or_default((point, opcode == roce::OP_CNP, obs.dscp, obs.pcp))
             .hit(o.time_ns);
-        let m = f.max_frame.entry_or_default(point);
+        let m = &mut f.at.entry_or_default(point).max_frame;
         *m = (*m).max(o.frame_len);
         if opcode == roce::OP_CNP {
             f.carries_cnp = true;
-            f.cnp_class_at.insert(point, (obs.dscp, obs.ecn, obs.pcp));
-            push_recent(&mut f.cnp_times, (node, o.time_ns));
+            f.marks_mut()
+                .cnp_class_at
+                .insert(point, (obs.dscp, obs.ecn, obs.pcp));
+            push_recent(&mut f.marks_mut().cnp_times, (node, o.time_ns));
             // Every CNP of a QP is the same packet (PSN 0, one ICRC): no identity tells
             // two apart, so they make no trajectories. Their path and where they vanish
             // come from the exact per-point counters instead (`cnp_delivery`).
@@ -660,14 +708,14 @@ impl Joiner {
             let mut total = f.totals_at(point).unwrap_or_default();
             total.counts.add(&d.counts);
             (total.last_dscp, total.last_pcp, total.last_ttl) = (d.last_dscp, d.last_pcp, d.last_ttl);
-            f.counters.insert(point, PackedCounts::pack(&total));
+            f.counters.set(point, &total);
             let cnps = total.counts.cnp;
             if d.counts.cnp > 0 {
                 f.carries_cnp = true;
             }
             if cnps > 0 {
                 push_bounded(
-                    f.cnp_counts.entry_or_default(point),
+                    f.marks_mut().cnp_counts.entry_or_default(point),
                     (now_ns, cnps),
                     SETTLE_SAMPLES,
                 );
@@ -754,6 +802,9 @@ impl Joiner {
                 self.forget(id);
             }
             self.stats.flows_expired += gone.len() as u64;
+            if gone.len() >= 4096 {
+                self.gave_back += 1;
+            }
         }
         // After a burst the waiting identities' tables keep their peak size: it is given
         // back once they are far below it, keeping room for twice what waits.
@@ -761,9 +812,19 @@ impl Joiner {
         if cap > 4 * n + 4096 {
             self.pending.shrink_to(2 * n);
             self.order.shrink_to(2 * self.order.len());
+            self.gave_back += 1;
         }
         self.stats.pending = self.pending.len() as u64;
         self.stats.flows = self.flows.len() as u64;
+    }
+
+    /// How many ticks gave a large amount of state back: waiting identities' tables far
+    /// below their peak, or thousands of idle flows forgotten at once. The allocator
+    /// keeps freed memory for reuse; a caller that sees this move may hand it back to the
+    /// operating system (the collector does), so the process's resident set follows its
+    /// state down after a burst.
+    pub fn gave_back(&self) -> u64 {
+        self.gave_back
     }
 
     /// Whether `p` lacks a node of its flow's path whose agent has not yet reported past
@@ -860,11 +921,12 @@ impl Joiner {
         let path: Vec<PointId> = t.iter().map(|o| o.point).collect();
         let first_time = t[0].time_ns;
         for (i, o) in t.iter().enumerate() {
-            f.class_at.insert(o.point, (o.dscp, o.ecn, o.pcp));
+            f.at.entry_or_default(o.point).class = Some((o.dscp, o.ecn, o.pcp));
             if let Some(n) = t.get(i + 1) {
                 f.hops.insert((o.point, n.point), o.ttl.saturating_sub(n.ttl));
                 if o.dscp != n.dscp {
-                    f.changes
+                    f.marks_mut()
+                        .changes
                         .entry_or_default((o.point, n.point, o.dscp, n.dscp))
                         .hit(n.time_ns);
                 }
@@ -876,7 +938,10 @@ impl Joiner {
             }
             if o.ecn == 3 && (i == 0 || t[i - 1].ecn != 3) {
                 let before = if i == 0 { None } else { Some(t[i - 1].point) };
-                f.ce_onset.entry_or_default((before, o.point)).hit(o.time_ns);
+                f.marks_mut()
+                    .ce_onset
+                    .entry_or_default((before, o.point))
+                    .hit(o.time_ns);
             }
         }
         // Path: a strict prefix of the path in force when the packet was sent means it was
@@ -884,25 +949,24 @@ impl Joiner {
         // (Trajectories complete in arrival order, so an older one can finish after the
         // flow has moved: it is judged against the path of its own time.)
         if f.path.is_empty() {
-            f.path = path;
+            f.path = path.into_boxed_slice();
             f.path_since_ns = first_time;
-            push_tight(&mut f.history, (first_time, f.path.clone()));
             if let Some(v) = &mut self.new_paths {
                 v.push(flow);
             }
             return;
         }
-        let then = f
-            .history
-            .iter()
-            .rev()
-            .find(|(t, _)| *t <= first_time)
-            .unwrap_or(&f.history[0])
-            .1
-            .clone();
+        let then = {
+            let mut paths = f.paths();
+            let oldest = paths.next().expect("a path");
+            let mut paths = std::iter::once(oldest).chain(paths);
+            let found = paths.by_ref().rev().find(|(t, _)| *t <= first_time);
+            found.unwrap_or(oldest).1
+        };
         if path == then {
             return;
         }
+        let then = then.to_vec();
         if path.len() < then.len() && then.starts_with(&path) {
             let last = *path.last().expect("non-empty");
             let next = then[path.len()];
@@ -937,18 +1001,26 @@ impl Joiner {
                 self.stats.late_arrivals += 1;
             } else if let Some((a, b)) = self.recent_losses.remove(&id)
                 && b == path[0]
-                && let Some(span) = f.lost.get_mut(&(a, b))
+                && let Some(marks) = f.marks.as_deref_mut()
+                && let Some(span) = marks.lost.get_mut(&(a, b))
             {
                 self.stats.late_arrivals += 1;
                 span.packets -= 1;
                 if span.packets == 0 {
-                    f.lost.remove(&(a, b));
+                    marks.lost.remove(&(a, b));
                 }
             }
         } else if first_time >= f.path_since_ns {
-            f.path = path;
+            let was = (
+                f.path_since_ns,
+                std::mem::replace(&mut f.path, path.into_boxed_slice()),
+            );
             f.path_since_ns = first_time;
-            push_tight(&mut f.history, (first_time, f.path.clone()));
+            let history = &mut f.marks_mut().history;
+            if history.len() == PATH_HISTORY {
+                history.remove(0);
+            }
+            push_tight(history, was);
         }
     }
 
@@ -1026,11 +1098,15 @@ impl Joiner {
             return;
         };
         if let Some(why) = unseen {
-            f.unseen.entry_or_default((m.a, m.b, why)).hit(m.first_ns);
+            f.marks_mut()
+                .unseen
+                .entry_or_default((m.a, m.b, why))
+                .hit(m.first_ns);
             return;
         }
-        f.lost.entry_or_default((m.a, m.b)).hit(m.first_ns);
-        let big = f.lost_frames.entry_or_default((m.a, m.b));
+        let marks = f.marks_mut();
+        marks.lost.entry_or_default((m.a, m.b)).hit(m.first_ns);
+        let big = marks.lost_frames.entry_or_default((m.a, m.b));
         *big = (*big).max(m.frame_len);
         if self.recent_losses.len() < self.cfg.max_pending {
             self.recent_losses.insert(m.id, (m.a, m.b));
@@ -1135,7 +1211,7 @@ impl Joiner {
     pub fn trace_target(&self, id: &FlowId) -> Option<(String, u8, u8)> {
         let f = &self.flows.get(id)?.f;
         let first = *f.path.first()?;
-        let (dscp, ecn, _) = *f.class_at.get(&first)?;
+        let (dscp, ecn, _) = f.at.get(&first)?.class?;
         Some((self.topo.points[first as usize].node.clone(), dscp, ecn))
     }
 
@@ -1885,6 +1961,63 @@ mod tests {
         assert_eq!(r.path_history.len(), 2);
         assert_eq!(r.path[2], "s2:l1:ingress");
         assert!(r.lost.is_empty(), "a move is not a loss");
+    }
+
+    /// A flow that keeps moving (ECMP flapping between two spines) keeps its latest
+    /// moves, oldest first, each with when it began, and its path is the latest; a
+    /// healthy flow's rarer state is never made (a flow that never moved, lost or saw
+    /// CE pays nothing for it).
+    #[test]
+    fn a_flapping_flow_keeps_its_latest_moves_and_a_healthy_one_no_marks() {
+        let (mut j, pts) = lab();
+        let s2 = via_s2(&mut j, &pts);
+        for psn in 0..3 {
+            send(&mut j, &pts, psn, psn as u64 * MS, &[], |_| 26, 0);
+        }
+        j.tick(200 * MS);
+        let f = j.flows.get(&flow()).unwrap();
+        assert!(f.f.marks.is_none(), "a healthy flow makes no marks");
+        assert_eq!(j.flow_report(&flow()).unwrap().path_history.len(), 1);
+        // 100 moves, 10 ms apart, one packet each.
+        let moves = 100u32;
+        for k in 0..moves {
+            let path = if k % 2 == 0 { &s2 } else { &pts };
+            let t = (300 + 10 * u64::from(k)) * MS;
+            send(&mut j, path, 10 + k, t, &[], |_| 26, t);
+            j.tick(t + 150 * MS);
+        }
+        let r = j.flow_report(&flow()).unwrap();
+        assert_eq!(
+            r.path_history.len(),
+            PATH_HISTORY + 1,
+            "the bound, and the path now"
+        );
+        let since: Vec<u64> = r.path_history.iter().map(|p| p.since_ns).collect();
+        assert!(since.windows(2).all(|w| w[0] < w[1]), "oldest first: {since:?}");
+        let last = r.path_history.last().unwrap();
+        assert_eq!(last.since_ns, (300 + 10 * u64::from(moves - 1)) * MS);
+        assert_eq!(last.path, r.path, "the latest entry is the path in force");
+        assert_eq!(r.path[2], "s1:l1:ingress", "the 100th move went back through s1");
+        assert!(r.lost.is_empty(), "moving is not losing: {:?}", r.lost);
+    }
+
+    /// After a burst the join gives its waiting tables back at the next tick, and says so
+    /// (the collector then hands the freed memory to the system).
+    #[test]
+    fn a_burst_once_joined_is_given_back() {
+        let (mut j, pts) = lab();
+        j.tick(0);
+        assert_eq!(j.gave_back(), 0);
+        for psn in 0..20_000u32 {
+            send(&mut j, &pts, psn, u64::from(psn) * 1000, &[], |_| 26, 0);
+        }
+        j.tick(1);
+        assert_eq!(j.gave_back(), 0, "nothing given back while the burst waits");
+        j.tick(10_000 * MS);
+        assert_eq!(j.stats.pending, 0);
+        assert_eq!(j.gave_back(), 1, "the tables of 20,000 identities given back");
+        j.tick(20_000 * MS);
+        assert_eq!(j.gave_back(), 1, "once");
     }
 
     #[test]

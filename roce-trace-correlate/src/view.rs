@@ -183,7 +183,7 @@ impl JoinView {
     /// CNPs `point` had counted [`JoinConfig::counter_settle_ns`] ago (all of them once
     /// the agents are gone): what every later point has reported by now.
     fn cnps_settled(&self, f: &FlowJoin, point: PointId) -> u64 {
-        let Some(h) = f.cnp_counts.get(&point) else {
+        let Some(h) = f.marks().cnp_counts.get(&point) else {
             return 0;
         };
         if self.flushed {
@@ -334,9 +334,10 @@ impl JoinView {
         let ce = max_over_points(&totals, |d| d.counts.ecn[3]);
         let mut ce_to_cnp = Delay::default();
         for (_, r) in &cnp_flows {
-            for &(node, t) in &r.cnp_times {
+            for &(node, t) in &r.marks().cnp_times {
                 // The CE mark that drew it: the latest before it, on the same node (clock).
                 if let Some(ce_t) = f
+                    .marks()
                     .ce_times
                     .iter()
                     .filter(|(n, c)| *n == node && *c <= t)
@@ -363,7 +364,7 @@ impl JoinView {
                 .windows(2)
                 .map(|w| f.hops.get(&(w[0], w[1])).copied().unwrap_or(0))
                 .collect();
-            (f.path.clone(), h)
+            (f.path.to_vec(), h)
         };
         Some(FlowReport {
             id: id.to_string(),
@@ -375,14 +376,15 @@ impl JoinView {
             hops,
             class: path
                 .iter()
-                .filter_map(|p| f.class_at.get(p).map(|c| ClassAt::new(l(p), *c)))
+                .filter_map(|p| f.at.get(p)?.class.map(|c| ClassAt::new(l(p), c)))
                 .collect(),
             cnp_class: f
+                .marks()
                 .cnp_class_at
                 .iter()
                 .map(|(p, c)| ClassAt::new(l(p), *c))
                 .collect(),
-            max_frame: f.max_frame.iter().map(|(p, m)| (l(p), *m)).collect(),
+            max_frame: f.at.iter().map(|(p, a)| (l(p), a.max_frame)).collect(),
             class_seen: f
                 .seen
                 .iter()
@@ -396,6 +398,7 @@ impl JoinView {
                 .collect(),
             delivery: f.delivery.iter().collect(),
             class_changes: f
+                .marks()
                 .changes
                 .iter()
                 .map(|(&(a, b, from, to), s)| ClassChange {
@@ -406,6 +409,7 @@ impl JoinView {
                 })
                 .collect(),
             ce_onset: f
+                .marks()
                 .ce_onset
                 .iter()
                 .map(|(&(a, b), s)| CeOnset {
@@ -415,16 +419,18 @@ impl JoinView {
                 })
                 .collect(),
             lost: f
+                .marks()
                 .lost
                 .iter()
                 .map(|(&(a, b), s)| Lost {
                     between: between(&a, &b),
                     span: *s,
-                    largest_frame: f.lost_frames.get(&(a, b)).copied(),
+                    largest_frame: f.marks().lost_frames.get(&(a, b)).copied(),
                     kernel_drops: self.kernel_drops(a, b, s),
                 })
                 .collect(),
             unobserved: f
+                .marks()
                 .unseen
                 .iter()
                 .map(|(&(a, b, why), s)| Unobserved {
@@ -443,10 +449,9 @@ impl JoinView {
                 })
                 .collect(),
             path_history: f
-                .history
-                .iter()
+                .paths()
                 .map(|(t, p)| PathAt {
-                    since_ns: *t,
+                    since_ns: t,
                     path: p.iter().map(l).collect(),
                 })
                 .collect(),

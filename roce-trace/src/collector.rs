@@ -300,10 +300,18 @@ pub async fn run(
         // large table never holds up the agents' frames, and a slow terminal only
         // delays the next view.
         let mut printing: Option<tokio::task::JoinHandle<()>> = None;
+        let mut gave_back = 0;
         loop {
             t.tick().await;
             let mut s = st.lock().expect("state");
             s.joiner.as_mut().expect("joiner").tick(now_ns(start));
+            let now_gave_back = s.joiner.as_ref().expect("joiner").gave_back();
+            if now_gave_back != gave_back {
+                // A burst's state was freed: hand what the allocator keeps back to the
+                // system, on a thread of its own, outside the lock.
+                gave_back = now_gave_back;
+                tokio::task::spawn_blocking(release_freed_memory);
+            }
             if trace_flows {
                 // Each flow is traced once, from its source, as soon as it has a path.
                 // A flow whose source agent is not connected yet is tried again at each
@@ -1263,4 +1271,18 @@ pub fn render(r: &CollectorReport) -> String {
         }
     }
     s
+}
+
+/// Hands the heap's free memory back to the operating system (glibc keeps freed chunks
+/// for reuse; after a burst of waiting identities that is tens of megabytes the process
+/// no longer needs). Called when the join says it gave a large amount of state back
+/// ([`Joiner::gave_back`]), never on the ingest path; it takes the allocator's locks
+/// for as long as it walks the free lists (milliseconds).
+pub fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only reads and returns the allocator's free memory; it has no
+    // preconditions.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
