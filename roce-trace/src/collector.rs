@@ -157,6 +157,41 @@ fn flow_reports(
         .collect()
 }
 
+/// Flows read under the lock at a time by `/flows`.
+const FLOWS_CHUNK: usize = 256;
+
+/// Every flow's report in label order, read from the join a chunk at a time
+/// ([`Joiner::chunk_view`]): the lock is held only to take each chunk, and the join copies
+/// a flow it changes only while that flow's chunk is being built, so a client polling
+/// `/flows` on a large table costs the agents' ingest next to nothing. Each report is as
+/// of its chunk.
+fn flows_a_chunk_at_a_time(st: &StateLock) -> Vec<FlowReport> {
+    let mut out = Vec::new();
+    let mut cursor = None;
+    loop {
+        let (ids, view, probes) = {
+            let s = st.lock();
+            let (ids, view) = s
+                .joiner
+                .as_ref()
+                .expect("joiner")
+                .chunk_view(cursor.as_ref(), FLOWS_CHUNK);
+            let probes: Vec<_> = ids.iter().map(|id| s.probes.get(id).cloned()).collect();
+            (ids, view, probes)
+        };
+        let Some(last) = ids.last() else {
+            return out;
+        };
+        cursor = Some(*last);
+        for (id, probe) in ids.iter().zip(probes) {
+            if let Some(mut r) = view.flow_report(id) {
+                r.probe = probe;
+                out.push(r);
+            }
+        }
+    }
+}
+
 impl State {
     /// Asks the agent on the flow's source node to trace it; where it went.
     fn request_trace(&mut self, id: crate::observation::FlowId) -> Option<String> {
@@ -175,7 +210,12 @@ impl State {
     }
 }
 
-type Shared = Arc<Mutex<State>>;
+/// The collector's state, behind a lock that is handed over fairly: the agents' frames
+/// take it back to back under load, and a lock that lets the last holder take it again
+/// would starve a view's short turns (`/flows` takes it once per chunk); parking_lot's
+/// hands it to a thread that waited more than half a millisecond.
+type StateLock = parking_lot::Mutex<State>;
+type Shared = Arc<StateLock>;
 
 /// Flows waiting for their source's agent to trace them, at most.
 const MAX_UNTRACED: usize = 10_000;
@@ -186,7 +226,7 @@ fn now_ns(start: Instant) -> u64 {
 
 /// The report: taken under the lock (a pointer per flow), built without it.
 fn report(st: &Shared) -> CollectorReport {
-    let taken = Taken::of(&st.lock().expect("state"));
+    let taken = Taken::of(&st.lock());
     taken.report()
 }
 
@@ -205,7 +245,7 @@ pub async fn run(
     if opts.trace {
         joiner.note_new_paths();
     }
-    let state: Shared = Arc::new(Mutex::new(State {
+    let state: Shared = Arc::new(StateLock::new(State {
         joiner: Some(joiner),
         last_conn: std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), start),
         ..State::default()
@@ -244,7 +284,7 @@ pub async fn run(
             .await
             .context("fleet mode: joining the group")?,
         );
-        state.lock().expect("state").group = Some(Group {
+        state.lock().group = Some(Group {
             id: f.member_id.clone(),
             ..Group::default()
         });
@@ -254,7 +294,7 @@ pub async fn run(
             loop {
                 let members = m.members().await;
                 {
-                    let mut s = st.lock().expect("state");
+                    let mut s = st.lock();
                     if let Some(g) = &mut s.group {
                         if let Ok(v) = members {
                             g.members = v;
@@ -303,7 +343,7 @@ pub async fn run(
         let mut gave_back = 0;
         loop {
             t.tick().await;
-            let mut s = st.lock().expect("state");
+            let mut s = st.lock();
             s.joiner.as_mut().expect("joiner").tick(now_ns(start));
             let now_gave_back = s.joiner.as_ref().expect("joiner").gave_back();
             if now_gave_back != gave_back {
@@ -356,13 +396,7 @@ pub async fn run(
             tracing::warn!("fleet: leaving the group: {e}");
         }
     }
-    state
-        .lock()
-        .expect("state")
-        .joiner
-        .as_mut()
-        .expect("joiner")
-        .flush();
+    state.lock().joiner.as_mut().expect("joiner").flush();
     let r = report(&state);
     if let Some(path) = &opts.report {
         std::fs::write(path, serde_json::to_vec_pretty(&r)?)
@@ -406,7 +440,7 @@ async fn serve_agent(
     let (node, clock_synced) = match hello {
         Ok(h) => h,
         Err(why) => {
-            st.lock().expect("state").refused += 1;
+            st.lock().refused += 1;
             if matches!(why, Closed::Version(_) | Closed::WrongToken(_))
                 && let Ok(bye) = Encoder::default().encode(&Frame::bye(why.to_string()))
             {
@@ -432,7 +466,7 @@ async fn serve_agent(
     }
     tracing::info!("agent `{node}` connected from {peer}");
     {
-        let mut s = st.lock().expect("state");
+        let mut s = st.lock();
         let a = s.agents.entry(node.clone()).or_default();
         a.node = node.clone();
         a.peer = peer.to_string();
@@ -447,14 +481,13 @@ async fn serve_agent(
     let (req_tx, req_rx) = tokio::sync::mpsc::unbounded_channel::<Frame>();
     let (ack_tx, ack_rx) = tokio::sync::watch::channel(0u64);
     st.lock()
-        .expect("state")
         .requesters
         .insert(node.clone(), (conn.id, req_tx.clone()));
     let writer = tokio::spawn(write_to_agent(wr, enc, req_rx, ack_rx));
     let closed = serve_frames(rd, buf, dec, st, &node, clock_synced, start, &conn, stop, &ack_tx).await;
     let reason = closed.to_string();
     {
-        let mut s = st.lock().expect("state");
+        let mut s = st.lock();
         if s.requesters.get(&node).is_some_and(|(id, _)| *id == conn.id) {
             s.requesters.remove(&node);
         }
@@ -554,7 +587,7 @@ async fn take_over(
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
     let (rec, old) = {
-        let mut s = st.lock().expect("state");
+        let mut s = st.lock();
         s.last_conn = s.last_conn.wrapping_add(1).max(1);
         let rec = Arc::new(ConnRec {
             id: s.last_conn,
@@ -657,15 +690,7 @@ async fn serve_frames(
             _ = &mut stop => return Closed::Replaced(node.to_owned()),
         };
         let now = now_ns(start);
-        let data = match ingest(
-            &mut st.lock().expect("state"),
-            node,
-            clock_synced,
-            true,
-            &mut points,
-            f,
-            now,
-        ) {
+        let data = match ingest(&mut st.lock(), node, clock_synced, true, &mut points, f, now) {
             Ok(data) => data,
             Err(closed) => return closed,
         };
@@ -781,7 +806,7 @@ async fn fleet_ingest(
     let mut points: HashMap<String, HashMap<u16, PointId>> = HashMap::new();
     while let Some(ev) = rx.recv().await {
         let now = now_ns(start);
-        let mut s = st.lock().expect("state");
+        let mut s = st.lock();
         match ev {
             FleetEvent::Gained(p) => tracing::info!("fleet: partition {p} is ours: replaying it"),
             FleetEvent::Lost(p) => {
@@ -845,7 +870,7 @@ fn local_only(query: &str) -> bool {
 /// Fleet mode: the group's other members, as the last refresh of the leases saw them
 /// (none outside a group).
 fn others(st: &Shared) -> Vec<crate::fleet::MemberInfo> {
-    let s = st.lock().expect("state");
+    let s = st.lock();
     s.group
         .as_ref()
         .map(|g| g.members.iter().filter(|m| m.id != g.id).cloned().collect())
@@ -899,15 +924,12 @@ fn api(st: &Shared, path: &str, query: &str) -> Response {
 /// Fleet mode's views of the whole group: this member's part and every other member's,
 /// merged (`None`: not a group view, or `local=1`).
 fn group_api(st: &Shared, path: &str, query: &str) -> Result<Option<Response>, Response> {
-    if local_only(query) || st.lock().expect("state").group.is_none() {
+    if local_only(query) || st.lock().group.is_none() {
         return Ok(None);
     }
     Ok(Some(match path {
         "/flows" => {
-            let mut flows: Vec<FlowReport> = {
-                let taken = Taken::of(&st.lock().expect("state"));
-                flow_reports(&taken.snapshot.view(), &taken.probes)
-            };
+            let mut flows = flows_a_chunk_at_a_time(st);
             for v in from_members::<Vec<FlowReport>>(st, path, query)? {
                 flows.extend(v);
             }
@@ -928,7 +950,7 @@ fn group_api(st: &Shared, path: &str, query: &str) -> Result<Option<Response>, R
             }
         },
         "/metrics" | "/metrics.json" => {
-            let mut v = MetricValues::of(&st.lock().expect("state"));
+            let mut v = MetricValues::of(&st.lock());
             for o in from_members::<MetricValues>(st, "/metrics.json", query)? {
                 v.merge(&o);
             }
@@ -967,7 +989,7 @@ fn local_api(st: &Shared, path: &str, query: &str) -> Response {
     match path {
         "/trace" => {
             let id = flow_id();
-            let mut s = st.lock().expect("state");
+            let mut s = st.lock();
             let Some(f) = s.joiner.as_ref().expect("joiner").find(&id) else {
                 return Response::text(404, format!("no flow `{id}` (see /flows)\n"));
             };
@@ -976,14 +998,11 @@ fn local_api(st: &Shared, path: &str, query: &str) -> Response {
                 None => Response::text(409, format!("no connected agent on the source node of `{id}`\n")),
             }
         }
-        "/flows" => {
-            let taken = Taken::of(&st.lock().expect("state"));
-            Response::json(&flow_reports(&taken.snapshot.view(), &taken.probes))
-        }
+        "/flows" => Response::json(&flows_a_chunk_at_a_time(st)),
         "/flow" => {
             let label = flow_id();
             let one = {
-                let s = st.lock().expect("state");
+                let s = st.lock();
                 let j = s.joiner.as_ref().expect("joiner");
                 j.find(&label)
                     .and_then(|id| Some((id, j.flow_view(&id)?, s.probes.get(&id).cloned())))
@@ -999,18 +1018,17 @@ fn local_api(st: &Shared, path: &str, query: &str) -> Response {
         "/anomalies" => {
             let snapshot = st
                 .lock()
-                .expect("state")
                 .joiner
                 .as_ref()
                 .expect("joiner")
                 .snapshot();
             Response::json(&snapshot.view().anomalies())
         }
-        "/agents" => Response::json(&st.lock().expect("state").agents.values().collect::<Vec<_>>()),
-        "/stats" => Response::json(&st.lock().expect("state").joiner.as_ref().expect("joiner").stats),
+        "/agents" => Response::json(&st.lock().agents.values().collect::<Vec<_>>()),
+        "/stats" => Response::json(&st.lock().joiner.as_ref().expect("joiner").stats),
         "/report" => Response::json(&report(st)),
-        "/metrics" => Response::metrics(MetricValues::of(&st.lock().expect("state")).render()),
-        "/metrics.json" => Response::json(&MetricValues::of(&st.lock().expect("state"))),
+        "/metrics" => Response::metrics(MetricValues::of(&st.lock()).render()),
+        "/metrics.json" => Response::json(&MetricValues::of(&st.lock())),
         _ => Response::text(
             404,
             "try /flows, /flow?id=…, /trace?id=…, /anomalies, /agents, /stats, /report, /metrics, /metrics.json\n".into(),
