@@ -167,6 +167,34 @@ const FLOWS_CHUNK: usize = 256;
 /// of its chunk.
 fn flows_a_chunk_at_a_time(st: &StateLock) -> Vec<FlowReport> {
     let mut out = Vec::new();
+    each_flow_a_chunk_at_a_time(st, |r| {
+        out.push(r);
+        Ok::<_, std::convert::Infallible>(())
+    })
+    .unwrap_or_else(|never| match never {});
+    out
+}
+
+/// `/flows` of one collector as JSON, each report serialised as soon as it is built: a
+/// chunk of reports at a time in memory, never the table's worth (the same text as the
+/// reports collected first, with less than half the memory at a million flows).
+struct FlowsJson<'a>(&'a StateLock);
+
+impl serde::Serialize for FlowsJson<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeSeq as _;
+        let mut seq = s.serialize_seq(None)?;
+        each_flow_a_chunk_at_a_time(self.0, |r| seq.serialize_element(&r))?;
+        seq.end()
+    }
+}
+
+/// Calls `each` with every flow's report in label order, reading the join a chunk at a
+/// time (see [`flows_a_chunk_at_a_time`]); stops at its first error.
+fn each_flow_a_chunk_at_a_time<E>(
+    st: &StateLock,
+    mut each: impl FnMut(FlowReport) -> Result<(), E>,
+) -> Result<(), E> {
     let mut cursor = None;
     loop {
         let (ids, view, probes) = {
@@ -180,13 +208,13 @@ fn flows_a_chunk_at_a_time(st: &StateLock) -> Vec<FlowReport> {
             (ids, view, probes)
         };
         let Some(last) = ids.last() else {
-            return out;
+            return Ok(());
         };
         cursor = Some(*last);
         for (id, probe) in ids.iter().zip(probes) {
             if let Some(mut r) = view.flow_report(id) {
                 r.probe = probe;
-                out.push(r);
+                each(r)?;
             }
         }
     }
@@ -998,7 +1026,7 @@ fn local_api(st: &Shared, path: &str, query: &str) -> Response {
                 None => Response::text(409, format!("no connected agent on the source node of `{id}`\n")),
             }
         }
-        "/flows" => Response::json(&flows_a_chunk_at_a_time(st)),
+        "/flows" => Response::json(&FlowsJson(st)),
         "/flow" => {
             let label = flow_id();
             let one = {
