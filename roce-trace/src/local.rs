@@ -6,6 +6,10 @@
 use std::{
     net::SocketAddr,
     path::PathBuf,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
@@ -182,6 +186,8 @@ pub struct DrillOptions {
     pub up: Option<String>,
     /// How long traffic runs before, during and after the failure.
     pub hold: Duration,
+    /// How long `down` and `up` may each run before they are killed.
+    pub timeout: Duration,
 }
 
 fn unix_ns() -> u64 {
@@ -191,20 +197,61 @@ fn unix_ns() -> u64 {
         .unwrap_or(0)
 }
 
-async fn act(cmd: &Option<String>, what: &str) -> anyhow::Result<u64> {
-    match cmd {
-        Some(c) => {
-            let t = unix_ns();
-            tracing::info!("drill: {what}: running `{c}`");
-            let c2 = c.clone();
-            let st = tokio::task::spawn_blocking(move || {
-                std::process::Command::new("sh").args(["-c", &c2]).status()
-            })
-            .await?
-            .with_context(|| format!("running `{c}`"))?;
-            anyhow::ensure!(st.success(), "drill: `{c}` failed ({st})");
-            Ok(t)
+/// Set when the future waiting for a drill command is dropped (the drill was interrupted
+/// or failed around it): the command and everything it started are killed.
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Runs `sh -c cmd` in a process group of its own, at most `timeout`: past it, or when the
+/// caller stops waiting, the whole group is killed. When it ran and how it ended is said
+/// on stderr (the drill says what it did).
+async fn run_command(cmd: &str, what: &str, timeout: Duration) -> anyhow::Result<u64> {
+    use std::os::unix::process::CommandExt as _;
+    let t = unix_ns();
+    eprintln!("drill: {what}: running `{cmd}`");
+    let mut child = std::process::Command::new("sh")
+        .args(["-c", cmd])
+        .process_group(0)
+        .spawn()
+        .with_context(|| format!("drill: starting `{cmd}`"))?;
+    let cancel = Arc::new(AtomicBool::new(false));
+    let _guard = CancelOnDrop(cancel.clone());
+    let started = std::time::Instant::now();
+    let c = cmd.to_owned();
+    let ended = tokio::task::spawn_blocking(move || -> anyhow::Result<std::process::ExitStatus> {
+        loop {
+            if let Some(st) = child.try_wait()? {
+                return Ok(st);
+            }
+            let late = started.elapsed() >= timeout;
+            if late || cancel.load(Ordering::Relaxed) {
+                // SAFETY: kill(2) on the group we created; no memory is involved.
+                unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+                let _ = child.wait();
+                anyhow::bail!(
+                    "drill: `{c}` {} after {:.1} s; killed it and everything it started",
+                    if late { "timed out" } else { "was interrupted" },
+                    started.elapsed().as_secs_f64()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
+    })
+    .await??;
+    let took = started.elapsed().as_secs_f64();
+    anyhow::ensure!(ended.success(), "drill: `{cmd}` failed ({ended}, {took:.1} s)");
+    eprintln!("drill: {what}: `{cmd}` done ({ended}, {took:.1} s)");
+    Ok(t)
+}
+
+async fn act(cmd: &Option<String>, what: &str, timeout: Duration) -> anyhow::Result<u64> {
+    match cmd {
+        Some(c) => run_command(c, what, timeout).await,
         None => {
             // The event happens somewhere between the question and the answer: times are
             // measured from the question, so they include the operator's delay.
@@ -225,8 +272,45 @@ async fn act(cmd: &Option<String>, what: &str) -> anyhow::Result<u64> {
     }
 }
 
+/// SIGINT (Ctrl-C) and SIGTERM, caught from the moment the drill breaks something: they
+/// end the drill, never the repair.
+struct Interrupts {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+}
+
+impl Interrupts {
+    fn catch() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            int: signal(SignalKind::interrupt()).context("catching SIGINT")?,
+            term: signal(SignalKind::terminate()).context("catching SIGTERM")?,
+        })
+    }
+
+    /// The next one to come: its name.
+    async fn next(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.int.recv() => "SIGINT",
+            _ = self.term.recv() => "SIGTERM",
+        }
+    }
+
+    /// One that came already, if any.
+    async fn came(&mut self) -> Option<&'static str> {
+        tokio::select! {
+            biased;
+            s = self.next() => Some(s),
+            () = std::future::ready(()) => None,
+        }
+    }
+}
+
 /// Runs the drill against a collector reachable at `http`: the collector's reports
-/// before, through and after the failure, for [`drill::measure`].
+/// before, through and after the failure, for [`drill::measure`]. Once `--down` has
+/// started, `--up` runs whatever happens next — `--down` failing or timing out, the
+/// collector not answering, Ctrl-C or SIGTERM (which wait for the repair) — and the
+/// drill says so before it fails.
 pub async fn run_drill(http: std::net::SocketAddr, opts: &DrillOptions) -> anyhow::Result<Snapshots> {
     let fetch = || fetch_report(http);
     let start = fetch().await?;
@@ -240,15 +324,48 @@ pub async fn run_drill(http: std::net::SocketAddr, opts: &DrillOptions) -> anyho
         drill::data(&since(&start, before.clone())).next().is_some(),
         "drill: no RDMA data flow ran before the failure; start the traffic first"
     );
-    let down_at_ns = act(&opts.down, "cause the failure").await?;
-    let half = opts.hold / 2;
-    tokio::time::sleep(half).await;
-    let settled = fetch().await?;
-    tokio::time::sleep(opts.hold - half).await;
-    let during = fetch().await?;
-    let up_at_ns = act(&opts.up, "repair it").await?;
-    tokio::time::sleep(opts.hold).await;
-    let after = fetch().await?;
+    let mut signals = Interrupts::catch()?;
+    let failed = async {
+        let down_at_ns = act(&opts.down, "cause the failure", opts.timeout).await?;
+        let half = opts.hold / 2;
+        tokio::time::sleep(half).await;
+        let settled = fetch().await?;
+        tokio::time::sleep(opts.hold - half).await;
+        let during = fetch().await?;
+        anyhow::Ok((down_at_ns, settled, during))
+    };
+    let outcome = tokio::select! {
+        r = failed => r,
+        sig = signals.next() => Err(anyhow::anyhow!("drill: {sig} during the failure")),
+    };
+    // The repair runs whatever happened; a signal meanwhile waits for it.
+    let repaired = match &outcome {
+        Err(e) => {
+            eprintln!("drill: {e:#}; repairing");
+            act(&opts.up, "repair it", opts.timeout).await
+        }
+        Ok(_) => act(&opts.up, "repair it", opts.timeout).await,
+    };
+    let ((down_at_ns, settled, during), up_at_ns) = match (outcome, repaired) {
+        (Ok(o), Ok(up_at_ns)) => (o, up_at_ns),
+        (Err(e), Ok(_)) if opts.up.is_some() => {
+            return Err(e.context("drill stopped; the failure was repaired with --up"));
+        }
+        (Err(e), Ok(_)) => return Err(e.context("drill stopped; the failure was repaired by hand")),
+        (Err(e), Err(up)) => {
+            return Err(e.context(format!("drill stopped, and the repair failed too: {up:#}")));
+        }
+        (Ok(_), Err(up)) => return Err(up.context("drill: the repair failed")),
+    };
+    if let Some(sig) = signals.came().await {
+        anyhow::bail!("drill: {sig} during the repair; the failure was repaired, the drill not judged");
+    }
+    let after = tokio::select! {
+        () = tokio::time::sleep(opts.hold) => fetch().await?,
+        sig = signals.next() => {
+            anyhow::bail!("drill: {sig} after the repair; the failure was repaired, the drill not judged")
+        }
+    };
     Ok(Snapshots {
         start,
         before,

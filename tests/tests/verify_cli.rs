@@ -233,3 +233,154 @@ fn a_local_window_judges_this_hosts_own_traffic() {
     );
     assert_eq!(v["checks"][1]["status"], "pass", "ECT(0) data: {v:#}");
 }
+
+/// A collector's HTTP API as a drill sees it: the first `/report` has no flows, every
+/// later one the golden report's (so data flowed "before the failure"); after `answers`
+/// requests it stops answering (the collector host died).
+fn fake_collector(answers: usize) -> std::net::SocketAddr {
+    use std::io::{Read as _, Write as _};
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("golden/collector-report-http.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let mut empty = golden.clone();
+    empty["flows"] = Value::Array(Vec::new());
+    let bodies = [empty.to_string(), golden.to_string()];
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for k in 0..answers {
+            let Ok((mut c, _)) = l.accept() else { return };
+            let mut req = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                match c.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => req.extend_from_slice(&buf[..n]),
+                }
+            }
+            let body = &bodies[usize::from(k > 0)];
+            let _ = write!(
+                c,
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    addr
+}
+
+/// `verify --drill` against `collector`, `--down`/`--up` given; (exit code, stderr) once
+/// it ends, with `during` run once `--down` has begun (its marker file exists).
+fn drill_with(
+    collector: std::net::SocketAddr,
+    dir: &TempDir,
+    down: &str,
+    extra: &[&str],
+    during: impl FnOnce(u32),
+) -> (i32, String) {
+    let policy = dir.path("fabric.toml");
+    std::fs::write(&policy, CLASS_POLICY).unwrap();
+    let up = format!("touch {}", dir.path("up").display());
+    let c = Command::new(roce_trace_bin())
+        .args(["verify", "--policy", policy.to_str().unwrap(), "--collector-http"])
+        .arg(collector.to_string())
+        .args(["--drill", "--hold", "1s", "--down", down, "--up", &up])
+        .args(extra)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !dir.path("down").exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(dir.path("down").exists(), "--down never began");
+    during(c.id());
+    let out = c.wait_with_output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A drill always repairs: whatever stops it once `--down` has begun — SIGTERM or Ctrl-C
+/// while the fabric is broken, `--down` failing or hanging past `--drill-timeout`, the
+/// collector going away — `--up` runs, what `--down` started is killed, and the drill
+/// says it repaired the failure and fails.
+#[test]
+fn a_drill_always_repairs_whatever_stops_it() {
+    let started = std::time::Instant::now();
+    for (name, down_tail, answers, signal, extra) in [
+        (
+            "sigterm",
+            "sleep 30; touch {late}",
+            100,
+            Some(libc::SIGTERM),
+            &[][..],
+        ),
+        (
+            "sigint",
+            "sleep 30; touch {late}",
+            100,
+            Some(libc::SIGINT),
+            &[][..],
+        ),
+        ("down fails", "exit 3", 100, None, &[][..]),
+        (
+            "down hangs",
+            "sleep 30; touch {late}",
+            100,
+            None,
+            &["--drill-timeout", "1s"][..],
+        ),
+        ("collector gone", "true", 2, None, &[][..]),
+    ] {
+        let dir = TempDir::new("verify-drill-repair");
+        let late = dir.path("late");
+        let down = format!(
+            "touch {}; {}",
+            dir.path("down").display(),
+            down_tail.replace("{late}", late.to_str().unwrap())
+        );
+        let (code, err) = drill_with(fake_collector(answers), &dir, &down, extra, |pid| {
+            if let Some(sig) = signal {
+                std::thread::sleep(Duration::from_millis(300));
+                // SAFETY: a signal to the child this test started.
+                unsafe { libc::kill(pid as i32, sig) };
+            }
+        });
+        assert_ne!(code, 0, "{name}: the drill failed\n{err}");
+        assert!(dir.path("up").exists(), "{name}: --up ran\n{err}");
+        assert!(
+            err.contains("repaired with --up") && err.contains("repair it: `touch"),
+            "{name}: says it repaired\n{err}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+        let left = Command::new("pgrep")
+            .args(["-f", dir.path("late").to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(
+            left.stdout.is_empty() && !late.exists(),
+            "{name}: what --down started was killed: {}\n{err}",
+            String::from_utf8_lossy(&left.stdout)
+        );
+        match name {
+            "sigterm" => assert!(err.contains("SIGTERM during the failure"), "{err}"),
+            "sigint" => assert!(err.contains("SIGINT during the failure"), "{err}"),
+            "down fails" => assert!(err.contains("failed (exit status: 3"), "{err}"),
+            "down hangs" => assert!(err.contains("timed out after 1."), "{err}"),
+            _ => assert!(
+                err.contains("fetching the report") || err.contains("127.0.0.1"),
+                "{err}"
+            ),
+        }
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "nothing waited for --down's 30 s"
+    );
+}

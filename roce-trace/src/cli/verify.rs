@@ -52,6 +52,11 @@ pub struct VerifyArgs {
     /// agents' counter interval: the failure's second half is judged on its own).
     #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
     hold: Duration,
+    /// Drill: how long `--down` and `--up` may each run before they are killed (with
+    /// everything they started) and the drill fails; `--up` still runs after a `--down`
+    /// that timed out.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "60s", requires = "drill")]
+    drill_timeout: Duration,
     /// Local capture: 1 in N packets sampled.
     #[arg(long, default_value_t = 16)]
     sample_rate: u32,
@@ -134,6 +139,7 @@ pub(super) fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
             down: a.down.clone(),
             up: a.up.clone(),
             hold: a.hold,
+            timeout: a.drill_timeout,
         };
         let snaps = rt.block_on(async {
             match &source {
