@@ -1141,7 +1141,8 @@ impl Joiner {
     /// chunk's reports are built, so the join seldom has to copy a flow it changes (a
     /// snapshot of the whole table makes it copy every flow it touches until the last
     /// report is built). Each flow's report is as of its chunk, not of one moment for all.
-    pub fn chunk_view(&self, after: Option<&FlowId>, n: usize) -> (Vec<FlowId>, JoinView) {
+    /// The snapshot is made a view ([`Snapshot::view`]) outside the lock.
+    pub fn chunk_view(&self, after: Option<&FlowId>, n: usize) -> (Vec<FlowId>, Snapshot) {
         use std::ops::Bound::{Excluded, Unbounded};
         let from = after.map_or(Unbounded, Excluded);
         let ids: Vec<FlowId> = self.ids.range((from, Unbounded)).take(n).copied().collect();
@@ -1153,7 +1154,7 @@ impl Joiner {
         for (src, dst) in pairs {
             flows.extend(self.pair_ids(src, dst).map(|k| (*k, self.flows[k].f.clone())));
         }
-        (ids, Snapshot(self.view_of(flows)).view())
+        (ids, Snapshot(self.view_of(flows)))
     }
 
     /// The tracked flows from `src` to `dst`, from the label index.
@@ -2612,6 +2613,7 @@ mod tests {
             let mut out = Vec::new();
             loop {
                 let (ids, view) = j.chunk_view(cursor.as_ref(), n);
+                let view = view.view();
                 if ids.is_empty() {
                     return out;
                 }
@@ -2624,6 +2626,7 @@ mod tests {
         }
         // The table changes between chunks: the last flow goes, a new one comes last.
         let (ids, view) = j.chunk_view(None, 100);
+        let view = view.view();
         let mut got: Vec<FlowReport> = ids.iter().map(|id| view.flow_report(id).unwrap()).collect();
         drop(view);
         let last = *j.flow_ids().last().unwrap();

@@ -158,7 +158,7 @@ fn flow_reports(
 }
 
 /// Flows read under the lock at a time by `/flows`.
-const FLOWS_CHUNK: usize = 256;
+const FLOWS_CHUNK: usize = 1024;
 
 /// Every flow's report in label order, read from the join a chunk at a time
 /// ([`Joiner::chunk_view`]): the lock is held only to take each chunk, and the join copies
@@ -207,6 +207,7 @@ fn each_flow_a_chunk_at_a_time<E>(
             let probes: Vec<_> = ids.iter().map(|id| s.probes.get(id).cloned()).collect();
             (ids, view, probes)
         };
+        let view = view.view();
         let Some(last) = ids.last() else {
             return Ok(());
         };

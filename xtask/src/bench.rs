@@ -1299,7 +1299,8 @@ fn join_with_reader(flows: u32) -> anyhow::Result<()> {
                     // As `/flows` reads: a chunk of flows under the lock at a time.
                     let (mut bytes, mut cursor) = (0, None);
                     loop {
-                        let (ids, view) = j.lock().chunk_view(cursor.as_ref(), 256);
+                        let (ids, view) = j.lock().chunk_view(cursor.as_ref(), 1024);
+                        let view = view.view();
                         let Some(last) = ids.last() else { break };
                         cursor = Some(*last);
                         for id in &ids {
@@ -1344,7 +1345,7 @@ fn join_with_reader(flows: u32) -> anyhow::Result<()> {
         Ok((secs, trajectories, reads, waited.as_secs_f64()))
     };
     println!(
-        "== the join while a reader builds every report once a second as /flows does (256 flows under the lock at a time): {flows} flows, {PACKETS} packets each at 8 points, {total} observations"
+        "== the join while a reader builds every report once a second as /flows does (1024 flows under the lock at a time): {flows} flows, {PACKETS} packets each at 8 points, {total} observations"
     );
     // Undisturbed and disturbed runs in adjacent pairs, which one goes first alternating:
     // this VM's speed drifts by up to 1.5× over a minute, so each pair is compared within
