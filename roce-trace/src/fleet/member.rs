@@ -185,7 +185,7 @@ impl GroupMember {
     }
 }
 
-async fn put_lease(fleet: &Fleet, info: &MemberInfo) -> Result<(), FleetError> {
+pub(super) async fn put_lease(fleet: &Fleet, info: &MemberInfo) -> Result<(), FleetError> {
     let err = |source: async_nats::Error| FleetError::Bucket {
         bucket: fleet.opts.members_bucket(),
         source,
@@ -214,7 +214,7 @@ async fn keep_lease(fleet: Fleet, info: MemberInfo, refresh: Duration) {
 /// listing cut by a server restart must not hold ownership up for ever). A lease that
 /// does not read as one is skipped (and logged): another member's bad value must not
 /// stop this one.
-async fn live_members(fleet: &Fleet) -> Result<Vec<MemberInfo>, FleetError> {
+pub(super) async fn live_members(fleet: &Fleet) -> Result<Vec<MemberInfo>, FleetError> {
     match tokio::time::timeout(2 * fleet.opts.request_timeout, list_members(fleet)).await {
         Ok(r) => r,
         Err(_) => Err(FleetError::Bucket {
@@ -229,14 +229,22 @@ async fn list_members(fleet: &Fleet) -> Result<Vec<MemberInfo>, FleetError> {
         bucket: fleet.opts.members_bucket(),
         source,
     };
-    let keys: Vec<String> = fleet
-        .members
-        .keys()
-        .await
-        .map_err(|e| err(e.into()))?
-        .try_collect()
-        .await
-        .map_err(|e| err(e.into()))?;
+    // A lease renewed while the keys are listed can be listed twice, or not at all: the
+    // keys of two listings, each once (a member listed twice would have its counts
+    // merged twice into the group's view; one missed by both is left out until the next
+    // refresh — a watch of the bucket would close that, not done yet).
+    let mut keys = std::collections::BTreeSet::new();
+    for _ in 0..2 {
+        let listed: Vec<String> = fleet
+            .members
+            .keys()
+            .await
+            .map_err(|e| err(e.into()))?
+            .try_collect()
+            .await
+            .map_err(|e| err(e.into()))?;
+        keys.extend(listed);
+    }
     let mut out = Vec::new();
     for key in keys {
         let Some(entry) = fleet

@@ -968,3 +968,53 @@ async fn a_synchronised_clock_is_said_on_every_message() {
     assert_eq!(seen["ptp"], BTreeSet::from([true]));
     assert_eq!(seen["free"], BTreeSet::from([false]));
 }
+
+/// The members listed while leases are being renewed are each listed once: a lease put
+/// during the listing must not make its member appear twice (the group's view would
+/// merge that member's counts twice; CI saw one member's flows and observations counted
+/// twice in the group's /metrics).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_are_listed_once_while_their_leases_are_renewed() {
+    use super::member::{live_members, put_lease};
+    let srv = NatsServer::start(&[]);
+    let f = fleet(test_options(&srv)).await;
+    let infos: Vec<MemberInfo> = (0..3)
+        .map(|k| MemberInfo {
+            id: format!("c{k}"),
+            http: format!("127.0.0.1:{}", 9000 + k),
+        })
+        .collect();
+    for i in &infos {
+        put_lease(&f, i).await.unwrap();
+    }
+    let renewing = {
+        let (f, infos) = (f.clone(), infos.clone());
+        tokio::spawn(async move {
+            // Far more often than members renew (a third of the TTL), as often as the
+            // listing still ends.
+            loop {
+                for i in &infos {
+                    put_lease(&f, i).await.unwrap();
+                }
+                tokio::time::sleep(Duration::from_millis(30)).await;
+            }
+        })
+    };
+    for _ in 0..200 {
+        let mut ids: Vec<String> = live_members(&f)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|m| m.id)
+            .collect();
+        let n = ids.len();
+        ids.sort();
+        ids.dedup();
+        assert_eq!(ids.len(), n, "a member listed twice: {ids:?}");
+        assert!(
+            ids.iter().all(|id| ["c0", "c1", "c2"].contains(&id.as_str())),
+            "{ids:?}"
+        );
+    }
+    renewing.abort();
+}
