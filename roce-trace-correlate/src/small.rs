@@ -219,8 +219,9 @@ impl PackedCounts {
         }
     }
 
-    /// Room for `n` more bytes, exactly: a flow's counters live for hours, so slack
-    /// would cost more than the copies.
+    /// Room for `n` more bytes, growing by at least half the buffer: each move of a
+    /// flow's buffer leaves a hole the allocator rarely reuses, so a few moves with a
+    /// little slack cost less resident memory than one move per new point.
     fn grow(&mut self, n: usize) {
         if self.0.capacity() - self.0.len() < n {
             self.0.reserve_exact(n.max(self.0.len() / 2));

@@ -339,13 +339,10 @@ pub async fn run_drill(http: std::net::SocketAddr, opts: &DrillOptions) -> anyho
         sig = signals.next() => Err(anyhow::anyhow!("drill: {sig} during the failure")),
     };
     // The repair runs whatever happened; a signal meanwhile waits for it.
-    let repaired = match &outcome {
-        Err(e) => {
-            eprintln!("drill: {e:#}; repairing");
-            act(&opts.up, "repair it", opts.timeout).await
-        }
-        Ok(_) => act(&opts.up, "repair it", opts.timeout).await,
-    };
+    if let Err(e) = &outcome {
+        eprintln!("drill: {e:#}; repairing");
+    }
+    let repaired = act(&opts.up, "repair it", opts.timeout).await;
     let ((down_at_ns, settled, during), up_at_ns) = match (outcome, repaired) {
         (Ok(o), Ok(up_at_ns)) => (o, up_at_ns),
         (Err(e), Ok(_)) if opts.up.is_some() => {
