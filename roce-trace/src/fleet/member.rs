@@ -229,21 +229,23 @@ async fn list_members(fleet: &Fleet) -> Result<Vec<MemberInfo>, FleetError> {
         bucket: fleet.opts.members_bucket(),
         source,
     };
-    // A lease renewed while the keys are listed can be listed twice, or not at all: the
-    // keys of two listings, each once (a member listed twice would have its counts
-    // merged twice into the group's view; one missed by both is left out until the next
-    // refresh — a watch of the bucket would close that, not done yet).
+    // The bucket's keys from one stream-info request, answered by the server from one
+    // state of the stream: each subject once. Not `Store::keys()`: its consumer lists a
+    // lease renewed during the listing twice (the group's view would merge that member's
+    // counts twice), and when a renewal replaces an entry not yet delivered it waits for
+    // an idle heartbeat (seconds) before it ends.
+    let subjects = format!("{}>", fleet.members.prefix);
+    let mut listed = fleet
+        .members
+        .stream
+        .info_with_subjects(&subjects)
+        .await
+        .map_err(|e| err(e.into()))?;
     let mut keys = std::collections::BTreeSet::new();
-    for _ in 0..2 {
-        let listed: Vec<String> = fleet
-            .members
-            .keys()
-            .await
-            .map_err(|e| err(e.into()))?
-            .try_collect()
-            .await
-            .map_err(|e| err(e.into()))?;
-        keys.extend(listed);
+    while let Some((subject, _count)) = listed.try_next().await.map_err(|e| err(e.into()))? {
+        if let Some(key) = subject.strip_prefix(fleet.members.prefix.as_str()) {
+            keys.insert(key.to_string());
+        }
     }
     let mut out = Vec::new();
     for key in keys {
