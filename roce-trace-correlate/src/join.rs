@@ -251,6 +251,17 @@ struct Slot {
     f: Arc<FlowJoin>,
 }
 
+impl Slot {
+    /// The flow's state to change: copied first when a view still holds it (counted in
+    /// `copies`).
+    fn own(&mut self, copies: &mut u64) -> &mut FlowJoin {
+        if Arc::strong_count(&self.f) > 1 {
+            *copies += 1;
+        }
+        Arc::make_mut(&mut self.f)
+    }
+}
+
 /// A flow's part of the join's running totals ([`JoinStats`]), given back when the flow is
 /// handed to another collector ([`Joiner::forget_where`]), which counts it again as it
 /// replays it: a group's merged totals then count each observation once. (A flow
@@ -383,6 +394,9 @@ pub struct Joiner {
     new_paths: Option<Vec<FlowId>>,
     /// Ticks that gave a large amount of state back (see [`Joiner::gave_back`]).
     gave_back: u64,
+    /// Flows the join changed while a view still held them (see
+    /// [`Joiner::copied_for_views`]).
+    copied_for_views: u64,
     pub stats: JoinStats,
 }
 
@@ -408,6 +422,7 @@ impl Joiner {
             expired_at_ns: 0,
             new_paths: None,
             gave_back: 0,
+            copied_for_views: 0,
             stats: JoinStats::default(),
         }
     }
@@ -473,12 +488,13 @@ impl Joiner {
         }
         let s = self.flows.get_mut(&id).expect("inserted");
         s.last_ns = now_ns;
-        Arc::make_mut(&mut s.f)
+        s.own(&mut self.copied_for_views)
     }
 
     /// A tracked flow's state to change (copied first when a view still holds it).
     fn flow_mut(&mut self, id: &FlowId) -> Option<&mut FlowJoin> {
-        self.flows.get_mut(id).map(|s| Arc::make_mut(&mut s.f))
+        let copies = &mut self.copied_for_views;
+        self.flows.get_mut(id).map(|s| s.own(copies))
     }
 
     fn forget(&mut self, id: &FlowId) {
@@ -827,6 +843,13 @@ impl Joiner {
         self.gave_back
     }
 
+    /// How many times the join copied a flow's state to change it because a view
+    /// ([`Joiner::snapshot`], [`Joiner::chunk_view`], [`Joiner::flow_view`]) still held
+    /// it: what readers cost the join beyond the lock.
+    pub fn copied_for_views(&self) -> u64 {
+        self.copied_for_views
+    }
+
     /// Whether `p` lacks a node of its flow's path whose agent has not yet reported past
     /// the packet's time: its observation may still be on its way. How far a node has
     /// reported: its in-order HEALTH ([`Joiner::reported_to`]), or its latest observation
@@ -914,7 +937,8 @@ impl Joiner {
             .iter()
             .map(|o| self.topo.points[o.point as usize].clock_synced)
             .collect();
-        let Some(f) = self.flows.get_mut(&flow).map(|s| Arc::make_mut(&mut s.f)) else {
+        let copies = &mut self.copied_for_views;
+        let Some(f) = self.flows.get_mut(&flow).map(|s| s.own(copies)) else {
             return;
         };
         f.trajectories += 1;

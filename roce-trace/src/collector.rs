@@ -175,16 +175,16 @@ fn flows_a_chunk_at_a_time(st: &StateLock) -> Vec<FlowReport> {
     out
 }
 
-/// `/flows` of one collector as JSON, each report serialised as soon as it is built: a
-/// chunk of reports at a time in memory, never the table's worth (the same text as the
-/// reports collected first, with less than half the memory at a million flows).
-struct FlowsJson<'a>(&'a StateLock);
+/// `/flows` of one collector as JSON, each report serialised as soon as it is built and
+/// streamed to the client ([`Response::json_streamed`]): a chunk of reports and a few
+/// chunks of text at a time in memory, never the table's worth.
+struct FlowsJson(Shared);
 
-impl serde::Serialize for FlowsJson<'_> {
+impl serde::Serialize for FlowsJson {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeSeq as _;
         let mut seq = s.serialize_seq(None)?;
-        each_flow_a_chunk_at_a_time(self.0, |r| seq.serialize_element(&r))?;
+        each_flow_a_chunk_at_a_time(&self.0, |r| seq.serialize_element(&r))?;
         seq.end()
     }
 }
@@ -207,16 +207,25 @@ fn each_flow_a_chunk_at_a_time<E>(
             let probes: Vec<_> = ids.iter().map(|id| s.probes.get(id).cloned()).collect();
             (ids, view, probes)
         };
-        let view = view.view();
         let Some(last) = ids.last() else {
             return Ok(());
         };
         cursor = Some(*last);
-        for (id, probe) in ids.iter().zip(probes) {
-            if let Some(mut r) = view.flow_report(id) {
-                r.probe = probe;
-                each(r)?;
-            }
+        // The chunk's reports built first and the view let go of before they are
+        // written out: while a view holds a flow, the join copies the flow to change it.
+        let reports: Vec<FlowReport> = {
+            let view = view.view();
+            ids.iter()
+                .zip(probes)
+                .filter_map(|(id, probe)| {
+                    let mut r = view.flow_report(id)?;
+                    r.probe = probe;
+                    Some(r)
+                })
+                .collect()
+        };
+        for r in reports {
+            each(r)?;
         }
     }
 }
@@ -1027,7 +1036,7 @@ fn local_api(st: &Shared, path: &str, query: &str) -> Response {
                 None => Response::text(409, format!("no connected agent on the source node of `{id}`\n")),
             }
         }
-        "/flows" => Response::json(&FlowsJson(st)),
+        "/flows" => Response::json_streamed(FlowsJson(st.clone())),
         "/flow" => {
             let label = flow_id();
             let one = {

@@ -3,7 +3,7 @@
 //! not acknowledged, delivers what it buffered, and reports what a too-small buffer made it
 //! drop. Real processes across a veth pair; every count exact.
 
-use std::{io::Read, net::TcpStream, sync::Mutex, time::Duration};
+use std::{sync::Mutex, time::Duration};
 
 use roce_trace_tests::*;
 use serde_json::Value;
@@ -12,15 +12,10 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 /// GET `path` from `addr`, a thread in `ns`; the body.
 fn get(ns: &Netns, addr: &'static str, path: &'static str) -> String {
-    let body = ns.run(move || {
-        use std::io::Write;
-        let mut s = TcpStream::connect(addr).unwrap();
-        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-        let mut body = String::new();
-        s.read_to_string(&mut body).unwrap();
-        body
+    let (_, body) = ns.run(move || {
+        roce_trace::http::get(addr.parse().unwrap(), path, std::time::Duration::from_secs(30)).unwrap()
     });
-    body.split_once("\r\n\r\n").unwrap().1.to_owned()
+    String::from_utf8(body).unwrap()
 }
 
 /// The collector's view of the agent (GET /agents, the only agent).

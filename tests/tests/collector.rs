@@ -69,12 +69,8 @@ impl Running {
     }
 
     fn get(&self, path: &str) -> (u16, String) {
-        let mut s = TcpStream::connect(self.http).unwrap();
-        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).unwrap();
-        let status = out.split_whitespace().nth(1).unwrap().parse().unwrap();
-        (status, out.split_once("\r\n\r\n").unwrap().1.to_owned())
+        let (status, body) = roce_trace::http::get(self.http, path, Duration::from_secs(30)).unwrap();
+        (status, String::from_utf8(body).unwrap())
     }
 
     fn json(&self, path: &str) -> Value {

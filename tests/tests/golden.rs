@@ -11,7 +11,7 @@
 //! (large frames) and an IPv6 QP that cross healthy.
 
 use std::{
-    io::{BufRead, BufReader, Read, Write},
+    io::{BufRead, BufReader, Read},
     net::{IpAddr, SocketAddr, TcpStream},
     path::{Path, PathBuf},
     process::{Command, Stdio},
@@ -359,12 +359,8 @@ fn pretty(body: &str) -> Vec<u8> {
 }
 
 fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let status = out.split_whitespace().nth(1).unwrap().parse().unwrap();
-    (status, out.split_once("\r\n\r\n").unwrap().1.to_owned())
+    let (status, body) = roce_trace::http::get(addr, path, std::time::Duration::from_secs(30)).unwrap();
+    (status, String::from_utf8(body).unwrap())
 }
 
 #[test]

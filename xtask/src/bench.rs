@@ -60,6 +60,26 @@ pub fn run(which: &str, repeat: u32) -> anyhow::Result<()> {
         "gen" => generator(bin),
         "capture" => capture(bin),
         "collector" => collector(),
+        // Parts of `collector`, alone, for working on one of them.
+        "collector-reader" => {
+            ensure!(
+                !cfg!(debug_assertions),
+                "build it optimised: cargo run --release -p xtask -- bench collector-reader"
+            );
+            join_with_reader(20_000)
+        }
+        "collector-views" => {
+            ensure!(
+                !cfg!(debug_assertions),
+                "build it optimised: cargo run --release -p xtask -- bench collector-views"
+            );
+            println!(
+                "== the collector over TCP and HTTP: two agents, 4 sampled packets per flow, views best of 3"
+            );
+            [10_000, 100_000, 1_000_000]
+                .into_iter()
+                .try_for_each(collector_views)
+        }
         "pcap" => pcap_ingest(bin),
         "all" => {
             datapath(repeat)?;
@@ -68,7 +88,9 @@ pub fn run(which: &str, repeat: u32) -> anyhow::Result<()> {
             pcap_ingest(bin)?;
             collector()
         }
-        other => bail!("unknown benchmark `{other}` (datapath, gen, capture, pcap, collector, all)"),
+        other => bail!(
+            "unknown benchmark `{other}` (datapath, gen, capture, pcap, collector, collector-reader, collector-views, all)"
+        ),
     }
 }
 
@@ -991,26 +1013,21 @@ impl WireAgent {
 
 /// GET `path`; the body's length and how long the whole answer took.
 fn timed_get(addr: std::net::SocketAddr, path: &str) -> anyhow::Result<(usize, f64)> {
-    use std::io::{Read as _, Write as _};
+    use std::io::Write as _;
     let t = std::time::Instant::now();
     let mut s = std::net::TcpStream::connect(addr)?;
     write!(
         s,
         "GET {path} HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n"
     )?;
-    let mut out = Vec::new();
-    s.read_to_end(&mut out)?;
+    // As a client that pipes the answer on (curl, jq) reads it: counted, not kept.
+    let (status, len) = roce_trace::http::read_answer_to(
+        std::io::BufReader::with_capacity(1 << 16, s),
+        &mut std::io::sink(),
+    )?;
     let secs = t.elapsed().as_secs_f64();
-    let head_end = out
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .context("no HTTP head")?;
-    ensure!(
-        out.starts_with(b"HTTP/1.1 200"),
-        "{path}: {}",
-        String::from_utf8_lossy(&out[..head_end])
-    );
-    Ok((out.len() - head_end - 4, secs))
+    ensure!(status == 200, "{path}: {status}");
+    Ok((len as usize, secs))
 }
 
 /// The collector as a service, over its real TCP and HTTP paths, in this process: two
@@ -1286,82 +1303,95 @@ fn join_with_reader(flows: u32) -> anyhow::Result<()> {
     let mut late = obs.clone();
     late.sort_by_key(|(p, o)| o.time_ns + u64::from(*p) * 100_000_000);
     let total = obs.len() as u64;
-    let feed = |stream: &[(u32, Observation)], reader: bool| -> anyhow::Result<(f64, u64, u64, f64)> {
-        let (j, _) = build();
-        let j = Arc::new(Mutex::new(j));
-        let done = Arc::new(AtomicBool::new(false));
-        let poller = reader.then(|| {
-            let (j, done) = (j.clone(), done.clone());
-            std::thread::spawn(move || {
-                let mut reads = 0u64;
-                while !done.load(Ordering::Relaxed) {
-                    let t = std::time::Instant::now();
-                    // As `/flows` reads: a chunk of flows under the lock at a time.
-                    let (mut bytes, mut cursor) = (0, None);
-                    loop {
-                        let (ids, view) = j.lock().chunk_view(cursor.as_ref(), 1024);
-                        let view = view.view();
-                        let Some(last) = ids.last() else { break };
-                        cursor = Some(*last);
-                        for id in &ids {
-                            let r = view.flow_report(id);
-                            bytes += serde_json::to_vec_pretty(&r).map_or(0, |v| v.len());
+    let feed =
+        |stream: &[(u32, Observation)], reader: bool| -> anyhow::Result<(f64, u64, u64, f64, u64, f64)> {
+            let (j, _) = build();
+            let j = Arc::new(Mutex::new(j));
+            let done = Arc::new(AtomicBool::new(false));
+            let poller = reader.then(|| {
+                let (j, done) = (j.clone(), done.clone());
+                std::thread::spawn(move || {
+                    let (mut reads, mut busy) = (0u64, Duration::ZERO);
+                    while !done.load(Ordering::Relaxed) {
+                        let t = std::time::Instant::now();
+                        // As `/flows` reads: a chunk of flows under the lock at a time.
+                        let (mut bytes, mut cursor) = (0, None);
+                        loop {
+                            let (ids, view) = j.lock().chunk_view(cursor.as_ref(), 1024);
+                            let Some(last) = ids.last() else { break };
+                            cursor = Some(*last);
+                            // The chunk's reports built, the view let go of, then written
+                            // out.
+                            let reports: Vec<_> = {
+                                let view = view.view();
+                                ids.iter().filter_map(|id| view.flow_report(id)).collect()
+                            };
+                            for r in &reports {
+                                bytes += serde_json::to_vec_pretty(r).map_or(0, |v| v.len());
+                            }
+                        }
+                        std::hint::black_box(bytes);
+                        reads += 1;
+                        busy += t.elapsed();
+                        while t.elapsed() < Duration::from_secs(1) && !done.load(Ordering::Relaxed) {
+                            std::thread::sleep(Duration::from_millis(10));
                         }
                     }
-                    std::hint::black_box(bytes);
-                    reads += 1;
-                    while t.elapsed() < Duration::from_secs(1) && !done.load(Ordering::Relaxed) {
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
+                    (reads, busy)
+                })
+            });
+            let t = std::time::Instant::now();
+            // How long the join waited for the lock the reader takes its snapshots under.
+            let mut waited = Duration::ZERO;
+            for (k, frame) in stream.chunks(roce_trace::protocol::MAX_BATCH).enumerate() {
+                let w = std::time::Instant::now();
+                let mut j = j.lock();
+                waited += w.elapsed();
+                let now = frame[0].1.time_ns;
+                for (p, o) in frame {
+                    j.add(*p, o, now);
                 }
-                reads
-            })
-        });
-        let t = std::time::Instant::now();
-        // How long the join waited for the lock the reader takes its snapshots under.
-        let mut waited = Duration::ZERO;
-        for (k, frame) in stream.chunks(roce_trace::protocol::MAX_BATCH).enumerate() {
-            let w = std::time::Instant::now();
-            let mut j = j.lock();
-            waited += w.elapsed();
-            let now = frame[0].1.time_ns;
-            for (p, o) in frame {
-                j.add(*p, o, now);
+                if k % 4 == 0 {
+                    j.tick(now);
+                }
             }
-            if k % 4 == 0 {
-                j.tick(now);
-            }
-        }
-        let trajectories = {
-            let mut j = j.lock();
-            j.flush();
-            j.stats.trajectories
+            let (trajectories, copies) = {
+                let mut j = j.lock();
+                j.flush();
+                (j.stats.trajectories, j.copied_for_views())
+            };
+            let secs = t.elapsed().as_secs_f64();
+            done.store(true, Ordering::Relaxed);
+            let (reads, busy) = poller
+                .map_or(Ok((0, Duration::ZERO)), |p| p.join())
+                .map_err(|_| anyhow::anyhow!("reader panicked"))?;
+            Ok((
+                secs,
+                trajectories,
+                reads,
+                waited.as_secs_f64(),
+                copies,
+                busy.as_secs_f64(),
+            ))
         };
-        let secs = t.elapsed().as_secs_f64();
-        done.store(true, Ordering::Relaxed);
-        let reads = poller
-            .map_or(Ok(0), |p| p.join())
-            .map_err(|_| anyhow::anyhow!("reader panicked"))?;
-        Ok((secs, trajectories, reads, waited.as_secs_f64()))
-    };
     println!(
         "== the join while a reader builds every report once a second as /flows does (1024 flows under the lock at a time): {flows} flows, {PACKETS} packets each at 8 points, {total} observations"
     );
     // Undisturbed and disturbed runs in adjacent pairs, which one goes first alternating:
     // this VM's speed drifts by up to 1.5× over a minute, so each pair is compared within
     // itself and the pairs' median is the figure (every pair is printed).
-    const PAIRS: usize = 5;
+    const PAIRS: usize = 9;
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
     for (name, stream) in [("in time order", &obs), ("out of time order", &late)] {
         let (mut alone, mut with, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut reads, mut waited) = (0u64, 0f64);
+        let (mut reads, mut waited, mut copies, mut busy) = (0u64, 0f64, 0u64, 0f64);
         for pair in 0..PAIRS {
             let mut rate = [0f64; 2];
             for reader in [pair % 2 == 1, pair % 2 == 0] {
-                let (secs, trajectories, r, w) = feed(stream, reader)?;
+                let (secs, trajectories, r, w, c, b) = feed(stream, reader)?;
                 ensure!(
                     trajectories == u64::from(flows * PACKETS),
                     "{name}: every packet joined ({trajectories})"
@@ -1369,6 +1399,8 @@ fn join_with_reader(flows: u32) -> anyhow::Result<()> {
                 rate[usize::from(reader)] = total as f64 / secs;
                 reads += r;
                 waited = waited.max(w);
+                copies += c;
+                busy += b;
             }
             alone.push(rate[0]);
             with.push(rate[1]);
@@ -1376,11 +1408,12 @@ fn join_with_reader(flows: u32) -> anyhow::Result<()> {
         }
         let each: Vec<String> = ratios.iter().map(|r| format!("{r:.0}")).collect();
         println!(
-            "{name:>18}: alone {:.0} observations/s; with the reader {:.0} observations/s; {:.0} % (median of {PAIRS} adjacent pairs: {} %; {reads} full reads, the join waited at most {:.1} ms in all for the lock); every packet joined",
+            "{name:>18}: alone {:.0} observations/s; with the reader {:.0} observations/s; {:.0} % (median of {PAIRS} adjacent pairs: {} %; {reads} full reads of {:.0} ms each, the join waited at most {:.1} ms in all for the lock and copied {copies} flows a reader held); every packet joined",
             median(&mut alone),
             median(&mut with),
             median(&mut ratios),
             each.join(", "),
+            busy * 1e3 / reads.max(1) as f64,
             waited * 1e3
         );
     }
