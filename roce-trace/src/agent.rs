@@ -550,7 +550,9 @@ async fn handshake(opts: &AgentOptions) -> Result<Connected, SessionEnd> {
     let hello = enc.encode(&hello).map_err(SessionEnd::Hello)?;
     sock.write_all(&hello).await.map_err(SessionEnd::Send)?;
     let mut buf = BytesMut::new();
-    let mut dec = Decoder::default();
+    // What a collector sends (WELCOME, ACK, TRACE_REQUEST, BYE) is small: nothing it
+    // sends can make the agent hold more than a HELLO's worth.
+    let mut dec = Decoder::handshake();
     let reply = tokio::time::timeout(Duration::from_secs(5), read_frame(&mut sock, &mut buf, &mut dec))
         .await
         .map_err(|_| SessionEnd::NoWelcome)?

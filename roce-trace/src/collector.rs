@@ -255,6 +255,28 @@ impl State {
 type StateLock = parking_lot::Mutex<State>;
 type Shared = Arc<StateLock>;
 
+/// Agents' connections handshaking at once, at most: more are refused (counted) until
+/// one is done. With [`crate::protocol::MAX_HELLO`] each, what unauthenticated peers can make the
+/// collector hold is bounded (64 × 128 KiB = 8 MiB of frames, plus their sockets).
+const MAX_HANDSHAKES: usize = 64;
+/// Agents' connections at once, at most (a fleet larger than this reports through NATS).
+const MAX_CONNECTIONS: usize = 16_384;
+/// How long a new connection has to present its HELLO, and a refused one to take its
+/// BYE.
+const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
+
+/// Whether two secrets are equal, in time that depends on their lengths only, never on
+/// where they first differ.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len().max(b.len());
+    let mut diff = (a.len() != b.len()) as u8;
+    for i in 0..n {
+        let (x, y) = (a.get(i).copied().unwrap_or(0), b.get(i).copied().unwrap_or(0));
+        diff |= std::hint::black_box(x ^ y);
+    }
+    diff == 0
+}
+
 /// Flows waiting for their source's agent to trace them, at most.
 const MAX_UNTRACED: usize = 10_000;
 
@@ -356,14 +378,34 @@ pub async fn run(
     let token = Arc::new(opts.token.clone());
     let st = state.clone();
     let accept = async move {
+        let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+        let connections = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         loop {
-            let Ok((sock, peer)) = listener.accept().await else {
+            let (sock, peer) = match listener.accept().await {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of descriptors (or memory): a pause, not a spin, until a
+                    // connection closes.
+                    tracing::warn!("accepting an agent's connection: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let (Ok(conn), Ok(hs)) = (
+                connections.clone().try_acquire_owned(),
+                handshakes.clone().try_acquire_owned(),
+            ) else {
+                st.lock().refused += 1;
+                tracing::warn!(
+                    "agent {peer}: refused: {MAX_CONNECTIONS} connections or {MAX_HANDSHAKES} handshakes under way"
+                );
                 continue;
             };
             let st = st.clone();
             let token = token.clone();
             tokio::spawn(async move {
-                let why = serve_agent(sock, peer, &st, &token, start).await;
+                let _conn = conn;
+                let why = serve_agent(sock, peer, &st, &token, start, hs).await;
                 tracing::warn!("agent {peer}: connection closed: {why}");
             });
         }
@@ -451,11 +493,13 @@ async fn serve_agent(
     st: &Shared,
     token: &str,
     start: Instant,
+    handshake: tokio::sync::OwnedSemaphorePermit,
 ) -> Closed {
-    let mut buf = BytesMut::with_capacity(64 * 1024);
-    let mut dec = Decoder::default();
+    // Before the peer is known it can make this connection hold a HELLO's worth at most.
+    let mut buf = BytesMut::with_capacity(4 * 1024);
+    let mut dec = Decoder::handshake();
     let mut enc = Encoder::default();
-    let first = tokio::time::timeout(Duration::from_secs(5), read_frame(&mut sock, &mut buf, &mut dec)).await;
+    let first = tokio::time::timeout(HANDSHAKE_DEADLINE, read_frame(&mut sock, &mut buf, &mut dec)).await;
     let hello = match first {
         Ok(Ok(Some(Frame::Hello {
             version,
@@ -465,7 +509,7 @@ async fn serve_agent(
         }))) => {
             if version != VERSION {
                 Err(Closed::Version(ProtoError::Version(version)))
-            } else if t != token {
+            } else if !same_secret(t.as_bytes(), token.as_bytes()) {
                 Err(Closed::WrongToken(node))
             } else {
                 Ok((node, clock_synced))
@@ -482,11 +526,13 @@ async fn serve_agent(
             if matches!(why, Closed::Version(_) | Closed::WrongToken(_))
                 && let Ok(bye) = Encoder::default().encode(&Frame::bye(why.to_string()))
             {
-                let _ = sock.write_all(&bye).await;
+                let _ = tokio::time::timeout(HANDSHAKE_DEADLINE, sock.write_all(&bye)).await;
             }
             return why;
         }
     };
+    dec.authenticated();
+    drop(handshake);
     let (conn, stop, done, previous) = take_over(st, &node, dec.next_seq()).await;
     let welcome = Frame::Welcome {
         version: VERSION,
@@ -1340,5 +1386,27 @@ pub fn release_freed_memory() {
     // preconditions.
     unsafe {
         libc::malloc_trim(0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_secret;
+
+    #[test]
+    fn secrets_are_equal_only_when_every_byte_and_the_length_are() {
+        assert!(same_secret(b"", b""));
+        assert!(same_secret(b"the-token", b"the-token"));
+        for other in [
+            &b"the-tokem"[..],
+            b"she-token",
+            b"the-toke",
+            b"the-token\0",
+            b"",
+            b"x",
+        ] {
+            assert!(!same_secret(b"the-token", other), "{other:?}");
+            assert!(!same_secret(other, b"the-token"), "{other:?}");
+        }
     }
 }

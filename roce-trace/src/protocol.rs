@@ -153,8 +153,8 @@ impl Frame {
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum ProtoError {
-    #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit")]
-    Oversized(usize),
+    #[error("frame of {0} bytes exceeds the {1}-byte limit")]
+    Oversized(usize, usize),
     #[error("malformed frame: {0}")]
     Malformed(&'static str),
     #[error("unknown frame kind {0}")]
@@ -394,10 +394,24 @@ pub fn encode(f: &Frame, seq: u64) -> Result<Bytes, ProtoError> {
 }
 
 /// Reads frames from a byte stream and enforces their order.
-#[derive(Default)]
 pub struct Decoder {
     next_seq: u64,
+    /// The largest frame taken ([`MAX_FRAME`], or [`MAX_HELLO`] before a peer is known).
+    limit: usize,
 }
+
+impl Default for Decoder {
+    fn default() -> Self {
+        Self {
+            next_seq: 0,
+            limit: MAX_FRAME,
+        }
+    }
+}
+
+/// The largest HELLO (a node name and a token of the most their u16 lengths carry): what
+/// a peer not yet authenticated can make the collector hold.
+pub const MAX_HELLO: usize = 4 + 9 + 3 + 2 * (2 + u16::MAX as usize);
 
 fn need(b: &impl Buf, n: usize) -> Result<(), ProtoError> {
     if b.remaining() < n {
@@ -439,6 +453,20 @@ fn get_flow(b: &mut Bytes) -> FlowId {
 }
 
 impl Decoder {
+    /// A decoder for a connection's first frame, the HELLO: a length past [`MAX_HELLO`]
+    /// is refused before any of it is buffered. [`Decoder::authenticated`] lifts it.
+    pub fn handshake() -> Self {
+        Self {
+            limit: MAX_HELLO,
+            ..Self::default()
+        }
+    }
+
+    /// Frames up to [`MAX_FRAME`] from now on (the peer was authenticated).
+    pub fn authenticated(&mut self) {
+        self.limit = MAX_FRAME;
+    }
+
     /// The sequence number the next frame must carry: how many frames were decoded.
     pub fn next_seq(&self) -> u64 {
         self.next_seq
@@ -450,8 +478,8 @@ impl Decoder {
             return Ok(None);
         }
         let len = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
-        if len + 4 > MAX_FRAME {
-            return Err(ProtoError::Oversized(len + 4));
+        if len + 4 > self.limit {
+            return Err(ProtoError::Oversized(len + 4, self.limit));
         }
         if len < 9 {
             return Err(ProtoError::Malformed("frame shorter than its header"));
@@ -849,6 +877,37 @@ mod tests {
         ]
     }
 
+    /// Before a peer is known, a frame longer than the largest HELLO is refused from its
+    /// length alone (nothing of it buffered); the largest HELLO is taken; once the peer is
+    /// authenticated, frames up to MAX_FRAME are.
+    #[test]
+    fn an_unauthenticated_peer_cannot_announce_more_than_a_hello() {
+        let hello = Frame::Hello {
+            version: VERSION,
+            node: "n".repeat(u16::MAX as usize),
+            token: "t".repeat(u16::MAX as usize),
+            clock_synced: true,
+        };
+        let wire = Encoder::default().encode(&hello).unwrap();
+        assert_eq!(wire.len(), MAX_HELLO);
+        let mut dec = Decoder::handshake();
+        let mut b = BytesMut::from(&wire[..]);
+        assert_eq!(dec.decode(&mut b).unwrap(), Some(hello));
+        let big = Frame::Observations(vec![Observation::default(); MAX_BATCH]);
+        let mut enc = Encoder::default();
+        enc.encode(&Frame::Ack { seq: 0 }).unwrap();
+        let big = enc.encode(&big).unwrap();
+        assert!(big.len() > MAX_HELLO);
+        let mut b = BytesMut::from(&big[..4]);
+        assert_eq!(
+            Decoder::handshake().decode(&mut b),
+            Err(ProtoError::Oversized(big.len(), MAX_HELLO))
+        );
+        dec.authenticated();
+        let mut b = BytesMut::from(&big[..]);
+        assert!(matches!(dec.decode(&mut b), Ok(Some(Frame::Observations(_)))));
+    }
+
     #[test]
     fn every_frame_round_trips_even_split_into_single_bytes() {
         let frames = all_frames();
@@ -873,7 +932,7 @@ mod tests {
     fn bad_input_is_refused_with_a_reason() {
         let mut dec = Decoder::default();
         let mut b = BytesMut::from(&[0xff, 0xff, 0xff, 0xff][..]);
-        assert!(matches!(dec.decode(&mut b), Err(ProtoError::Oversized(_))));
+        assert!(matches!(dec.decode(&mut b), Err(ProtoError::Oversized(..))));
 
         let mut dec = Decoder::default();
         let mut b = BytesMut::from(&encode(&Frame::Heartbeat { unix_ns: 1 }, 5).unwrap()[..]);

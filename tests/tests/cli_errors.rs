@@ -93,3 +93,43 @@ fn an_rdma_nic_interface_is_called_out() {
         "{err}"
     );
 }
+
+/// A token file others can read is refused, the error naming the fix (as ssh refuses a
+/// private key others can read);
+/// one only its owner reads is taken.
+#[test]
+fn a_token_file_others_can_read_is_refused() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = TempDir::new("token-perms");
+    let f = dir.path("token");
+    std::fs::write(&f, "tk\n").unwrap();
+    let f = f.to_str().unwrap();
+    for mode in [0o644, 0o640, 0o604] {
+        std::fs::set_permissions(f, std::fs::Permissions::from_mode(mode)).unwrap();
+        let (code, err) = run(&[
+            "collect",
+            "--listen",
+            "127.0.0.1:0",
+            "--token-file",
+            f,
+            "--duration",
+            "1s",
+        ]);
+        assert_ne!(code, 0, "mode {mode:o}");
+        assert!(
+            err.contains("can be read by others") && err.contains("chmod 600"),
+            "{err}"
+        );
+    }
+    std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let (code, err) = run(&[
+        "collect",
+        "--listen",
+        "127.0.0.1:0",
+        "--token-file",
+        f,
+        "--duration",
+        "1s",
+    ]);
+    assert_eq!(code, 0, "{err}");
+}

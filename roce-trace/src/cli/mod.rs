@@ -66,10 +66,16 @@ fn read_token(
     file_from_config: Option<&PathBuf>,
     from_config: Option<&String>,
 ) -> anyhow::Result<String> {
-    if let Some(t) = &t.token {
-        return Ok(t.clone());
+    if let Some(tok) = &t.token {
+        if std::env::var("ROCE_TRACE_TOKEN").ok().as_ref() != Some(tok) {
+            tracing::warn!(
+                "--token on the command line is visible to every user of this host (ps, /proc): prefer --token-file or ROCE_TRACE_TOKEN"
+            );
+        }
+        return Ok(tok.clone());
     }
     if let Some(f) = t.token_file.as_ref().or(file_from_config) {
+        check_secret_file(f)?;
         let s =
             std::fs::read_to_string(f).with_context(|| format!("reading the token file {}", f.display()))?;
         let tok = s.lines().next().unwrap_or("").trim().to_owned();
@@ -79,6 +85,28 @@ fn read_token(
     from_config
         .cloned()
         .ok_or_else(|| anyhow::anyhow!("a token is required: --token, --token-file or ROCE_TRACE_TOKEN"))
+}
+
+/// A file holding a secret must be the reader's own, or root's, and readable by nobody
+/// else (as ssh requires of a private key): a secret others can read is no secret.
+fn check_secret_file(f: &std::path::Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt as _;
+    let m = std::fs::metadata(f).with_context(|| format!("reading the token file {}", f.display()))?;
+    let mode = m.mode() & 0o777;
+    anyhow::ensure!(
+        mode & 0o077 == 0,
+        "the token file {} can be read by others (mode {mode:03o}): chmod 600 it",
+        f.display()
+    );
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    anyhow::ensure!(
+        m.uid() == me || m.uid() == 0,
+        "the token file {} belongs to uid {}, not to this user ({me}) or root",
+        f.display(),
+        m.uid()
+    );
+    Ok(())
 }
 
 #[derive(Clone, Copy, ValueEnum)]
