@@ -156,7 +156,7 @@ pub async fn run(
     let mut metrics_addr = None;
     if let Some(addr) = opts.metrics {
         let sh = shared.clone();
-        let (bound, serve) = http::bind(addr, move |path, _| match path {
+        let (bound, serve) = http::bind(addr, None, move |path, _| match path {
             "/metrics" => Response::metrics(render_metrics(&sh)),
             _ => Response::text(404, "try /metrics\n".into()),
         })

@@ -40,6 +40,10 @@ pub struct CollectorOptions {
     /// Ask each flow's source agent to trace it once (in-band probes); hops in the report.
     pub trace: bool,
     pub interval: Duration,
+    /// The HTTP API's bearer token: every request must carry it (`Authorization: Bearer
+    /// …`), and a member of a group sends it to the others. Required to serve the API
+    /// beyond loopback.
+    pub http_token: Option<String>,
     /// Fleet mode: also join a group of collectors on NATS JetStream, reading the
     /// partitions this member owns (agents publish there instead of connecting here).
     pub fleet: Option<FleetOptions>,
@@ -104,6 +108,39 @@ struct State {
     /// Fleet mode: the group this collector is a member of.
     group: Option<Group>,
     next_trace: u32,
+    /// `/trace` is served (`--trace`), within a budget for the whole collector.
+    trace_on_request: bool,
+    trace_budget: TraceBudget,
+    /// The HTTP API's bearer token, sent to the group's other members.
+    http_token: Option<String>,
+}
+
+/// `/trace` requests the whole collector takes: a burst of [`TraceBudget::BURST`], then
+/// [`TraceBudget::PER_SECOND`] a second (a token bucket). Each asks an agent to send
+/// probes into the fabric: no client may make the agents flood it.
+#[derive(Default)]
+struct TraceBudget {
+    tokens: f64,
+    at: Option<Instant>,
+}
+
+impl TraceBudget {
+    const BURST: f64 = 20.0;
+    const PER_SECOND: f64 = 5.0;
+
+    fn take(&mut self, now: Instant) -> bool {
+        let since = self.at.map_or(Self::BURST / Self::PER_SECOND, |t| {
+            now.saturating_duration_since(t).as_secs_f64()
+        });
+        self.tokens = (self.tokens + since * Self::PER_SECOND).min(Self::BURST);
+        self.at = Some(now);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
 }
 
 /// What a reader takes from the state while the agents' frames wait: the join's flows
@@ -265,18 +302,6 @@ const MAX_CONNECTIONS: usize = 16_384;
 /// BYE.
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
 
-/// Whether two secrets are equal, in time that depends on their lengths only, never on
-/// where they first differ.
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    let n = a.len().max(b.len());
-    let mut diff = (a.len() != b.len()) as u8;
-    for i in 0..n {
-        let (x, y) = (a.get(i).copied().unwrap_or(0), b.get(i).copied().unwrap_or(0));
-        diff |= std::hint::black_box(x ^ y);
-    }
-    diff == 0
-}
-
 /// Flows waiting for their source's agent to trace them, at most.
 const MAX_UNTRACED: usize = 10_000;
 
@@ -305,8 +330,16 @@ pub async fn run(
     if opts.trace {
         joiner.note_new_paths();
     }
+    if let Some(addr) = opts.http {
+        anyhow::ensure!(
+            addr.ip().is_loopback() || opts.http_token.is_some(),
+            "--http {addr} would serve the API beyond this host to anyone: give --http-token-file FILE (clients then send `Authorization: Bearer <token>`), or listen on a loopback address"
+        );
+    }
     let state: Shared = Arc::new(StateLock::new(State {
         joiner: Some(joiner),
+        trace_on_request: opts.trace,
+        http_token: opts.http_token.clone(),
         last_conn: std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), start),
         ..State::default()
     }));
@@ -317,7 +350,8 @@ pub async fn run(
     let mut http_addr = None;
     if let Some(addr) = opts.http {
         let st = state.clone();
-        let (bound, serve) = http::bind(addr, move |path, query| api(&st, path, query))
+        let bearer = opts.http_token.as_deref().map(Arc::from);
+        let (bound, serve) = http::bind(addr, bearer, move |path, query| api(&st, path, query))
             .await
             .with_context(|| format!("HTTP on {addr}"))?;
         http_addr = Some(bound);
@@ -509,7 +543,7 @@ async fn serve_agent(
         }))) => {
             if version != VERSION {
                 Err(Closed::Version(ProtoError::Version(version)))
-            } else if !same_secret(t.as_bytes(), token.as_bytes()) {
+            } else if !http::same_secret(t.as_bytes(), token.as_bytes()) {
                 Err(Closed::WrongToken(node))
             } else {
                 Ok((node, clock_synced))
@@ -975,12 +1009,13 @@ fn from_members<T: serde::de::DeserializeOwned>(
         format!("{query}&local=1")
     };
     let mut out = Vec::new();
+    let bearer = st.lock().http_token.clone();
     for m in others(st) {
         let got = m
             .http
             .parse()
             .map_err(anyhow::Error::from)
-            .and_then(|addr| http::get_json(addr, &format!("{path}?{q}")));
+            .and_then(|addr| http::get_json_as(addr, &format!("{path}?{q}"), bearer.as_deref()));
         match got {
             Ok(v) => out.push(v),
             Err(e) => {
@@ -1028,7 +1063,13 @@ fn group_api(st: &Shared, path: &str, query: &str) -> Result<Option<Response>, R
                     .iter()
                     .filter_map(|m| m.http.parse().ok())
                     .find_map(|addr| {
-                        http::get_json::<FlowReport>(addr, &format!("{path}?{query}&local=1")).ok()
+                        let bearer = st.lock().http_token.clone();
+                        http::get_json_as::<FlowReport>(
+                            addr,
+                            &format!("{path}?{query}&local=1"),
+                            bearer.as_deref(),
+                        )
+                        .ok()
                     })
                     .map_or(local, |r| Response::json(&r))
             }
@@ -1074,9 +1115,31 @@ fn local_api(st: &Shared, path: &str, query: &str) -> Response {
         "/trace" => {
             let id = flow_id();
             let mut s = st.lock();
+            if !s.trace_on_request {
+                return Response::text(
+                    403,
+                    "tracing is off: start the collector with --trace to have agents probe flows\n".into(),
+                );
+            }
             let Some(f) = s.joiner.as_ref().expect("joiner").find(&id) else {
                 return Response::text(404, format!("no flow `{id}` (see /flows)\n"));
             };
+            if s.traced.contains(&f) {
+                return Response::text(
+                    409,
+                    format!("`{id}` was traced already: its hops are in /flow?id=…\n"),
+                );
+            }
+            if !s.trace_budget.take(Instant::now()) {
+                return Response::text(
+                    429,
+                    format!(
+                        "too many traces asked for: {} at once, then {} a second for the whole collector\n",
+                        TraceBudget::BURST,
+                        TraceBudget::PER_SECOND
+                    ),
+                );
+            }
             match s.request_trace(f) {
                 Some(node) => Response::json(&serde_json::json!({ "requested": id, "from": node })),
                 None => Response::text(409, format!("no connected agent on the source node of `{id}`\n")),
@@ -1391,22 +1454,23 @@ pub fn release_freed_memory() {
 
 #[cfg(test)]
 mod tests {
-    use super::same_secret;
+    use super::*;
 
+    /// The budget for `/trace`: a burst of 20 at once, then 5 a second, never more
+    /// however long it was idle.
     #[test]
-    fn secrets_are_equal_only_when_every_byte_and_the_length_are() {
-        assert!(same_secret(b"", b""));
-        assert!(same_secret(b"the-token", b"the-token"));
-        for other in [
-            &b"the-tokem"[..],
-            b"she-token",
-            b"the-toke",
-            b"the-token\0",
-            b"",
-            b"x",
-        ] {
-            assert!(!same_secret(b"the-token", other), "{other:?}");
-            assert!(!same_secret(other, b"the-token"), "{other:?}");
-        }
+    fn trace_requests_are_budgeted_for_the_whole_collector() {
+        let t0 = Instant::now();
+        let mut b = TraceBudget::default();
+        let burst = (0..100).filter(|_| b.take(t0)).count();
+        assert_eq!(burst, 20);
+        let s = |ms: u64| t0 + Duration::from_millis(ms);
+        assert!(!b.take(s(100)), "half a token after 100 ms");
+        assert!(b.take(s(200)), "one after 200 ms");
+        assert!(!b.take(s(250)));
+        // A second refills five.
+        assert_eq!((0..100).filter(|_| b.take(s(1_200))).count(), 5);
+        // An hour idle refills the burst, no more.
+        assert_eq!((0..100).filter(|_| b.take(s(3_600_000))).count(), 20);
     }
 }

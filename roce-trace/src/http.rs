@@ -189,26 +189,53 @@ use axum::response::IntoResponse as _;
 /// Binds `addr`; returns the bound address and a future serving `handler(path, query)`
 /// for GET requests (others get 405) with hyper, through axum. Answers are built on a
 /// blocking thread: a large view never holds up the runtime the agents' connections
-/// share.
-pub async fn bind<H>(addr: SocketAddr, handler: H) -> std::io::Result<(SocketAddr, impl Future<Output = ()>)>
+/// share. With a `bearer` token, a request without `Authorization: Bearer <token>` is
+/// answered 401 and nothing else (compared in constant time).
+pub async fn bind<H>(
+    addr: SocketAddr,
+    bearer: Option<Arc<str>>,
+    handler: H,
+) -> std::io::Result<(SocketAddr, impl Future<Output = ()>)>
 where
     H: Fn(&str, &str) -> Response + Send + Sync + 'static,
 {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
     let handler = Arc::new(handler);
-    let app = axum::Router::new().fallback(move |method: axum::http::Method, uri: axum::http::Uri| {
-        let handler = handler.clone();
-        async move {
-            if method != axum::http::Method::GET {
-                return Response::text(405, "only GET\n".into()).into_axum();
+    let app = axum::Router::new().fallback(
+        move |method: axum::http::Method, uri: axum::http::Uri, headers: axum::http::HeaderMap| {
+            let handler = handler.clone();
+            let bearer = bearer.clone();
+            async move {
+                if let Some(want) = &bearer {
+                    let given = headers
+                        .get(axum::http::header::AUTHORIZATION)
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.strip_prefix("Bearer "))
+                        .unwrap_or("");
+                    if !same_secret(given.trim().as_bytes(), want.as_bytes()) {
+                        let mut r = Response::text(
+                            401,
+                            "a bearer token is required (Authorization: Bearer …)\n".into(),
+                        )
+                        .into_axum();
+                        r.headers_mut().insert(
+                            axum::http::header::WWW_AUTHENTICATE,
+                            axum::http::HeaderValue::from_static("Bearer realm=\"roce-trace\""),
+                        );
+                        return r;
+                    }
+                }
+                if method != axum::http::Method::GET {
+                    return Response::text(405, "only GET\n".into()).into_axum();
+                }
+                let (path, query) = (uri.path().to_owned(), uri.query().unwrap_or("").to_owned());
+                tokio::task::spawn_blocking(move || handler(&path, &query).into_axum())
+                    .await
+                    .unwrap_or_else(|e| Response::text(500, format!("the request failed: {e}\n")).into_axum())
             }
-            let (path, query) = (uri.path().to_owned(), uri.query().unwrap_or("").to_owned());
-            tokio::task::spawn_blocking(move || handler(&path, &query).into_axum())
-                .await
-                .unwrap_or_else(|e| Response::text(500, format!("the request failed: {e}\n")).into_axum())
-        }
-    });
+        },
+    );
     Ok((local, async move {
         if let Err(e) = axum::serve(listener, app).await {
             tracing::warn!("HTTP on {local} stopped: {e}");
@@ -216,10 +243,31 @@ where
     }))
 }
 
+/// Whether two secrets are equal, in time that depends on their lengths only, never on
+/// where they first differ.
+pub fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len().max(b.len());
+    let mut diff = (a.len() != b.len()) as u8;
+    for i in 0..n {
+        let (x, y) = (a.get(i).copied().unwrap_or(0), b.get(i).copied().unwrap_or(0));
+        diff |= std::hint::black_box(x ^ y);
+    }
+    diff == 0
+}
+
 /// GET a JSON document (the collector's API) over a fresh connection.
 pub fn get_json<T: serde::de::DeserializeOwned>(addr: SocketAddr, path: &str) -> anyhow::Result<T> {
+    get_json_as(addr, path, None)
+}
+
+/// [`get_json`] with a bearer token, for an API that asks for one.
+pub fn get_json_as<T: serde::de::DeserializeOwned>(
+    addr: SocketAddr,
+    path: &str,
+    bearer: Option<&str>,
+) -> anyhow::Result<T> {
     use anyhow::Context as _;
-    let (status, body) = get(addr, path, std::time::Duration::from_secs(30))?;
+    let (status, body) = get_as(addr, path, std::time::Duration::from_secs(30), bearer)?;
     anyhow::ensure!(
         status == 200,
         "{addr}{path}: {status} {}",
@@ -231,15 +279,27 @@ pub fn get_json<T: serde::de::DeserializeOwned>(addr: SocketAddr, path: &str) ->
 /// GET `path` over a fresh HTTP/1.1 connection: the status and the body, read as the
 /// answer frames it (chunked, a length, or up to the close), each read within `timeout`.
 pub fn get(addr: SocketAddr, path: &str, timeout: std::time::Duration) -> anyhow::Result<(u16, Vec<u8>)> {
+    get_as(addr, path, timeout, None)
+}
+
+/// [`get`] with a bearer token.
+pub fn get_as(
+    addr: SocketAddr,
+    path: &str,
+    timeout: std::time::Duration,
+    bearer: Option<&str>,
+) -> anyhow::Result<(u16, Vec<u8>)> {
     use std::io::Write as _;
 
     use anyhow::Context as _;
     let mut s = std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(3))
         .with_context(|| format!("connecting to {addr}"))?;
     s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    let auth = bearer.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n"
     )?;
     read_answer(std::io::BufReader::new(s)).with_context(|| format!("reading {addr}{path}"))
 }
@@ -338,7 +398,7 @@ mod tests {
         let ended = Arc::new(tokio::sync::Notify::new());
         let (addr, serve) = {
             let (written, ended) = (written.clone(), ended.clone());
-            bind("127.0.0.1:0".parse().unwrap(), move |_, query| {
+            bind("127.0.0.1:0".parse().unwrap(), None, move |_, query| {
                 let (written, ended) = (written.clone(), ended.clone());
                 let total = if query == "small" { 3 << 20 } else { TOTAL };
                 Response {
@@ -390,6 +450,23 @@ mod tests {
             n < 64 << 20,
             "{n} bytes written for a client that read 1 MiB of {TOTAL}"
         );
+    }
+
+    #[test]
+    fn secrets_are_equal_only_when_every_byte_and_the_length_are() {
+        assert!(same_secret(b"", b""));
+        assert!(same_secret(b"the-token", b"the-token"));
+        for other in [
+            &b"the-tokem"[..],
+            b"she-token",
+            b"the-toke",
+            b"the-token\0",
+            b"",
+            b"x",
+        ] {
+            assert!(!same_secret(b"the-token", other), "{other:?}");
+            assert!(!same_secret(other, b"the-token"), "{other:?}");
+        }
     }
 
     /// Answers framed each way HTTP/1.1 allows read back to the same body; cut or

@@ -31,7 +31,12 @@ pub enum Source {
     /// A report the collector wrote (`collect --report`), `-` for stdin.
     Report(PathBuf),
     /// A running collector's HTTP API: its report after `window`.
-    Collector { http: SocketAddr, window: Duration },
+    Collector {
+        http: SocketAddr,
+        window: Duration,
+        /// The API's bearer token, when it asks for one.
+        bearer: Option<String>,
+    },
     /// This host's own interfaces, through an in-process agent and collector.
     Local {
         agent: Box<AgentOptions>,
@@ -43,7 +48,7 @@ impl Source {
     pub fn describe(&self) -> String {
         match self {
             Source::Report(p) => format!("report {}", p.display()),
-            Source::Collector { http, window } => {
+            Source::Collector { http, window, .. } => {
                 format!(
                     "collector http://{http} over {}",
                     humantime::format_duration(*window)
@@ -72,10 +77,13 @@ pub fn read_report(path: &std::path::Path) -> anyhow::Result<CollectorReport> {
 }
 
 /// The collector's current report, over its HTTP API.
-pub async fn fetch_report(http: SocketAddr) -> anyhow::Result<CollectorReport> {
-    tokio::task::spawn_blocking(move || crate::http::get_json::<CollectorReport>(http, "/report"))
-        .await
-        .context("fetching the report")?
+pub async fn fetch_report(http: SocketAddr, bearer: Option<&str>) -> anyhow::Result<CollectorReport> {
+    let bearer = bearer.map(str::to_owned);
+    tokio::task::spawn_blocking(move || {
+        crate::http::get_json_as::<CollectorReport>(http, "/report", bearer.as_deref())
+    })
+    .await
+    .context("fetching the report")?
 }
 
 /// An in-process collector on loopback, fed by an in-process agent on this host's
@@ -101,6 +109,7 @@ where
         trace: false,
         interval: Duration::from_secs(3600),
         fleet: None,
+        http_token: None,
     };
     let coll = tokio::spawn(collector::run(
         copts,
@@ -159,12 +168,12 @@ where
 pub async fn window_report(source: &Source) -> anyhow::Result<CollectorReport> {
     match source {
         Source::Report(p) => read_report(p),
-        Source::Collector { http, window } => {
+        Source::Collector { http, window, bearer } => {
             // What the collector learnt during the window: its view at the end less its
             // view at the start (which also fails early on a wrong address).
-            let start = fetch_report(*http).await?;
+            let start = fetch_report(*http, bearer.as_deref()).await?;
             tokio::time::sleep(*window).await;
-            Ok(since(&start, fetch_report(*http).await?))
+            Ok(since(&start, fetch_report(*http, bearer.as_deref()).await?))
         }
         Source::Local { agent, window } => {
             let w = *window;
@@ -311,8 +320,12 @@ impl Interrupts {
 /// started, `--up` runs whatever happens next — `--down` failing or timing out, the
 /// collector not answering, Ctrl-C or SIGTERM (which wait for the repair) — and the
 /// drill says so before it fails.
-pub async fn run_drill(http: std::net::SocketAddr, opts: &DrillOptions) -> anyhow::Result<Snapshots> {
-    let fetch = || fetch_report(http);
+pub async fn run_drill(
+    http: std::net::SocketAddr,
+    bearer: Option<&str>,
+    opts: &DrillOptions,
+) -> anyhow::Result<Snapshots> {
+    let fetch = || fetch_report(http, bearer);
     let start = fetch().await?;
     tracing::info!(
         "drill: traffic for {} before the failure",

@@ -26,6 +26,11 @@ struct Running {
 
 impl Running {
     fn start() -> Self {
+        Self::start_with(|_| {})
+    }
+
+    /// A collector with its options changed by `with` first.
+    fn start_with(with: impl FnOnce(&mut CollectorOptions) + Send + 'static) -> Self {
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let (atx, arx) = std::sync::mpsc::channel();
         let done = std::thread::spawn(move || {
@@ -47,7 +52,10 @@ impl Running {
                     trace: false,
                     interval: Duration::from_secs(1),
                     fleet: None,
+                    http_token: None,
                 };
+                let mut opts = opts;
+                with(&mut opts);
                 collector::run(
                     opts,
                     async {
@@ -737,4 +745,64 @@ fn an_agent_and_a_collector_of_another_version_part_cleanly() {
         );
         assert_eq!(fake.join().unwrap(), 3, "the agent kept trying");
     }
+}
+
+/// `/trace` makes an agent send probes into the fabric: refused unless the collector was
+/// started with `--trace`, and once per flow (the budget for the whole collector is
+/// checked in the collector's unit tests).
+#[test]
+fn traces_on_request_need_trace_and_come_once_per_flow() {
+    let flows = |a: &mut FakeAgent| {
+        a.send(&Frame::Points(vec![PointDecl {
+            index: 0,
+            node: String::new(),
+            iface: "eth0".into(),
+            ifindex: 2,
+            mtu: 0,
+            direction: 1,
+        }]));
+        a.send(&Frame::Observations(
+            (0..30)
+                .map(|q| {
+                    let mut o = obs(0, 7, 64, 26);
+                    o.id.flow.dest_qp = 0x200 + q;
+                    o
+                })
+                .collect(),
+        ));
+    };
+    let ids = |c: &Running| -> Vec<String> {
+        let v = wait_for(c, "/flows", |v| {
+            v.as_array()
+                .is_some_and(|f| f.len() == 30 && f.iter().all(|f| !f["path"].as_array().unwrap().is_empty()))
+        });
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f["id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let trace = |c: &Running, id: &str| c.get(&format!("/trace?id={}", roce_trace::http::percent_encode(id)));
+
+    let off = Running::start();
+    let (mut a, _) = FakeAgent::connect(&off, "h1", "t0ken");
+    flows(&mut a);
+    let (status, body) = trace(&off, &ids(&off)[0]);
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("--trace"), "{body}");
+    off.finish();
+
+    let on = Running::start_with(|o| o.trace = true);
+    let (mut a, _) = FakeAgent::connect(&on, "h1", "t0ken");
+    flows(&mut a);
+    // Each flow is traced once (by the collector itself as its path appears, or by the
+    // first request): asking again is refused.
+    for id in &ids(&on)[..3] {
+        let (first, body) = trace(&on, id);
+        assert!(first == 200 || first == 409, "{first} {body}");
+        let (again, body) = trace(&on, id);
+        assert_eq!(again, 409, "{body}");
+        assert!(body.contains("traced already"), "{body}");
+    }
+    on.finish();
 }

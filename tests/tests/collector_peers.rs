@@ -12,9 +12,14 @@ use roce_trace_tests::*;
 
 /// A collector on loopback: the process, its agent listener and its HTTP API.
 fn collector() -> (Proc, SocketAddr, SocketAddr) {
+    collector_with(&[])
+}
+
+fn collector_with(args: &[&str]) -> (Proc, SocketAddr, SocketAddr) {
     let mut c = Proc::spawn(
         Command::new(roce_trace_bin())
             .args(["collect", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"])
+            .args(args)
             .env("ROCE_TRACE_TOKEN", "the-token")
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
@@ -132,5 +137,59 @@ fn a_wrong_token_is_refused_with_its_reason() {
         metric(http, "roce_trace_collector_refused_connections_total"),
         4.0
     );
+    assert!(c.interrupt().success());
+}
+
+/// The HTTP API serves beyond loopback only with a bearer token; with one, a request
+/// without it, or with another, gets 401 and nothing else.
+#[test]
+fn the_api_beyond_loopback_needs_a_bearer_token() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let out = Command::new(roce_trace_bin())
+        .args([
+            "collect",
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "0.0.0.0:0",
+            "--duration",
+            "1s",
+        ])
+        .env("ROCE_TRACE_TOKEN", "the-token")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--http-token-file"),
+        "{err}"
+    );
+
+    let dir = TempDir::new("http-token");
+    let f = dir.path("http-token");
+    std::fs::write(&f, "bearer-secret\n").unwrap();
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let (c, _, http) = collector_with(&["--http-token-file", f.to_str().unwrap()]);
+    let t = Duration::from_secs(10);
+    for bearer in [
+        None,
+        Some("bearer-secreT"),
+        Some("bearer-secret-and-more"),
+        Some(""),
+    ] {
+        for path in ["/stats", "/flows", "/metrics", "/report", "/trace?id=x"] {
+            let (status, body) = roce_trace::http::get_as(http, path, t, bearer).unwrap();
+            assert_eq!(
+                status,
+                401,
+                "{path} with {bearer:?}: {}",
+                String::from_utf8_lossy(&body)
+            );
+        }
+    }
+    let (status, body) = roce_trace::http::get_as(http, "/stats", t, Some("bearer-secret")).unwrap();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let stats: serde_json::Value =
+        roce_trace::http::get_json_as(http, "/stats", Some("bearer-secret")).unwrap();
+    assert_eq!(stats["flows"], 0);
     assert!(c.interrupt().success());
 }

@@ -1071,6 +1071,7 @@ fn collector_views(n: u32) -> anyhow::Result<()> {
                 trace: false,
                 interval: Duration::from_secs(2),
                 fleet: None,
+                http_token: None,
             },
             async {
                 let _ = stop_rx.await;

@@ -7,9 +7,14 @@ pub struct CollectArgs {
     /// Address agents connect to.
     #[arg(long, default_value = "0.0.0.0:4792")]
     listen: std::net::SocketAddr,
-    /// Serve the JSON API and Prometheus metrics on ADDR.
+    /// Serve the JSON API and Prometheus metrics on ADDR (a loopback address, or any
+    /// with --http-token-file).
     #[arg(long)]
     http: Option<std::net::SocketAddr>,
+    /// Every HTTP request must carry this bearer token (--http-token-file): required to
+    /// serve beyond loopback.
+    #[command(flatten)]
+    http_token: HttpTokenArgs,
     #[command(flatten)]
     token: TokenArgs,
     /// Write the final report (JSON) here on exit.
@@ -70,6 +75,7 @@ pub(super) async fn run_collect(a: CollectArgs) -> anyhow::Result<()> {
         live: !a.quiet,
         trace: a.trace,
         interval: a.interval,
+        http_token: a.http_token.read()?,
         fleet: if a.nats.urls.is_empty() {
             None
         } else {

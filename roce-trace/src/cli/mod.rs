@@ -61,6 +61,28 @@ struct TokenArgs {
     token_file: Option<PathBuf>,
 }
 
+#[derive(clap::Args)]
+struct HttpTokenArgs {
+    /// The HTTP API's bearer token, read from FILE (first line; readable by its owner
+    /// alone).
+    #[arg(long, value_name = "FILE", env = "ROCE_TRACE_HTTP_TOKEN_FILE")]
+    http_token_file: Option<PathBuf>,
+}
+
+impl HttpTokenArgs {
+    fn read(&self) -> anyhow::Result<Option<String>> {
+        let Some(f) = &self.http_token_file else {
+            return Ok(None);
+        };
+        check_secret_file(f)?;
+        let s =
+            std::fs::read_to_string(f).with_context(|| format!("reading the token file {}", f.display()))?;
+        let tok = s.lines().next().unwrap_or("").trim().to_owned();
+        anyhow::ensure!(!tok.is_empty(), "the token file {} is empty", f.display());
+        Ok(Some(tok))
+    }
+}
+
 fn read_token(
     t: &TokenArgs,
     file_from_config: Option<&PathBuf>,

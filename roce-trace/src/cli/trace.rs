@@ -21,6 +21,9 @@ pub struct TraceArgs {
     /// Where --flow comes from: the collector's HTTP address.
     #[arg(long)]
     collector_http: Option<std::net::SocketAddr>,
+    /// The collector API's bearer token, from a file (--http-token-file).
+    #[command(flatten)]
+    http_token: HttpTokenArgs,
     /// Source address (default: the one the kernel uses to reach DST).
     #[arg(long)]
     src: Option<std::net::IpAddr>,
@@ -80,7 +83,9 @@ pub(super) fn run_trace(a: TraceArgs) -> anyhow::Result<()> {
         }
         (Some(id), Some(http)) => {
             let enc = roce_trace::http::percent_encode(id);
-            let f: serde_json::Value = roce_trace::http::get_json(http, &format!("/flow?id={enc}"))?;
+            let bearer = a.http_token.read()?;
+            let f: serde_json::Value =
+                roce_trace::http::get_json_as(http, &format!("/flow?id={enc}"), bearer.as_deref())?;
             let ip = |k: &str| -> anyhow::Result<std::net::IpAddr> {
                 Ok(f[k].as_str().context("flow without addresses")?.parse()?)
             };

@@ -17,6 +17,9 @@ pub struct VerifyArgs {
     /// Judge a running collector (its --http address) after --window.
     #[arg(long)]
     collector_http: Option<std::net::SocketAddr>,
+    /// The collector API's bearer token, from a file (--http-token-file).
+    #[command(flatten)]
+    http_token: HttpTokenArgs,
     /// Judge this host alone: observe these interfaces for --window (repeat -i).
     #[arg(short = 'i', long = "interface")]
     interfaces: Vec<String>,
@@ -100,6 +103,7 @@ pub(super) fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
         Source::Collector {
             http,
             window: a.window,
+            bearer: a.http_token.read()?,
         }
     } else {
         anyhow::ensure!(a.sample_rate > 0, "--sample-rate must be at least 1");
@@ -141,19 +145,20 @@ pub(super) fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
             hold: a.hold,
             timeout: a.drill_timeout,
         };
-        let snaps = rt.block_on(async {
-            match &source {
-                Source::Collector { http, .. } => local::run_drill(*http, &opts).await,
-                Source::Local { agent, .. } => {
-                    Ok(
-                        local::with_local(agent, |http| async move { local::run_drill(http, &opts).await })
-                            .await?
-                            .0,
-                    )
+        let snaps =
+            rt.block_on(async {
+                match &source {
+                    Source::Collector { http, bearer, .. } => {
+                        local::run_drill(*http, bearer.as_deref(), &opts).await
+                    }
+                    Source::Local { agent, .. } => Ok(local::with_local(agent, |http| async move {
+                        local::run_drill(http, None, &opts).await
+                    })
+                    .await?
+                    .0),
+                    Source::Report(_) => unreachable!("refused above"),
                 }
-                Source::Report(_) => unreachable!("refused above"),
-            }
-        })?;
+            })?;
         let via = policy.ecmp.as_ref().map(|e| e.via.clone()).unwrap_or_default();
         let d = drill::measure(&snaps, &via);
         (drill::judge(&policy, &d), snaps.during.flows.len())
