@@ -290,3 +290,74 @@ mod tests {
         assert!(ifindex("lo").is_ok());
     }
 }
+
+/// Writes `bytes` to `path` so that a reader (or a crash) sees the old file or the new one
+/// whole, never a part: into a new file beside it (created, never opened through a
+/// symbolic link), synced, renamed over `path` (which replaces a link at `path` rather
+/// than writing where it points), and the directory synced.
+pub fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    let name = path.file_name().ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{} names no file", path.display()),
+        )
+    })?;
+    let tmp = dir.join(format!(".{}.{}.tmp", name.to_string_lossy(), std::process::id()));
+    // A leftover of this process's own earlier attempt (unlink never follows a link).
+    let _ = std::fs::remove_file(&tmp);
+    let written = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        std::fs::File::open(dir)?.sync_all()
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
+#[cfg(test)]
+mod write_tests {
+    use super::write_atomically;
+
+    /// The file is replaced whole; a symbolic link at the path is replaced, not written
+    /// through; a directory that is not there is an error that leaves nothing behind.
+    #[test]
+    fn a_file_written_atomically_replaces_the_old_one_and_never_a_link_target() {
+        let dir = std::env::temp_dir().join(format!("rt-atomic-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("report.json");
+        write_atomically(&p, b"old").unwrap();
+        write_atomically(&p, b"new and longer").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"new and longer");
+        let victim = dir.join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        let link = dir.join("link.json");
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        write_atomically(&link, b"report").unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        assert!(!std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+        assert!(write_atomically(&dir.join("nope/report.json"), b"x").is_err());
+        let mut left: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["link.json", "report.json", "victim"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -33,7 +33,11 @@ pub struct CollectorOptions {
     pub listen: SocketAddr,
     pub http: Option<SocketAddr>,
     pub token: String,
+    /// Where the report is written: at start (an empty one: the path is checked before
+    /// anything is collected), every `report_every` while running (zero: never), and on
+    /// exit — each time whole, replacing the last ([`crate::sys::write_atomically`]).
     pub report: Option<PathBuf>,
+    pub report_every: Duration,
     pub join: JoinConfig,
     /// Print the flow view every interval.
     pub live: bool,
@@ -309,6 +313,14 @@ fn now_ns(start: Instant) -> u64 {
     start.elapsed().as_nanos() as u64
 }
 
+/// Writes the report whole, replacing the last one (a reader, or a crash, never sees a
+/// part of it).
+fn write_report(path: &std::path::Path, r: &CollectorReport) -> anyhow::Result<()> {
+    let bytes = serde_json::to_vec_pretty(r)?;
+    crate::sys::write_atomically(path, &bytes)
+        .with_context(|| format!("writing the report {}", path.display()))
+}
+
 /// The report: taken under the lock (a pointer per flow), built without it.
 fn report(st: &Shared) -> CollectorReport {
     let taken = Taken::of(&st.lock());
@@ -343,6 +355,10 @@ pub async fn run(
         last_conn: std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), start),
         ..State::default()
     }));
+    if let Some(path) = &opts.report {
+        // The output path is checked before anything is collected: an empty report.
+        write_report(path, &report(&state))?;
+    }
     let listener = TcpListener::bind(opts.listen)
         .await
         .with_context(|| format!("listening on {}", opts.listen))?;
@@ -447,6 +463,7 @@ pub async fn run(
     let st = state.clone();
     let live = opts.live;
     let trace_flows = opts.trace;
+    let (report_path, report_every) = (opts.report.clone(), opts.report_every);
     let ticker = async move {
         let mut t = tokio::time::interval(Duration::from_millis(200));
         let mut last_view = Instant::now();
@@ -454,6 +471,9 @@ pub async fn run(
         // large table never holds up the agents' frames, and a slow terminal only
         // delays the next view.
         let mut printing: Option<tokio::task::JoinHandle<()>> = None;
+        // The report, written every `report_every` on a thread of its own, one at a time.
+        let mut writing: Option<tokio::task::JoinHandle<()>> = None;
+        let mut last_report = Instant::now();
         let mut gave_back = 0;
         loop {
             t.tick().await;
@@ -477,6 +497,20 @@ pub async fn run(
                 let over = untraced.len().saturating_sub(MAX_UNTRACED);
                 untraced.drain(..over);
                 s.untraced = untraced;
+            }
+            if let Some(path) = &report_path
+                && !report_every.is_zero()
+                && last_report.elapsed() >= report_every
+                && writing.as_ref().is_none_or(|w| w.is_finished())
+            {
+                last_report = Instant::now();
+                let taken = Taken::of(&s);
+                let path = path.clone();
+                writing = Some(tokio::task::spawn_blocking(move || {
+                    if let Err(e) = write_report(&path, &taken.report()) {
+                        tracing::warn!("{e:#}");
+                    }
+                }));
             }
             if live
                 && last_view.elapsed() >= opts.interval
@@ -513,8 +547,7 @@ pub async fn run(
     state.lock().joiner.as_mut().expect("joiner").flush();
     let r = report(&state);
     if let Some(path) = &opts.report {
-        std::fs::write(path, serde_json::to_vec_pretty(&r)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        write_report(path, &r)?;
     }
     Ok(r)
 }

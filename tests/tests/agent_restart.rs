@@ -20,7 +20,7 @@ fn get(ns: &Netns, addr: &'static str, path: &'static str) -> String {
 
 /// The collector's view of the agent (GET /agents, the only agent).
 fn collector_view(pair: &VethPair) -> Value {
-    let v: Value = serde_json::from_str(&get(&pair.b, "10.99.0.2:8080", "/agents")).unwrap();
+    let v: Value = serde_json::from_str(&get(&pair.b, "127.0.0.1:8080", "/agents")).unwrap();
     assert_eq!(v.as_array().map(Vec::len), Some(1), "{v}");
     v[0].clone()
 }
@@ -110,7 +110,7 @@ fn collector(pair: &VethPair, tag: &str, dir: &TempDir) -> Daemon {
             "--listen",
             "10.99.0.2:4792",
             "--http",
-            "10.99.0.2:8080",
+            "127.0.0.1:8080",
             "--token",
             "tk",
             "--quiet",

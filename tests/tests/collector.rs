@@ -44,6 +44,7 @@ impl Running {
                     http: Some("127.0.0.1:0".parse().unwrap()),
                     token: "t0ken".into(),
                     report: None,
+                    report_every: Duration::ZERO,
                     join: JoinConfig {
                         trajectory_timeout_ns: 100_000_000,
                         ..JoinConfig::default()

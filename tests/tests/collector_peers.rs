@@ -193,3 +193,117 @@ fn the_api_beyond_loopback_needs_a_bearer_token() {
     assert_eq!(stats["flows"], 0);
     assert!(c.interrupt().success());
 }
+
+/// A collector killed mid-run (SIGKILL: no clean exit) leaves its last periodic report
+/// whole and readable, with the flows it had; a report path it cannot write is refused
+/// at start, before anything is collected.
+#[test]
+fn a_collector_killed_mid_run_leaves_its_last_report_readable() {
+    use roce_trace::{
+        observation::{FlowId, Observation, PacketId, PointDecl},
+        protocol::{Encoder, Frame, VERSION},
+    };
+    let t = Instant::now();
+    let out = Command::new(roce_trace_bin())
+        .args([
+            "collect",
+            "--listen",
+            "127.0.0.1:0",
+            "--report",
+            "/nonexistent/dir/r.json",
+            "--duration",
+            "10s",
+        ])
+        .env("ROCE_TRACE_TOKEN", "the-token")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("writing the report /nonexistent/dir/r.json"),
+        "{err}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "refused at start, not at the end of its run"
+    );
+
+    let dir = TempDir::new("report-every");
+    let path = dir.path("report.json");
+    let (c, listen, http) = collector_with(&[
+        "--report",
+        path.to_str().unwrap(),
+        "--report-every",
+        "500ms",
+        "--trajectory-timeout",
+        "100ms",
+    ]);
+    let mut s = TcpStream::connect(listen).unwrap();
+    let mut enc = Encoder::default();
+    let flows = 3u32;
+    let obs = (0..flows).map(|q| Observation {
+        point: 0,
+        time_ns: 1_000 + u64::from(q),
+        id: PacketId {
+            flow: FlowId {
+                src: [10; 16],
+                dst: [20; 16],
+                ip_version: 6,
+                udp_sport: 49152,
+                dest_qp: 0x300 + q,
+            },
+            psn: 1,
+            opcode: 7,
+            icrc: [1, 2, 3, q as u8],
+        },
+        udp_dport: 4791,
+        dscp: 26,
+        ecn: 2,
+        ttl: 64,
+        reasons: roce_trace_common::datapath::REASON_HASH as u8,
+        ..Default::default()
+    });
+    for f in [
+        Frame::Hello {
+            version: VERSION,
+            node: "h1".into(),
+            token: "the-token".into(),
+            clock_synced: false,
+        },
+        Frame::Points(vec![PointDecl {
+            index: 0,
+            node: String::new(),
+            iface: "eth0".into(),
+            ifindex: 2,
+            mtu: 0,
+            direction: 1,
+        }]),
+        Frame::Observations(obs.collect()),
+    ] {
+        s.write_all(&enc.encode(&f).unwrap()).unwrap();
+    }
+    let read = || -> Option<serde_json::Value> { serde_json::from_slice(&std::fs::read(&path).ok()?).ok() };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if read().is_some_and(|r| r["flows"].as_array().map(Vec::len) == Some(flows as usize)) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the periodic report never had the flows: {:?}",
+            read()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let stats: serde_json::Value = roce_trace::http::get_json(http, "/stats").unwrap();
+    assert_eq!(stats["flows"], flows);
+    c.signal(libc::SIGKILL);
+    std::thread::sleep(Duration::from_millis(300));
+    let r = read().expect("the report parses after the kill");
+    assert_eq!(r["flows"].as_array().map(Vec::len), Some(flows as usize), "{r}");
+    let left: Vec<_> = std::fs::read_dir(&dir.0)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left.len(), 1, "only the report, no temporary file: {left:?}");
+    drop(s);
+}

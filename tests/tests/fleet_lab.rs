@@ -79,11 +79,12 @@ impl Fabric {
         self.nats = Some(n);
     }
 
-    /// A collector in the group, serving HTTP on `MGMT_COLLECTOR:9470+m`.
+    /// A collector in the group, serving HTTP on `127.0.0.1:9470+m` of the management
+    /// namespace (where the other members and the test ask).
     fn start_collector(&mut self, id: &str, m: u16) {
         let (listen, http) = (
             format!("{MGMT_COLLECTOR}:{}", 4792 + m),
-            format!("{MGMT_COLLECTOR}:{}", 9470 + m),
+            format!("127.0.0.1:{}", 9470 + m),
         );
         let report = self.dir.path(&format!("{id}.json"));
         let url = Self::nats_url();
@@ -115,7 +116,7 @@ impl Fabric {
 
     fn http(id: &str) -> String {
         let m: u16 = id.trim_start_matches('c').parse().unwrap();
-        format!("{MGMT_COLLECTOR}:{}", 9470 + m)
+        format!("127.0.0.1:{}", 9470 + m)
     }
 
     fn get(&self, id: &str, path: &str) -> String {

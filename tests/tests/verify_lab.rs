@@ -34,7 +34,8 @@ fn xtask_bin() -> PathBuf {
     bin
 }
 
-const HTTP: &str = "10.255.0.1:8080";
+/// In the management namespace, where the collector and verify run: loopback there.
+const HTTP: &str = "127.0.0.1:8080";
 
 fn observe(lab: &Lab, dir: &TempDir, name: &str) -> Observers {
     Observers::start(

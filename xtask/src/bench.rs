@@ -1062,6 +1062,7 @@ fn collector_views(n: u32) -> anyhow::Result<()> {
                 http: Some("127.0.0.1:0".parse()?),
                 token: "bench".into(),
                 report: None,
+                report_every: Duration::ZERO,
                 join: roce_trace_correlate::JoinConfig {
                     max_flows: 2_000_000,
                     max_pending: 10_000_000,

@@ -213,7 +213,7 @@ pub fn run(seconds: u64, nats: bool) -> anyhow::Result<()> {
         for m in 1..=MEMBERS {
             let (id, http, listen, rep) = (
                 format!("c{m}"),
-                format!("{MGMT_COLLECTOR}:{}", 9470 + m),
+                format!("127.0.0.1:{}", 9470 + m),
                 format!("{MGMT_COLLECTOR}:{}", 4792 + m),
                 dir.join(format!("c{m}.json")).to_string_lossy().into_owned(),
             );

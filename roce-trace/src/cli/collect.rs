@@ -17,9 +17,14 @@ pub struct CollectArgs {
     http_token: HttpTokenArgs,
     #[command(flatten)]
     token: TokenArgs,
-    /// Write the final report (JSON) here on exit.
+    /// Write the report (JSON) here: at start (the path is checked), every
+    /// --report-every, and on exit; each time whole, replacing the last.
     #[arg(long, default_value = "roce-trace-report.json")]
     report: PathBuf,
+    /// How often the report is written while running (0s: only at start and exit): what
+    /// a collector killed mid-run leaves behind.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+    report_every: Duration,
     /// Stop after this long.
     #[arg(long, value_parser = humantime::parse_duration)]
     duration: Option<Duration>,
@@ -65,6 +70,7 @@ pub(super) async fn run_collect(a: CollectArgs) -> anyhow::Result<()> {
         http: a.http,
         token,
         report: Some(a.report.clone()),
+        report_every: a.report_every,
         join: JoinConfig {
             trajectory_timeout_ns: a.trajectory_timeout.as_nanos() as u64,
             flow_idle_ns: a.flow_idle.as_nanos() as u64,
