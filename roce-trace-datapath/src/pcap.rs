@@ -142,18 +142,39 @@ fn read_exact(r: &mut impl Read, buf: &mut [u8], what: &'static str, offset: u64
 }
 
 fn read_pcapng(r: impl Read, mut f: impl FnMut(CapturedFrame)) -> Result<u64, PcapError> {
-    use pcap_file::pcapng::{Block, PcapNgReader};
+    use pcap_file::pcapng::{
+        Block, PcapNgReader, blocks::interface_description::InterfaceDescriptionOption as Opt,
+    };
     let mut rd = PcapNgReader::new(r).map_err(|e| PcapError::PcapNg(format!("section header: {e}")))?;
     let mut n = 0u64;
     let mut block = 0u64;
-    let mut linktypes: Vec<u32> = Vec::new();
+    // Per interface: its link type, its timestamps' units per second (if_tsresol:
+    // microseconds when absent, as Wireshark and tcpdump write) and its offset in seconds
+    // (if_tsoffset).
+    let mut ifaces: Vec<(u32, u128, u64)> = Vec::new();
     while let Some(b) = rd.next_block() {
         block += 1;
         let b = b.map_err(|e| PcapError::PcapNg(format!("block {block}: {e}")))?;
         match b {
-            Block::InterfaceDescription(i) => linktypes.push(u32::from(i.linktype)),
+            Block::InterfaceDescription(i) => {
+                let (mut per_second, mut offset) = (1_000_000u128, 0u64);
+                for o in &i.options {
+                    match o {
+                        Opt::IfTsResol(r) => {
+                            per_second = ts_units_per_second(*r).ok_or_else(|| {
+                                PcapError::PcapNg(format!(
+                                    "block {block}: if_tsresol {r:#04x} is finer than this reader takes"
+                                ))
+                            })?;
+                        }
+                        Opt::IfTsOffset(s) => offset = *s,
+                        _ => {}
+                    }
+                }
+                ifaces.push((u32::from(i.linktype), per_second, offset));
+            }
             Block::EnhancedPacket(p) => {
-                let lt = *linktypes.get(p.interface_id as usize).ok_or_else(|| {
+                let (lt, per_second, offset) = *ifaces.get(p.interface_id as usize).ok_or_else(|| {
                     PcapError::PcapNg(format!(
                         "block {block}: packet names interface {} that was never described",
                         p.interface_id
@@ -162,8 +183,12 @@ fn read_pcapng(r: impl Read, mut f: impl FnMut(CapturedFrame)) -> Result<u64, Pc
                 if lt != 1 {
                     return Err(PcapError::LinkType(lt));
                 }
+                // The reader hands the block's 64-bit timestamp over as nanoseconds,
+                // whatever unit the interface said it counts in.
+                let raw = p.timestamp.as_nanos();
+                let ns = raw * 1_000_000_000 / per_second + u128::from(offset) * 1_000_000_000;
                 f(CapturedFrame {
-                    time_ns: p.timestamp.as_nanos() as u64,
+                    time_ns: u64::try_from(ns).unwrap_or(u64::MAX),
                     data: p.data.to_vec(),
                     orig_len: p.original_len,
                 });
@@ -181,6 +206,17 @@ fn read_pcapng(r: impl Read, mut f: impl FnMut(CapturedFrame)) -> Result<u64, Pc
         }
     }
     Ok(n)
+}
+
+/// if_tsresol's units per second: 10^v, or 2^v when the high bit is set (`None` past
+/// what 128 bits hold).
+fn ts_units_per_second(r: u8) -> Option<u128> {
+    let v = u32::from(r & 0x7f);
+    if r & 0x80 == 0 {
+        10u128.checked_pow(v)
+    } else {
+        1u128.checked_shl(v)
+    }
 }
 
 /// Sampled packets as pcapng, for Wireshark: one Interface Description Block per
@@ -359,4 +395,77 @@ pub fn open(path: &Path) -> Result<Box<dyn Read + Send>, PcapError> {
         source,
     })?;
     Ok(Box::new(BufReader::new(f)))
+}
+
+#[cfg(test)]
+mod pcapng_tests {
+    use std::borrow::Cow;
+
+    use pcap_file::{
+        DataLink,
+        pcapng::{
+            PcapNgWriter,
+            blocks::{
+                enhanced_packet::EnhancedPacketBlock,
+                interface_description::{InterfaceDescriptionBlock, InterfaceDescriptionOption as Opt},
+            },
+        },
+    };
+
+    use super::*;
+
+    /// One frame on an interface described with `options`, its block's raw timestamp
+    /// `raw` (in the interface's units); the time read back.
+    fn time_read(options: Vec<Opt<'static>>, raw: u64) -> Result<u64, PcapError> {
+        let mut w = PcapNgWriter::new(Vec::new()).unwrap();
+        w.write_pcapng_block(InterfaceDescriptionBlock {
+            linktype: DataLink::ETHERNET,
+            snaplen: 256,
+            options,
+        })
+        .unwrap();
+        w.write_pcapng_block(EnhancedPacketBlock {
+            interface_id: 0,
+            // The writer puts the nanoseconds of this Duration in the block as they are.
+            timestamp: std::time::Duration::from_nanos(raw),
+            original_len: 60,
+            data: Cow::Owned(vec![0; 60]),
+            options: vec![],
+        })
+        .unwrap();
+        let mut t = None;
+        read_frames(&w.into_inner()[..], |f| t = Some(f.time_ns))?;
+        Ok(t.expect("one frame"))
+    }
+
+    /// Timestamps are read in the unit each interface says (Wireshark and tcpdump write
+    /// microseconds and say nothing, roce-trace writes nanoseconds and says so), with the
+    /// interface's offset; a resolution no integer holds is an error.
+    #[test]
+    fn pcapng_timestamps_are_read_in_the_interfaces_own_unit() {
+        let s = 1_700_000_000u64;
+        assert_eq!(
+            time_read(vec![], s * 1_000_000 + 250).unwrap(),
+            s * 1_000_000_000 + 250_000
+        );
+        assert_eq!(
+            time_read(vec![Opt::IfTsResol(6)], 1_500_000).unwrap(),
+            1_500_000_000
+        );
+        assert_eq!(
+            time_read(vec![Opt::IfTsResol(9)], 1_500_000_123).unwrap(),
+            1_500_000_123
+        );
+        assert_eq!(time_read(vec![Opt::IfTsResol(3)], 1_500).unwrap(), 1_500_000_000);
+        assert_eq!(
+            time_read(vec![Opt::IfTsResol(0x83)], 12).unwrap(),
+            1_500_000_000,
+            "2^-3 s"
+        );
+        assert_eq!(
+            time_read(vec![Opt::IfTsResol(9), Opt::IfTsOffset(10)], 5).unwrap(),
+            10_000_000_005
+        );
+        assert!(time_read(vec![Opt::IfTsResol(60)], 1).is_err());
+    }
 }

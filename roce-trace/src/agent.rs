@@ -46,6 +46,8 @@ pub struct AgentOptions {
     pub metrics: Option<SocketAddr>,
     /// Fleet mode: publish to NATS JetStream instead of streaming to `collector`.
     pub fleet: Option<crate::fleet::NatsOptions>,
+    /// Which mirror sessions (GRE/ERSPAN from switches) become points.
+    pub mirrors: crate::observation::MirrorPolicy,
 }
 
 impl AgentOptions {
@@ -117,9 +119,9 @@ struct Shared {
 use crate::datapath::GlobalTotals;
 
 impl Shared {
-    fn new(queue: usize, points: Vec<PointDecl>) -> Self {
+    fn new(queue: usize, points: Vec<PointDecl>, mirrors: crate::observation::MirrorPolicy) -> Self {
         Self {
-            points: Mutex::new(PointTable::new(points)),
+            points: Mutex::new(PointTable::new(points).with_policy(mirrors)),
             outbox: Mutex::new(Outbox::new(queue)),
             traces: Mutex::new(VecDeque::new()),
             notify: Notify::new(),
@@ -151,7 +153,7 @@ pub async fn run(
             direction: h.direction,
         })
         .collect();
-    let shared = Arc::new(Shared::new(opts.queue, points));
+    let shared = Arc::new(Shared::new(opts.queue, points, opts.mirrors.clone()));
 
     let mut metrics_addr = None;
     if let Some(addr) = opts.metrics {
@@ -981,6 +983,14 @@ fn render_metrics(sh: &Shared) -> String {
             );
         }
     }
+    let refused = sh.points.lock().expect("points").mirrors_refused();
+    m.counter(
+        "roce_trace_mirror_sessions_refused_total",
+        "Mirror sessions (GRE/ERSPAN) that became no point: from a switch outside --mirror-from, or past --max-mirror-sessions.",
+        [("source", refused.source), ("cap", refused.over_cap)]
+            .into_iter()
+            .map(|(why, n)| (labels(&[("reason", why)]), n)),
+    );
     m.render()
 }
 
@@ -1059,7 +1069,7 @@ pub async fn run_pcap(
         ifindex: 0,
         direction: DIR_INGRESS,
     }];
-    let shared = Arc::new(Shared::new(opts.queue, points));
+    let shared = Arc::new(Shared::new(opts.queue, points, opts.mirrors.clone()));
     let sender = start_sender(&opts, &shared).await?;
     ready(
         &[Attachment {
@@ -1227,6 +1237,7 @@ mod tests {
             clock_synced: false,
             metrics: None,
             fleet: None,
+            mirrors: Default::default(),
         };
         assert!(opts.check().is_ok());
         for (node, token) in [("h1", "t".repeat(65_536)), (&*"n".repeat(65_536), "t".into())] {

@@ -134,4 +134,25 @@ mod tests {
         assert!(a.contains("# HELP x_anomalies Anomalies, by kind.\n"), "{a}");
         assert!(a.ends_with("# EOF\n"), "{a}");
     }
+
+    /// A label value is an agent's own words (its node name): quotes, backslashes and
+    /// line ends are escaped, so no name can end its series early or forge another.
+    #[test]
+    fn label_values_cannot_break_out_of_their_series() {
+        let mut m = Scrape::default();
+        let evil = "n1\"} 1\nforged_total 999\n# EOF\n\\";
+        m.gauge("x_connected", "Agents.", [(labels(&[("node", evil)]), 1)]);
+        let text = m.render();
+        assert!(
+            text.contains(r#"x_connected{node="n1\"} 1\nforged_total 999\n# EOF\n\\"} 1"#),
+            "{text}"
+        );
+        assert!(!text.lines().any(|l| l.starts_with("forged_total")), "{text}");
+        assert_eq!(
+            text.matches("# EOF").count(),
+            2,
+            "the forged one stays inside the label: {text}"
+        );
+        assert!(text.ends_with("\n# EOF\n"));
+    }
 }

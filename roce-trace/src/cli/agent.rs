@@ -42,6 +42,15 @@ pub struct AgentArgs {
     /// Serve Prometheus metrics on ADDR (e.g. 127.0.0.1:9464).
     #[arg(long)]
     metrics: Option<std::net::SocketAddr>,
+    /// Take mirrored copies (GRE/ERSPAN) only from switches in these ranges (repeat, or
+    /// comma-separated: `10.0.0.0/8,2001:db8::/32`; a bare address is one switch).
+    /// Without it, from any source, up to --max-mirror-sessions.
+    #[arg(long, value_name = "CIDR", value_delimiter = ',')]
+    mirror_from: Vec<roce_trace::observation::Cidr>,
+    /// Mirror sessions that become points, at most; more are refused and counted
+    /// (`roce_trace_mirror_sessions_refused_total`).
+    #[arg(long, default_value_t = roce_trace::observation::MirrorPolicy::MAX_SESSIONS)]
+    max_mirror_sessions: usize,
     #[command(flatten)]
     ingress: IngressArgs,
     /// Fleet mode (`--nats-url`): publish to NATS JetStream, for a group of collectors,
@@ -105,6 +114,10 @@ pub(super) async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
         clock_synced: a.clock_synced || cfg.clock_synced.unwrap_or(false),
         metrics: a.metrics.or(cfg.metrics),
         fleet,
+        mirrors: roce_trace::observation::MirrorPolicy {
+            from: a.mirror_from,
+            max_sessions: a.max_mirror_sessions,
+        },
     };
     let node = opts.node.clone();
     let collector = opts.collector.clone();

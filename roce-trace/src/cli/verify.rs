@@ -128,6 +128,7 @@ pub(super) fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
                 clock_synced: true,
                 metrics: None,
                 fleet: None,
+                mirrors: Default::default(),
             }),
             window: a.window,
         }
