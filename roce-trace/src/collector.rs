@@ -1092,11 +1092,11 @@ fn group_api(st: &Shared, path: &str, query: &str) -> Result<Option<Response>, R
             local => {
                 // Not ours: the member that owns its partition has it (the others answer
                 // 404).
+                let bearer = st.lock().http_token.clone();
                 others(st)
                     .iter()
                     .filter_map(|m| m.http.parse().ok())
                     .find_map(|addr| {
-                        let bearer = st.lock().http_token.clone();
                         http::get_json_as::<FlowReport>(
                             addr,
                             &format!("{path}?{query}&local=1"),

@@ -104,9 +104,8 @@ fn a_token_file_others_can_read_is_refused() {
     let f = dir.path("token");
     std::fs::write(&f, "tk\n").unwrap();
     let f = f.to_str().unwrap();
-    for mode in [0o644, 0o640, 0o604] {
-        std::fs::set_permissions(f, std::fs::Permissions::from_mode(mode)).unwrap();
-        let (code, err) = run(&[
+    let collect = || {
+        run(&[
             "collect",
             "--listen",
             "127.0.0.1:0",
@@ -114,7 +113,11 @@ fn a_token_file_others_can_read_is_refused() {
             f,
             "--duration",
             "1s",
-        ]);
+        ])
+    };
+    for mode in [0o644, 0o640, 0o604] {
+        std::fs::set_permissions(f, std::fs::Permissions::from_mode(mode)).unwrap();
+        let (code, err) = collect();
         assert_ne!(code, 0, "mode {mode:o}");
         assert!(
             err.contains("can be read by others") && err.contains("chmod 600"),
@@ -122,14 +125,6 @@ fn a_token_file_others_can_read_is_refused() {
         );
     }
     std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let (code, err) = run(&[
-        "collect",
-        "--listen",
-        "127.0.0.1:0",
-        "--token-file",
-        f,
-        "--duration",
-        "1s",
-    ]);
+    let (code, err) = collect();
     assert_eq!(code, 0, "{err}");
 }

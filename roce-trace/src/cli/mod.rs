@@ -71,16 +71,18 @@ struct HttpTokenArgs {
 
 impl HttpTokenArgs {
     fn read(&self) -> anyhow::Result<Option<String>> {
-        let Some(f) = &self.http_token_file else {
-            return Ok(None);
-        };
-        check_secret_file(f)?;
-        let s =
-            std::fs::read_to_string(f).with_context(|| format!("reading the token file {}", f.display()))?;
-        let tok = s.lines().next().unwrap_or("").trim().to_owned();
-        anyhow::ensure!(!tok.is_empty(), "the token file {} is empty", f.display());
-        Ok(Some(tok))
+        self.http_token_file.as_deref().map(read_secret_file).transpose()
     }
+}
+
+/// The secret in file `f` (its first line, trimmed): the file checked first
+/// ([`check_secret_file`]), an empty one refused.
+fn read_secret_file(f: &std::path::Path) -> anyhow::Result<String> {
+    check_secret_file(f)?;
+    let s = std::fs::read_to_string(f).with_context(|| format!("reading the token file {}", f.display()))?;
+    let tok = s.lines().next().unwrap_or("").trim().to_owned();
+    anyhow::ensure!(!tok.is_empty(), "the token file {} is empty", f.display());
+    Ok(tok)
 }
 
 fn read_token(
@@ -97,12 +99,7 @@ fn read_token(
         return Ok(tok.clone());
     }
     if let Some(f) = t.token_file.as_ref().or(file_from_config) {
-        check_secret_file(f)?;
-        let s =
-            std::fs::read_to_string(f).with_context(|| format!("reading the token file {}", f.display()))?;
-        let tok = s.lines().next().unwrap_or("").trim().to_owned();
-        anyhow::ensure!(!tok.is_empty(), "the token file {} is empty", f.display());
-        return Ok(tok);
+        return read_secret_file(f);
     }
     from_config
         .cloned()
