@@ -2,7 +2,7 @@
 //! and per-flow counter deltas to a collector. The datapath never waits for the network:
 //! a bounded queue sits between them, and what overflows it is counted and reported.
 
-use crate::observation::PointHealth;
+use crate::observation::{FlowId, PointHealth};
 use std::{
     collections::{BTreeMap, HashMap, VecDeque},
     future::Future,
@@ -70,6 +70,7 @@ impl AgentOptions {
 }
 
 mod outbox;
+mod traces;
 
 pub use outbox::Delivery;
 use outbox::Outbox;
@@ -114,13 +115,26 @@ struct Shared {
     metrics: Mutex<(Vec<(String, PointMetrics)>, GlobalTotals)>,
     /// Samples of no declared point (given up: counted in every point's health).
     unplaced: std::sync::atomic::AtomicU64,
+    /// Which traces the collector may have: of flows seen leaving this host, budgeted.
+    gate: Mutex<traces::Gate>,
+    /// Traces running at once, at most.
+    trace_slots: Arc<tokio::sync::Semaphore>,
+    /// Per point index: one of this host's own egress points (where its flows leave).
+    own_egress: Vec<bool>,
 }
 
 use crate::datapath::GlobalTotals;
 
 impl Shared {
     fn new(queue: usize, points: Vec<PointDecl>, mirrors: crate::observation::MirrorPolicy) -> Self {
+        let own_egress = points
+            .iter()
+            .map(|p| p.node.is_empty() && p.direction == DIR_EGRESS)
+            .collect();
         Self {
+            gate: Mutex::new(traces::Gate::default()),
+            trace_slots: Arc::new(tokio::sync::Semaphore::new(traces::MAX_RUNNING)),
+            own_egress,
             points: Mutex::new(PointTable::new(points).with_policy(mirrors)),
             outbox: Mutex::new(Outbox::new(queue)),
             traces: Mutex::new(VecDeque::new()),
@@ -209,6 +223,7 @@ pub async fn run(
                 let globals = dp.globals()?;
                 let mut next = HashMap::with_capacity(flows.len());
                 let mut by_point: BTreeMap<u16, PointMetrics> = BTreeMap::new();
+                let mut left = Vec::new();
                 let points = {
                     let mut table = shared.points.lock().expect("points");
                     dp.resolve_mirrors(&mut table.mirrors, flows.keys())?;
@@ -221,6 +236,9 @@ pub async fn run(
                         };
                         let d = CounterDelta::between(p, k, c, before, [start_ns, read_ns]);
                         let reported = d.counts.packets > 0;
+                        if reported && shared.own_egress.get(p as usize) == Some(&true) {
+                            left.push((FlowId::of_key(k), source_class(c)));
+                        }
                         if reported {
                             ob.push_counter(d);
                         }
@@ -260,6 +278,14 @@ pub async fn run(
                         .collect(),
                     globals,
                 );
+                {
+                    let now = Instant::now();
+                    let mut gate = shared.gate.lock().expect("gate");
+                    gate.sources.expire(now);
+                    for (f, c) in left {
+                        gate.sources.saw(f, c, now);
+                    }
+                }
                 prev = next;
                 last_read_ns = read_ns;
                 shared.notify.notify_one();
@@ -282,6 +308,7 @@ pub async fn run(
 
 fn drain(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, clock: &KernelClock, sh: &Shared) -> usize {
     let mut batch = Vec::new();
+    let mut left = Vec::new();
     while let Some(item) = ring.next() {
         if item.len() < std::mem::size_of::<Sample>() {
             // Not a sample this agent can read: lost, and said so in every point's health.
@@ -291,9 +318,25 @@ fn drain(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, clock: &KernelClock,
         // SAFETY: a whole Sample (size checked); read_unaligned copes with any alignment.
         let s: Sample = unsafe { std::ptr::read_unaligned(item.as_ptr() as *const Sample) };
         if let Some(p) = sh.points.lock().expect("points").index_of_sample(&s) {
+            if sh.own_egress.get(p as usize) == Some(&true) {
+                left.push((
+                    FlowId::of_key(&s.key),
+                    traces::SourceClass {
+                        dscp: s.dscp,
+                        ecn: s.ecn,
+                    },
+                ));
+            }
             batch.push(Observation::from_sample(&s, p, clock.to_unix_ns(s.ts_ns)));
         } else {
             sh.unplaced.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    if !left.is_empty() {
+        let now = Instant::now();
+        let mut gate = sh.gate.lock().expect("gate");
+        for (f, c) in left {
+            gate.sources.saw(f, c, now);
         }
     }
     let n = batch.len();
@@ -834,30 +877,67 @@ async fn read_collector(
         };
         match f {
             Frame::Ack { seq } => sh.outbox.lock().expect("outbox").ack(connection, seq),
-            Frame::TraceRequest { id, flow, dscp, ecn } => trace_for_collector(&sh, id, flow, dscp, ecn),
+            // The request's class is not used: the probes carry the class the flow was
+            // seen leaving with.
+            Frame::TraceRequest { id, flow, .. } => trace_for_collector(&sh, id, flow),
             Frame::Bye { reason } => return SessionEnd::Bye(reason),
             other => return SessionEnd::Unexpected(other.name()),
         }
     }
 }
 
-/// Traces `flow` from this host (a blocking job) and queues the result for the collector.
-fn trace_for_collector(sh: &Arc<Shared>, id: u32, flow: crate::observation::FlowId, dscp: u8, ecn: u8) {
+/// The class a flow's counters say it left with: its last DSCP, and its most frequent
+/// ECN codepoint other than CE (which the sender does not set).
+fn source_class(c: &FlowCounters) -> traces::SourceClass {
+    let ecn = (0..3u8).max_by_key(|&i| c.counts.ecn[i as usize]).unwrap_or(0);
+    traces::SourceClass {
+        dscp: c.last_dscp,
+        ecn,
+    }
+}
+
+/// Traces `flow` from this host, if it is a flow this host was seen sending and the
+/// budget allows (see [`traces`]), with the class it was seen leaving with; queues the
+/// result for the collector. Refusals are counted and logged.
+fn trace_for_collector(sh: &Arc<Shared>, id: u32, flow: FlowId) {
+    let class = {
+        let mut gate = sh.gate.lock().expect("gate");
+        match gate.admit(&flow, Instant::now()) {
+            Ok(c) => c,
+            Err(why) => {
+                let n = gate.outcomes.unseen + gate.outcomes.budget + gate.outcomes.busy;
+                // The first refusal, then one in a hundred: a collector cannot fill the log.
+                if n % 100 == 1 {
+                    tracing::warn!(
+                        "trace of {flow} asked by the collector refused ({}): {n} refused so far",
+                        why.why()
+                    );
+                }
+                return;
+            }
+        }
+    };
     let sh = sh.clone();
-    tokio::task::spawn_blocking(move || {
+    tokio::spawn(async move {
+        let Ok(_slot) = sh.trace_slots.clone().acquire_owned().await else {
+            return;
+        };
         let opts = crate::trace::TraceOptions {
             dst: flow.dst_ip(),
             src: flow.src_ip(),
             sport: flow.udp_sport,
-            dscp,
-            ecn,
+            dscp: class.dscp,
+            ecn: class.ecn,
             max_hops: 16,
             probes: 2,
             timeout: Duration::from_millis(300),
             rate: 200,
         };
-        match crate::trace::trace(&opts) {
-            Ok(r) => {
+        let r = tokio::task::spawn_blocking(move || crate::trace::trace(&opts)).await;
+        let ok = matches!(r, Ok(Ok(_)));
+        sh.gate.lock().expect("gate").finished(ok);
+        match r {
+            Ok(Ok(r)) => {
                 sh.traces
                     .lock()
                     .expect("traces")
@@ -881,7 +961,8 @@ fn trace_for_collector(sh: &Arc<Shared>, id: u32, flow: crate::observation::Flow
                     });
                 sh.notify.notify_one();
             }
-            Err(e) => tracing::warn!("trace of {} asked by the collector: {e:#}", flow),
+            Ok(Err(e)) => tracing::warn!("trace of {flow} asked by the collector: {e:#}"),
+            Err(e) => tracing::warn!("trace of {flow} asked by the collector: {e}"),
         }
     });
 }
@@ -983,6 +1064,28 @@ fn render_metrics(sh: &Shared) -> String {
             );
         }
     }
+    let (outcomes, sent, unremembered) = {
+        let g = sh.gate.lock().expect("gate");
+        (g.outcomes, g.sources.len() as u64, g.sources.full)
+    };
+    m.gauge1(
+        "roce_trace_sent_flows",
+        "Flows this host was seen sending in the last 5 minutes: the ones a collector may have it trace.",
+        sent,
+    );
+    m.counter1(
+        "roce_trace_sent_flows_unremembered_total",
+        "Flows seen leaving this host while the table of sent flows was full (65,536): they cannot be traced.",
+        unremembered,
+    );
+    m.counter(
+        "roce_trace_trace_requests_total",
+        "Traces the collector asked for, by outcome: traced, failed (admitted, tracing failed), or refused: unseen (not a flow this host sent lately), budget, busy.",
+        outcomes
+            .rows()
+            .into_iter()
+            .map(|(outcome, n)| (labels(&[("outcome", outcome)]), n)),
+    );
     let refused = sh.points.lock().expect("points").mirrors_refused();
     m.counter(
         "roce_trace_mirror_sessions_refused_total",

@@ -122,28 +122,20 @@ struct State {
 /// `/trace` requests the whole collector takes: a burst of [`TraceBudget::BURST`], then
 /// [`TraceBudget::PER_SECOND`] a second (a token bucket). Each asks an agent to send
 /// probes into the fabric: no client may make the agents flood it.
-#[derive(Default)]
-struct TraceBudget {
-    tokens: f64,
-    at: Option<Instant>,
-}
+struct TraceBudget(crate::budget::TokenBucket);
 
 impl TraceBudget {
-    const BURST: f64 = 20.0;
+    const BURST: u32 = 20;
     const PER_SECOND: f64 = 5.0;
 
     fn take(&mut self, now: Instant) -> bool {
-        let since = self.at.map_or(Self::BURST / Self::PER_SECOND, |t| {
-            now.saturating_duration_since(t).as_secs_f64()
-        });
-        self.tokens = (self.tokens + since * Self::PER_SECOND).min(Self::BURST);
-        self.at = Some(now);
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            true
-        } else {
-            false
-        }
+        self.0.take(now)
+    }
+}
+
+impl Default for TraceBudget {
+    fn default() -> Self {
+        Self(crate::budget::TokenBucket::new(Self::BURST, Self::PER_SECOND))
     }
 }
 

@@ -5,6 +5,7 @@
 //! ([`collector`], [`correlate`]) → judge ([`verify`]) → report.
 
 pub mod agent;
+pub mod budget;
 pub mod capture;
 pub mod collector;
 pub mod fleet;
