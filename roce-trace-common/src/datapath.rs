@@ -573,6 +573,9 @@ global_counters! {
     BadEncap = 20 => "bad_encap", ParseFailure;
     /// RoCEv2 packets decapsulated from GRE/ERSPAN (mirrored copies), also in `RoceV2`.
     Mirrored = 21 => "mirrored", Event;
+    /// TC frames whose headers were pulled into the skb's linear area (a write the kernel
+    /// may pay a copy for): RoCEv2 and GRE candidates only, whose headers were not there.
+    HeadersPulled = 22 => "headers_pulled", Event;
 }
 
 pub const GLOBAL_COUNTERS_PER_DIR: u32 = 32;

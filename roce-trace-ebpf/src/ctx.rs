@@ -8,8 +8,12 @@ use aya_ebpf::{
 };
 use roce_trace_common::{
     datapath::SAMPLE_HEAD_LEN,
-    parse::{INNER_HEAD_LEN, Packet},
-    wire::Header,
+    parse::{INNER_HEAD_LEN, MAX_VLAN_DEPTH, Packet},
+    wire::{
+        ETH_P_8021AD, ETH_P_8021Q, ETH_P_IPV4, ETH_P_IPV6, EthHdr, Header, IPPROTO_GRE, IPPROTO_UDP,
+        IPV6_EXT_AUTH, IPV6_EXT_DEST_OPTS, IPV6_EXT_HOP_BY_HOP, IPV6_EXT_ROUTING, Ipv4Hdr, Ipv6Hdr, UdpHdr,
+        VlanHdr,
+    },
 };
 
 /// `min(len, MAX)`, at least 1, written so the verifier sees the bounds on the register
@@ -114,27 +118,105 @@ pub struct TcPacket<'a> {
     ctx: &'a TcContext,
     start: usize,
     end: usize,
+    /// The headers were not all in the skb's linear area and were pulled into it.
+    pub pulled: bool,
 }
 
 /// Headers the parser needs in the linear area: L2 + 4 tags + IPv6 + ext + UDP + BTH + ext.
 const TC_PULL_LEN: u32 = 256;
 
 impl<'a> TcPacket<'a> {
+    /// The packet as TC sees it. Its headers are pulled into the linear area (a write:
+    /// `bpf_skb_pull_data` may copy the skb's head) only when they are not all there and
+    /// the packet may be ours: UDP to `udp_port`, GRE, or headers the linear area does not
+    /// hold far enough to tell. TCP and every other packet whose headers are linear (all
+    /// a host sends) are read as they are.
     #[inline(always)]
-    pub fn new(ctx: &'a TcContext) -> Self {
+    pub fn new(ctx: &'a TcContext, udp_port: impl FnOnce() -> u16) -> Self {
         let len = ctx.len();
         let want = if len < TC_PULL_LEN { len } else { TC_PULL_LEN };
-        if ((ctx.data_end() - ctx.data()) as u32) < want {
-            // Linearises the headers without changing a byte. Whether it succeeds or not,
-            // it invalidates packet pointers, so they are read after it.
-            let _ = ctx.pull_data(want);
-        }
-        Self {
+        let mut p = Self {
             ctx,
             start: ctx.data(),
             end: ctx.data_end(),
+            pulled: false,
+        };
+        if ((p.end - p.start) as u32) < want && p.may_be_ours(udp_port()) {
+            // Linearises the headers without changing a byte. Whether it succeeds or not,
+            // it invalidates packet pointers, so they are read after it.
+            let _ = ctx.pull_data(want);
+            p.start = ctx.data();
+            p.end = ctx.data_end();
+            p.pulled = true;
+        }
+        p
+    }
+
+    /// Whether the parser could take this packet for RoCEv2 or a mirrored copy, judged
+    /// from the linear area alone: false only when the headers that decide it (L2, tags,
+    /// IP, UDP) are all there and say "not ours" — exactly as the parser will read them,
+    /// so what it concludes does not depend on the pull.
+    #[inline(always)]
+    fn may_be_ours(&self, udp_port: u16) -> bool {
+        let Some(eth) = header_at::<EthHdr>(self.start, self.end, 0) else {
+            return true;
+        };
+        let mut ether_type = eth.ether_type();
+        let mut off = EthHdr::LEN;
+        for _ in 0..MAX_VLAN_DEPTH {
+            if ether_type != ETH_P_8021Q && ether_type != ETH_P_8021AD {
+                break;
+            }
+            let Some(tag) = header_at::<VlanHdr>(self.start, self.end, off) else {
+                return true;
+            };
+            ether_type = tag.ether_type();
+            off += VlanHdr::LEN;
+        }
+        let proto = match ether_type {
+            ETH_P_IPV4 => {
+                let Some(ip) = header_at::<Ipv4Hdr>(self.start, self.end, off) else {
+                    return true;
+                };
+                let ihl = ip.header_len();
+                if ip.version() != 4
+                    || ihl < Ipv4Hdr::LEN
+                    || (ip.tot_len() as usize) < ihl
+                    || ip.is_fragment()
+                {
+                    return false;
+                }
+                off += ihl;
+                ip.protocol
+            }
+            ETH_P_IPV6 => {
+                let Some(ip) = header_at::<Ipv6Hdr>(self.start, self.end, off) else {
+                    return true;
+                };
+                if ip.version() != 6 {
+                    return false;
+                }
+                off += Ipv6Hdr::LEN;
+                match ip.next_hdr {
+                    IPV6_EXT_HOP_BY_HOP | IPV6_EXT_ROUTING | IPV6_EXT_DEST_OPTS | IPV6_EXT_AUTH => {
+                        return true;
+                    }
+                    n => n,
+                }
+            }
+            // Not IP (ARP, RoCEv1, a tag too deep): the parser decides from L2 alone.
+            _ => return false,
+        };
+        match proto {
+            IPPROTO_GRE => true,
+            IPPROTO_UDP => match header_at::<UdpHdr>(self.start, self.end, off) {
+                Some(udp) => udp.dst_port() == udp_port,
+                None => true,
+            },
+            _ => false,
         }
     }
+
     #[inline(always)]
     pub fn ifindex(&self) -> u32 {
         // SAFETY: the context pointer is valid for the program's lifetime.

@@ -42,8 +42,9 @@ pub fn roce_xdp(ctx: XdpContext) -> u32 {
 
 #[classifier]
 pub fn roce_tc(ctx: TcContext) -> i32 {
-    let pkt = TcPacket::new(&ctx);
+    let pkt = TcPacket::new(&ctx, || CONFIG.load().udp_port);
     observe(&pkt, DIR_EGRESS, pkt.ifindex(), pkt.frame_len());
+    count_pull(&pkt, DIR_EGRESS);
     // UNSPEC: continue with the next program / the default action (tcx and clsact alike).
     TC_ACT_UNSPEC
 }
@@ -52,9 +53,22 @@ pub fn roce_tc(ctx: TcContext) -> i32 {
 /// XDP) or where the driver has no native XDP.
 #[classifier]
 pub fn roce_tc_in(ctx: TcContext) -> i32 {
-    let pkt = TcPacket::new(&ctx);
+    let pkt = TcPacket::new(&ctx, || CONFIG.load().udp_port);
     observe(&pkt, DIR_INGRESS, pkt.ifindex(), pkt.frame_len());
+    count_pull(&pkt, DIR_INGRESS);
     TC_ACT_UNSPEC
+}
+
+/// Counts a packet whose headers TC had to pull into the skb's linear area (rare: only
+/// candidates, and only when the sender left headers in fragments).
+#[inline(always)]
+fn count_pull(pkt: &TcPacket, dir: u8) {
+    if pkt.pulled
+        && let Some(g) = GLOBALS.get_ptr_mut(0)
+    {
+        // SAFETY: per-CPU value; programs do not nest on one CPU for these hooks.
+        bump(unsafe { &mut (*g).counters }, GlobalCounter::HeadersPulled, dir);
+    }
 }
 
 /// Inserted for a new flow; a static so the 128 bytes never sit on the BPF stack.

@@ -583,6 +583,55 @@ pub fn send_frames(ifname: &str, frames: &[Vec<u8>]) {
     }
 }
 
+/// Like [`send_frames`], but each frame leaves as an skb whose linear area holds only its
+/// first `linear` bytes and whose rest sits in page fragments (AF_PACKET with a virtio-net
+/// header whose `hdr_len` says `linear`): what a NIC driver or a zero-copy sender hands the
+/// stack. The kernel makes a paged skb only of frames of a page or more (4,096 bytes),
+/// so the interface's MTU must let them through.
+pub fn send_frames_paged(ifname: &str, frames: &[Vec<u8>], linear: u16) {
+    const PACKET_VNET_HDR: libc::c_int = 15;
+    let idx = roce_trace_datapath::sys::ifindex(ifname).unwrap();
+    for f in frames {
+        assert!(f.len() >= 4096, "a frame under a page stays linear");
+    }
+    // SAFETY: plain socket syscalls on a fd we own; addresses are valid sockaddr_ll.
+    unsafe {
+        let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0);
+        assert!(fd >= 0, "AF_PACKET socket: {}", std::io::Error::last_os_error());
+        let on: libc::c_int = 1;
+        let r = libc::setsockopt(
+            fd,
+            libc::SOL_PACKET,
+            PACKET_VNET_HDR,
+            &on as *const libc::c_int as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as u32,
+        );
+        assert_eq!(r, 0, "PACKET_VNET_HDR: {}", std::io::Error::last_os_error());
+        let mut addr: libc::sockaddr_ll = std::mem::zeroed();
+        addr.sll_family = libc::AF_PACKET as u16;
+        addr.sll_ifindex = idx as i32;
+        addr.sll_halen = 6;
+        for f in frames {
+            // struct virtio_net_hdr: flags, gso_type (none), hdr_len, gso_size,
+            // csum_start, csum_offset; little-endian.
+            let mut m = vec![0u8, 0];
+            m.extend_from_slice(&linear.to_le_bytes());
+            m.extend_from_slice(&[0; 6]);
+            m.extend_from_slice(f);
+            let n = libc::sendto(
+                fd,
+                m.as_ptr() as *const libc::c_void,
+                m.len(),
+                0,
+                &addr as *const libc::sockaddr_ll as *const libc::sockaddr,
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            );
+            assert_eq!(n as usize, m.len(), "sendto: {}", std::io::Error::last_os_error());
+        }
+        libc::close(fd);
+    }
+}
+
 /// A running `roce-trace capture`, its JSON Lines collected from stdout.
 pub struct CaptureProc {
     pub child: Proc,

@@ -632,3 +632,126 @@ fn live_capture_writes_pcapng_that_tshark_decodes_the_same() {
         "{finals:?}"
     );
 }
+
+/// TC reads what a host sends without writing to it: `bpf_skb_pull_data` (which may copy
+/// an skb's head) runs only for a RoCEv2 or GRE candidate whose headers are not all in the
+/// linear area. A TCP bulk transfer (payload in page fragments, as TCP sends it) and UDP to
+/// another port with its headers linear and its payload paged are never pulled; 4 KiB RoCE
+/// writes whose headers sit in fragments (only Ethernet, or only up to UDP, linear) are
+/// pulled and counted exactly. Fails if TC pulls every packet with a short linear area (as
+/// it did: `headers_pulled` counts the TCP segments) or never pulls (the RoCE frames with
+/// paged headers come out `truncated_ip` / `truncated_bth`, not RoCE).
+#[test]
+fn tc_pulls_headers_only_for_roce_candidates_whose_headers_are_paged() {
+    if !require_root() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let pair = VethPair::new("pul");
+    for (ns, ifn) in [(&pair.a, &pair.a_if), (&pair.b, &pair.b_if)] {
+        ns.exec(&["ip", "link", "set", ifn, "mtu", "9000"]);
+    }
+    let (src_mac, dst_mac) = (mac_of(&pair.a, &pair.a_if), mac_of(&pair.b, &pair.b_if));
+    let roce = |sport: u16, n: u32| -> Vec<Vec<u8>> {
+        (0..n)
+            .map(|psn| {
+                RoceFrame {
+                    src_mac,
+                    dst_mac,
+                    src: "10.99.0.1".parse().unwrap(),
+                    dst: "10.99.0.2".parse().unwrap(),
+                    udp_sport: sport,
+                    dest_qp: 0x300,
+                    psn,
+                    opcode: op::WRITE_MIDDLE,
+                    payload: vec![5; 4096],
+                    ..Default::default()
+                }
+                .build()
+            })
+            .collect()
+    };
+    let eth_only = roce(49160, 12);
+    let to_udp = roce(49161, 8);
+    let frame_len = eth_only[0].len() as u64;
+    // UDP to port 9999, headers linear, 4 KiB of payload paged: not a candidate.
+    let other_udp: Vec<Vec<u8>> = {
+        let mut f = roce(49162, 10);
+        for fr in &mut f {
+            // The UDP destination port (after 14 + 20 bytes) → 9999; the UDP checksum is
+            // zero in these frames, so nothing else changes.
+            fr[36..38].copy_from_slice(&9999u16.to_be_bytes());
+        }
+        f
+    };
+    let args = [
+        "-i",
+        &pair.a_if,
+        "--direction",
+        "egress",
+        "--json",
+        "--sample-rate",
+        "1",
+        "-c",
+        "20",
+        "--duration",
+        "60s",
+    ];
+    let cap = CaptureProc::start(&pair.a, &args);
+    // TCP: 32 MiB from a to b, in 64 KiB writes.
+    let listener = pair
+        .b
+        .run(|| std::net::TcpListener::bind("10.99.0.2:5201").unwrap());
+    let sink = std::thread::spawn(move || {
+        use std::io::Read;
+        let (mut s, _) = listener.accept().unwrap();
+        let mut buf = vec![0u8; 1 << 16];
+        let mut n = 0usize;
+        while let Ok(k) = s.read(&mut buf) {
+            if k == 0 {
+                break;
+            }
+            n += k;
+        }
+        n
+    });
+    pair.a.run(|| {
+        use std::io::Write;
+        let mut s = std::net::TcpStream::connect("10.99.0.2:5201").unwrap();
+        let chunk = vec![0x5a; 1 << 16];
+        for _ in 0..512 {
+            s.write_all(&chunk).unwrap();
+        }
+    });
+    assert_eq!(sink.join().unwrap(), 32 << 20);
+    let a_if = pair.a_if.clone();
+    pair.a.run(move || {
+        send_frames_paged(&a_if, &other_udp, 42);
+        send_frames_paged(&a_if, &eth_only, 14);
+        send_frames_paged(&a_if, &to_udp, 42);
+    });
+    let recs = cap.finish();
+    let summary = recs
+        .iter()
+        .find(|r| r["type"] == "summary")
+        .expect("summary record");
+    let c = &summary["counters"]["egress"];
+    assert_eq!(
+        c["headers_pulled"], 20,
+        "only the RoCE frames with paged headers: {c}"
+    );
+    assert_eq!(c["rocev2"], 20, "{c}");
+    assert!(
+        c["non_roce"].as_u64().unwrap() >= 10 + 100,
+        "TCP and UDP counted: {c}"
+    );
+    let flows = final_flows(&recs, "egress");
+    for (sport, n) in [(49160u16, 12u64), (49161, 8)] {
+        let (_, f) = flows
+            .iter()
+            .find(|((_, s, _), _)| *s == sport)
+            .unwrap_or_else(|| panic!("flow {sport}: {flows:?}"));
+        assert_eq!(f.packets, n, "sport {sport}");
+        assert_eq!(f.bytes, n * frame_len, "sport {sport}");
+    }
+}
