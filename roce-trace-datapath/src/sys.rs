@@ -361,3 +361,29 @@ mod write_tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
+
+/// A file holding a secret (`what`: "token file", "private key") must be the reader's
+/// own, or root's, and readable by nobody else (as ssh requires of a private key): a
+/// secret others can read is no secret.
+pub fn check_secret_file(f: &std::path::Path, what: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt as _;
+    let m = std::fs::metadata(f)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("reading the {what} {}: {e}", f.display())))?;
+    let mode = m.mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(std::io::Error::other(format!(
+            "the {what} {} can be read by others (mode {mode:03o}): chmod 600 it",
+            f.display()
+        )));
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if m.uid() != me && m.uid() != 0 {
+        return Err(std::io::Error::other(format!(
+            "the {what} {} belongs to uid {}, not to this user ({me}) or root",
+            f.display(),
+            m.uid()
+        )));
+    }
+    Ok(())
+}

@@ -21,7 +21,10 @@ use crate::{
     datapath::{Attachment, Datapath, DatapathOptions, IngressHook},
     http::{self, Response},
     observation::{CounterDelta, Observation, PointDecl, PointTable},
-    protocol::{Decoder, Encoder, Frame, ProtoError, ReadError, VERSION, points_frames, read_frame},
+    protocol::{
+        Decoder, Encoder, Frame, ProtoError, ReadError, Stream, StreamReader, StreamWriter, VERSION,
+        points_frames, read_frame,
+    },
     record::{ECN_NAMES, direction_name},
     sys::KernelClock,
 };
@@ -35,7 +38,12 @@ pub struct AgentOptions {
     pub ingress: Option<IngressHook>,
     pub egress: bool,
     pub node: String,
+    /// The shared token (empty: none; then `tls` is required).
     pub token: String,
+    /// Mutual TLS to the collector: the client configuration (the CA that signed the
+    /// collector's certificate, this node's certificate) and the name the collector's
+    /// certificate must carry.
+    pub tls: Option<(Arc<rustls::ClientConfig>, rustls_pki_types::ServerName<'static>)>,
     pub datapath: DatapathOptions,
     /// Counter deltas are sent this often.
     pub interval: Duration,
@@ -55,8 +63,8 @@ impl AgentOptions {
     fn check(&self) -> anyhow::Result<()> {
         // Fleet mode authenticates to NATS with NATS's own credentials instead.
         anyhow::ensure!(
-            self.fleet.is_some() || !self.token.is_empty(),
-            "a token is required (--token or --token-file)"
+            self.fleet.is_some() || !self.token.is_empty() || self.tls.is_some(),
+            "the collector needs to know this agent: give a token (--token-file) or TLS certificates (--tls-cert, --tls-key, --tls-ca)"
         );
         // HELLO carries both as u16-long strings: one longer could never be sent.
         anyhow::ensure!(
@@ -71,6 +79,11 @@ impl AgentOptions {
 
 mod outbox;
 mod traces;
+
+/// How long the agent waits without a frame from the collector (which sends a
+/// HEARTBEAT every third of its `--agent-timeout`, 16 s by default) before it gives the
+/// connection up and connects again.
+const COLLECTOR_TIMEOUT: Duration = Duration::from_secs(20);
 
 pub use outbox::Delivery;
 use outbox::Outbox;
@@ -532,7 +545,7 @@ struct Welcome {
 /// A connection past the handshake: its socket, its encoder and decoder, what was read
 /// beyond WELCOME, and WELCOME.
 struct Connected {
-    sock: TcpStream,
+    sock: Box<dyn Stream>,
     enc: Encoder,
     dec: Decoder,
     buf: BytesMut,
@@ -547,6 +560,10 @@ enum SessionEnd {
     ConnectTimeout,
     #[error("connect: {0}")]
     Connect(std::io::Error),
+    #[error("TLS handshake with the collector: {0}")]
+    Tls(std::io::Error),
+    #[error("nothing from the collector for {}s", COLLECTOR_TIMEOUT.as_secs())]
+    Silent,
     #[error("no answer to HELLO within 5 s")]
     NoWelcome,
     #[error("{0}")]
@@ -580,11 +597,22 @@ enum SessionEnd {
 /// Connects and sends HELLO; refuses a collector that does not speak this version (one
 /// that would not acknowledge what it receives).
 async fn handshake(opts: &AgentOptions) -> Result<Connected, SessionEnd> {
-    let mut sock = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(&opts.collector))
+    let sock = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(&opts.collector))
         .await
         .map_err(|_| SessionEnd::ConnectTimeout)?
         .map_err(SessionEnd::Connect)?;
     let _ = sock.set_nodelay(true);
+    let mut sock: Box<dyn Stream> = match &opts.tls {
+        None => Box::new(sock),
+        Some((cfg, name)) => {
+            let tls = tokio_rustls::TlsConnector::from(cfg.clone());
+            let s = tokio::time::timeout(Duration::from_secs(5), tls.connect(name.clone(), sock))
+                .await
+                .map_err(|_| SessionEnd::NoWelcome)?
+                .map_err(SessionEnd::Tls)?;
+            Box::new(s)
+        }
+    };
     let mut enc = Encoder::default();
     let hello = Frame::Hello {
         version: VERSION,
@@ -647,7 +675,7 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<std::convert::
         (t.decls().to_vec(), t.changes())
     };
     let mut declared = points.len();
-    let (rd, mut sock) = sock.into_split();
+    let (rd, mut sock) = tokio::io::split(sock);
     // As many POINTS frames as the format needs: one too big for its count or the frame
     // limit would close the connection, again after every reconnection.
     for f in points_frames(&points) {
@@ -734,7 +762,7 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<std::convert::
     }
 }
 
-async fn write(sock: &mut tokio::net::tcp::OwnedWriteHalf, frame: &[u8]) -> Result<(), SessionEnd> {
+async fn write(sock: &mut StreamWriter, frame: &[u8]) -> Result<(), SessionEnd> {
     sock.write_all(frame).await.map_err(SessionEnd::Send)
 }
 
@@ -742,11 +770,7 @@ async fn write(sock: &mut tokio::net::tcp::OwnedWriteHalf, frame: &[u8]) -> Resu
 /// takes no sequence number. Sending it anyway would make the collector close the
 /// connection, and the frame would come back after every reconnection: leaving it out is
 /// what keeps the agent going.
-async fn send(
-    sock: &mut tokio::net::tcp::OwnedWriteHalf,
-    enc: &mut Encoder,
-    f: &Frame,
-) -> Result<(), SessionEnd> {
+async fn send(sock: &mut StreamWriter, enc: &mut Encoder, f: &Frame) -> Result<(), SessionEnd> {
     match enc.encode(f) {
         Ok(b) => write(sock, &b).await,
         Err(e) => {
@@ -862,14 +886,20 @@ fn unix_now() -> u64 {
 
 /// Reads the collector's frames on connection `connection` until it ends; why it ended.
 async fn read_collector(
-    mut rd: tokio::net::tcp::OwnedReadHalf,
+    mut rd: StreamReader,
     mut dec: Decoder,
     mut buf: BytesMut,
     sh: Arc<Shared>,
     connection: u64,
 ) -> SessionEnd {
     loop {
-        let f = match read_frame(&mut rd, &mut buf, &mut dec).await {
+        // The collector sends a HEARTBEAT every few seconds: silence means it (or the
+        // way to it) is gone, and the agent connects again.
+        let f = match tokio::time::timeout(COLLECTOR_TIMEOUT, read_frame(&mut rd, &mut buf, &mut dec)).await {
+            Err(_) => return SessionEnd::Silent,
+            Ok(f) => f,
+        };
+        let f = match f {
             Ok(Some(f)) => f,
             Ok(None) => return SessionEnd::Closed,
             Err(ReadError::Protocol(e)) => return SessionEnd::BadFrame(e),
@@ -880,6 +910,7 @@ async fn read_collector(
             // The request's class is not used: the probes carry the class the flow was
             // seen leaving with.
             Frame::TraceRequest { id, flow, .. } => trace_for_collector(&sh, id, flow),
+            Frame::Heartbeat { .. } => {}
             Frame::Bye { reason } => return SessionEnd::Bye(reason),
             other => return SessionEnd::Unexpected(other.name()),
         }
@@ -1106,6 +1137,12 @@ pub struct AgentConfig {
     pub node: Option<String>,
     pub token: Option<String>,
     pub token_file: Option<std::path::PathBuf>,
+    /// Mutual TLS: this node's certificate and key, the CA of the collector's, and the
+    /// name the collector's certificate must carry (default: the host of `collector`).
+    pub tls_cert: Option<std::path::PathBuf>,
+    pub tls_key: Option<std::path::PathBuf>,
+    pub tls_ca: Option<std::path::PathBuf>,
+    pub tls_server_name: Option<String>,
     pub sample_rate: Option<u32>,
     pub seed: Option<u32>,
     pub expect_dscp: Option<Vec<u8>>,
@@ -1321,6 +1358,11 @@ mod tests {
         let c = AgentConfig::load(p).unwrap();
         assert_eq!(c.collector.as_deref(), Some("collector.example.net:4792"));
         assert_eq!(c.expect_dscp, Some(vec![26, 48]));
+        assert_eq!(
+            c.tls_cert.as_deref(),
+            Some(std::path::Path::new("/etc/roce-trace/node.pem"))
+        );
+        assert!(c.tls_key.is_some() && c.tls_ca.is_some() && c.token_file.is_none());
     }
 
     /// HELLO carries the node and the token as u16-long strings: an agent with a longer
@@ -1334,6 +1376,7 @@ mod tests {
             egress: false,
             node: "h1".into(),
             token: "t".into(),
+            tls: None,
             datapath: DatapathOptions::default(),
             interval: Duration::from_secs(1),
             queue: 1,

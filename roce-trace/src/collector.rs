@@ -9,7 +9,7 @@ use std::{
     path::PathBuf,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -17,10 +17,7 @@ use std::{
 use anyhow::Context as _;
 use bytes::BytesMut;
 
-use tokio::{
-    io::AsyncWriteExt,
-    net::{TcpListener, TcpStream},
-};
+use tokio::{io::AsyncWriteExt, net::TcpListener};
 
 use crate::{
     correlate::{Direction, FlowReport, JoinConfig, JoinView, Joiner, Point, PointId, PointInfo, Snapshot},
@@ -32,7 +29,15 @@ use crate::{
 pub struct CollectorOptions {
     pub listen: SocketAddr,
     pub http: Option<SocketAddr>,
+    /// The agents' shared token (empty: none; then `tls` is required).
     pub token: String,
+    /// Mutual TLS on the agents' port: this collector's certificate, and every agent's
+    /// required, signed by the CA, naming the node its HELLO claims ([`crate::tls`]).
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// An agent's connection silent this long is closed (agents send a HEARTBEAT at
+    /// least every 5 s); the collector sends its own every third of it. A node whose
+    /// connection is open and was heard from within it cannot open a second one.
+    pub agent_timeout: Duration,
     /// Where the report is written: at start (an empty one: the path is checked before
     /// anything is collected), every `report_every` while running (zero: never), and on
     /// exit — each time whole, replacing the last ([`crate::sys::write_atomically`]).
@@ -76,6 +81,10 @@ struct Group {
 /// how much of it was processed.
 struct ConnRec {
     id: u64,
+    /// Still being served (cleared when its task processes nothing more).
+    open: AtomicBool,
+    /// When its last frame arrived (the collector's clock, ns since start).
+    heard_ns: AtomicU64,
     /// Frames processed (the next sequence number): those below are in the join.
     processed: AtomicU64,
     /// The last connection before it that processed anything past its HELLO — the one its
@@ -298,11 +307,22 @@ const MAX_CONNECTIONS: usize = 16_384;
 /// BYE.
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
 
+/// How long an agent's connection may stay silent before it is closed (the default of
+/// `--agent-timeout`): three of the agents' 5 s heartbeats missed.
+pub const AGENT_TIMEOUT: Duration = Duration::from_secs(16);
+
 /// Flows waiting for their source's agent to trace them, at most.
 const MAX_UNTRACED: usize = 10_000;
 
 fn now_ns(start: Instant) -> u64 {
     start.elapsed().as_nanos() as u64
+}
+
+fn unix_now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos() as u64
 }
 
 /// Writes the report whole, replacing the last one (a reader, or a crash, never sees a
@@ -326,8 +346,12 @@ pub async fn run(
     ready: impl FnOnce(SocketAddr, Option<SocketAddr>),
 ) -> anyhow::Result<CollectorReport> {
     anyhow::ensure!(
-        !opts.token.is_empty(),
-        "a token is required (--token or --token-file)"
+        !opts.token.is_empty() || opts.tls.is_some(),
+        "agents must authenticate: give a token (--token-file) or TLS certificates (--tls-cert, --tls-key, --tls-ca)"
+    );
+    anyhow::ensure!(
+        opts.agent_timeout >= Duration::from_secs(6),
+        "--agent-timeout must be at least 6s: agents send a HEARTBEAT every 5 s"
     );
     let start = Instant::now();
     let mut joiner = Joiner::new(opts.join);
@@ -418,6 +442,8 @@ pub async fn run(
     ready(local, http_addr);
 
     let token = Arc::new(opts.token.clone());
+    let tls = opts.tls.clone().map(tokio_rustls::TlsAcceptor::from);
+    let agent_timeout = opts.agent_timeout;
     let st = state.clone();
     let accept = async move {
         let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
@@ -445,9 +471,30 @@ pub async fn run(
             };
             let st = st.clone();
             let token = token.clone();
+            let tls = tls.clone();
             tokio::spawn(async move {
                 let _conn = conn;
-                let why = serve_agent(sock, peer, &st, &token, start, hs).await;
+                let why = match tls {
+                    None => {
+                        let sock: Box<dyn Stream> = Box::new(sock);
+                        serve_agent(sock, None, peer, &st, &token, start, hs, agent_timeout).await
+                    }
+                    Some(tls) => match tokio::time::timeout(HANDSHAKE_DEADLINE, tls.accept(sock)).await {
+                        Ok(Ok(s)) => {
+                            let cert = s.get_ref().1.peer_certificates().and_then(|c| c.first()).cloned();
+                            let sock: Box<dyn Stream> = Box::new(s);
+                            serve_agent(sock, cert, peer, &st, &token, start, hs, agent_timeout).await
+                        }
+                        Ok(Err(e)) => {
+                            st.lock().refused += 1;
+                            Closed::Tls(e)
+                        }
+                        Err(_) => {
+                            st.lock().refused += 1;
+                            Closed::NoHello
+                        }
+                    },
+                };
                 tracing::warn!("agent {peer}: connection closed: {why}");
             });
         }
@@ -544,15 +591,24 @@ pub async fn run(
     Ok(r)
 }
 
+use crate::protocol::{Stream, StreamReader as AgentReader, StreamWriter as AgentWriter};
+
 /// One agent's connection: handshake, then frames into the join, until it ends (why).
-/// Any protocol error closes this connection only.
+/// Any protocol error closes this connection only. `cert`: the agent's certificate, when
+/// it connected over TLS (verified against the CA already): it must name the node.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "one connection's setting, passed down once"
+)]
 async fn serve_agent(
-    mut sock: TcpStream,
+    mut sock: Box<dyn Stream>,
+    cert: Option<rustls_pki_types::CertificateDer<'static>>,
     peer: SocketAddr,
     st: &Shared,
     token: &str,
     start: Instant,
     handshake: tokio::sync::OwnedSemaphorePermit,
+    timeout: Duration,
 ) -> Closed {
     // Before the peer is known it can make this connection hold a HELLO's worth at most.
     let mut buf = BytesMut::with_capacity(4 * 1024);
@@ -566,10 +622,15 @@ async fn serve_agent(
             token: t,
             clock_synced,
         }))) => {
+            // With TLS the certificate speaks for the node (and a token, if one is set,
+            // must be right too); without, the token alone.
+            let identity = cert.as_ref().map(|c| crate::tls::cert_names_node(c, &node));
             if version != VERSION {
                 Err(Closed::Version(ProtoError::Version(version)))
-            } else if !http::same_secret(t.as_bytes(), token.as_bytes()) {
+            } else if !token.is_empty() && !http::same_secret(t.as_bytes(), token.as_bytes()) {
                 Err(Closed::WrongToken(node))
+            } else if let Some(Err(why)) = identity {
+                Err(Closed::WrongIdentity { node, why })
             } else {
                 Ok((node, clock_synced))
             }
@@ -582,8 +643,10 @@ async fn serve_agent(
         Ok(h) => h,
         Err(why) => {
             st.lock().refused += 1;
-            if matches!(why, Closed::Version(_) | Closed::WrongToken(_))
-                && let Ok(bye) = Encoder::default().encode(&Frame::bye(why.to_string()))
+            if matches!(
+                why,
+                Closed::Version(_) | Closed::WrongToken(_) | Closed::WrongIdentity { .. }
+            ) && let Ok(bye) = Encoder::default().encode(&Frame::bye(why.to_string()))
             {
                 let _ = tokio::time::timeout(HANDSHAKE_DEADLINE, sock.write_all(&bye)).await;
             }
@@ -592,7 +655,16 @@ async fn serve_agent(
     };
     dec.authenticated();
     drop(handshake);
-    let (conn, stop, done, previous) = take_over(st, &node, dec.next_seq()).await;
+    let (conn, stop, done, previous) = match take_over(st, &node, dec.next_seq(), start, timeout).await {
+        Ok(c) => c,
+        Err(why) => {
+            st.lock().refused += 1;
+            if let Ok(bye) = Encoder::default().encode(&Frame::bye(why.to_string())) {
+                let _ = tokio::time::timeout(HANDSHAKE_DEADLINE, sock.write_all(&bye)).await;
+            }
+            return why;
+        }
+    };
     let welcome = Frame::Welcome {
         version: VERSION,
         connection: conn.id,
@@ -620,14 +692,34 @@ async fn serve_agent(
     // Frames to this agent (ACKs, traces, BYE) go through a writer task; reading stays
     // here. ACKs go through a watch: only the latest counts, so an agent that does not
     // read them costs no memory.
-    let (rd, wr) = sock.into_split();
+    let (rd, wr) = tokio::io::split(sock);
     let (req_tx, req_rx) = tokio::sync::mpsc::unbounded_channel::<Frame>();
     let (ack_tx, ack_rx) = tokio::sync::watch::channel(0u64);
     st.lock()
         .requesters
         .insert(node.clone(), (conn.id, req_tx.clone()));
-    let writer = tokio::spawn(write_to_agent(wr, enc, req_rx, ack_rx));
-    let closed = serve_frames(rd, buf, dec, st, &node, clock_synced, start, &conn, stop, &ack_tx).await;
+    let writer = tokio::spawn(write_to_agent(
+        wr,
+        enc,
+        req_rx,
+        ack_rx,
+        (timeout / 3).min(Duration::from_secs(5)),
+    ));
+    let closed = serve_frames(
+        rd,
+        buf,
+        dec,
+        st,
+        &node,
+        clock_synced,
+        start,
+        &conn,
+        stop,
+        &ack_tx,
+        timeout,
+    )
+    .await;
+    conn.open.store(false, Ordering::SeqCst);
     let reason = closed.to_string();
     {
         let mut s = st.lock();
@@ -673,6 +765,21 @@ enum Closed {
     Version(ProtoError),
     #[error("node `{0}` presented a wrong token")]
     WrongToken(String),
+    #[error("TLS handshake: {0}")]
+    Tls(std::io::Error),
+    #[error("HELLO for node `{node}` refused: {why}")]
+    WrongIdentity { node: String, why: String },
+    #[error(
+        "node `{node}` is connected already (from {peer}, heard from within {}s): one session per node",
+        timeout.as_secs()
+    )]
+    AlreadyConnected {
+        node: String,
+        peer: String,
+        timeout: Duration,
+    },
+    #[error("nothing from the agent for {}s", .0.as_secs())]
+    Silent(Duration),
     #[error("handshake: {0}")]
     Welcome(ProtoError),
     #[error("{0}")]
@@ -708,32 +815,56 @@ impl Closed {
     fn is_violation(&self) -> bool {
         matches!(
             self,
-            Self::BadFrame(_) | Self::Replaced(_) | Self::UndeclaredPoint { .. } | Self::WrongFrame
+            Self::BadFrame(_)
+                | Self::Replaced(_)
+                | Self::UndeclaredPoint { .. }
+                | Self::WrongFrame
+                | Self::Silent(_)
         )
     }
 }
 
 /// Registers a new connection from `node` (`processed` frames so far: the HELLO) as its
-/// latest, after stopping the one before and waiting until it processes nothing more;
-/// returns the new connection's record, stop signal and done guard, and the id and frames
-/// processed of the node's previous connection that counts.
+/// latest, after stopping the one before (one open but silent for `timeout`: its agent
+/// gave up on it) and waiting until it processes nothing more; returns the new
+/// connection's record, stop signal and done guard, and the id and frames processed of
+/// the node's previous connection that counts. Refused while the node's connection is
+/// open and was heard from within `timeout`: one session per node.
 async fn take_over(
     st: &Shared,
     node: &str,
     processed: u64,
-) -> (
-    Arc<ConnRec>,
-    tokio::sync::oneshot::Receiver<()>,
-    tokio::sync::oneshot::Sender<()>,
-    Option<(u64, u64)>,
-) {
+    start: Instant,
+    timeout: Duration,
+) -> Result<
+    (
+        Arc<ConnRec>,
+        tokio::sync::oneshot::Receiver<()>,
+        tokio::sync::oneshot::Sender<()>,
+        Option<(u64, u64)>,
+    ),
+    Closed,
+> {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
     let (rec, old) = {
         let mut s = st.lock();
+        let now = now_ns(start);
+        if let Some(c) = s.conns.get(node)
+            && c.rec.open.load(Ordering::SeqCst)
+            && now.saturating_sub(c.rec.heard_ns.load(Ordering::SeqCst)) < timeout.as_nanos() as u64
+        {
+            return Err(Closed::AlreadyConnected {
+                node: node.to_owned(),
+                peer: s.agents.get(node).map_or_else(String::new, |a| a.peer.clone()),
+                timeout,
+            });
+        }
         s.last_conn = s.last_conn.wrapping_add(1).max(1);
         let rec = Arc::new(ConnRec {
             id: s.last_conn,
+            open: AtomicBool::new(true),
+            heard_ns: AtomicU64::new(now),
             processed: AtomicU64::new(processed),
             before: Mutex::new(None),
         });
@@ -761,20 +892,25 @@ async fn take_over(
         previous = last.as_ref().map(|r| (r.id, r.processed.load(Ordering::SeqCst)));
         *rec.before.lock().expect("conn") = last;
     }
-    (rec, stop_rx, done_tx, previous)
+    Ok((rec, stop_rx, done_tx, previous))
 }
 
-/// Writes requests, ACKs (the latest frame processed) and the closing BYE to the agent.
+/// Writes requests, ACKs (the latest frame processed), a HEARTBEAT every `beat` (so the
+/// agent knows the collector is there) and the closing BYE to the agent.
 async fn write_to_agent(
-    mut wr: tokio::net::tcp::OwnedWriteHalf,
+    mut wr: AgentWriter,
     mut enc: Encoder,
     mut req_rx: tokio::sync::mpsc::UnboundedReceiver<Frame>,
     mut ack_rx: tokio::sync::watch::Receiver<u64>,
+    beat: Duration,
 ) {
     let mut acks = true;
+    let mut beats = tokio::time::interval_at(tokio::time::Instant::now() + beat, beat);
+    beats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let f = tokio::select! {
             biased;
+            _ = beats.tick() => Frame::Heartbeat { unix_ns: unix_now_ns() },
             f = req_rx.recv() => match f {
                 Some(f) => f,
                 None => break,
@@ -810,7 +946,7 @@ async fn write_to_agent(
     reason = "one connection's state, passed down once"
 )]
 async fn serve_frames(
-    mut rd: tokio::net::tcp::OwnedReadHalf,
+    mut rd: AgentReader,
     mut buf: BytesMut,
     mut dec: Decoder,
     st: &Shared,
@@ -820,10 +956,12 @@ async fn serve_frames(
     conn: &ConnRec,
     mut stop: tokio::sync::oneshot::Receiver<()>,
     ack: &tokio::sync::watch::Sender<u64>,
+    timeout: Duration,
 ) -> Closed {
     let mut points: HashMap<u16, PointId> = HashMap::new();
     loop {
         let f = tokio::select! {
+            _ = tokio::time::sleep(timeout) => return Closed::Silent(timeout),
             f = read_frame(&mut rd, &mut buf, &mut dec) => match f {
                 Ok(Some(f)) => f,
                 Ok(None) => return Closed::WentAway,
@@ -833,6 +971,7 @@ async fn serve_frames(
             _ = &mut stop => return Closed::Replaced(node.to_owned()),
         };
         let now = now_ns(start);
+        conn.heard_ns.store(now, Ordering::SeqCst);
         let data = match ingest(&mut st.lock(), node, clock_synced, true, &mut points, f, now) {
             Ok(data) => data,
             Err(closed) => return closed,

@@ -16,6 +16,7 @@ pub mod local;
 pub mod metrics;
 pub mod observation;
 pub mod protocol;
+pub mod tls;
 pub mod trace;
 
 pub use roce_trace_correlate as correlate;

@@ -101,6 +101,8 @@ where
         http: Some("127.0.0.1:0".parse().expect("address")),
         token: token.clone(),
         report: None,
+        tls: None,
+        agent_timeout: crate::collector::AGENT_TIMEOUT,
         report_every: Duration::ZERO,
         join: JoinConfig {
             trajectory_timeout_ns: 1_000_000_000,

@@ -13,10 +13,18 @@ use roce_trace_common::datapath::Counts;
 /// collector acknowledges what it has processed (ACK) and says in WELCOME how much of the
 /// node's previous connection it processed, so the agent re-sends exactly the rest. 4: the
 /// agent reports each point's health per interval (HEALTH), without which the collector
-/// proves no loss, and POINTS carry each point's MTU (declared again when it changes).
-pub const VERSION: u16 = 5;
+/// proves no loss, and POINTS carry each point's MTU (declared again when it changes). 6:
+/// the collector sends HEARTBEATs too (keepalives both ways), and refuses a second
+/// session of a node whose connection is live.
+pub const VERSION: u16 = 6;
 /// Largest frame either side accepts (length field included).
 pub const MAX_FRAME: usize = 4 << 20;
+/// A connection's byte stream between an agent and a collector: TCP, or TLS over it.
+pub trait Stream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Stream for T {}
+pub type StreamReader = tokio::io::ReadHalf<Box<dyn Stream>>;
+pub type StreamWriter = tokio::io::WriteHalf<Box<dyn Stream>>;
+
 /// Observations per OBSERVATIONS frame a sender should not exceed.
 pub const MAX_BATCH: usize = 4096;
 

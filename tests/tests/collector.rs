@@ -44,6 +44,8 @@ impl Running {
                     http: Some("127.0.0.1:0".parse().unwrap()),
                     token: "t0ken".into(),
                     report: None,
+                    tls: None,
+                    agent_timeout: roce_trace::collector::AGENT_TIMEOUT,
                     report_every: Duration::ZERO,
                     join: JoinConfig {
                         trajectory_timeout_ns: 100_000_000,
@@ -131,7 +133,7 @@ fn obs(point: u16, psn: u32, ttl: u8, dscp: u8) -> Observation {
 /// What a read on a connection the peer should have closed must find: the end of the
 /// stream (or a reset: the peer closed with our bytes unread). A read timing out means
 /// the connection is still open, and fails.
-fn assert_closed(s: &mut TcpStream, what: &str) {
+fn assert_closed(s: &mut dyn Conn, what: &str) {
     use std::io::ErrorKind::*;
     let mut b = [0u8; 256];
     match s.read(&mut b) {
@@ -145,9 +147,13 @@ fn assert_closed(s: &mut TcpStream, what: &str) {
     }
 }
 
+/// A fake agent's byte stream: TCP, or TLS over it.
+trait Conn: Read + Write + Send {}
+impl<T: Read + Write + Send> Conn for T {}
+
 /// An agent speaking the protocol by hand.
 struct FakeAgent {
-    s: TcpStream,
+    s: Box<dyn Conn>,
     enc: Encoder,
     dec: roce_trace::protocol::Decoder,
     buf: bytes::BytesMut,
@@ -158,6 +164,15 @@ impl FakeAgent {
     fn hello(c: &Running, node: &str, token: &str, version: u16) -> (Self, Frame) {
         let s = TcpStream::connect(c.agents).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let (a, reply) = Self::hello_on(Box::new(s), node, token, version);
+        (
+            a,
+            reply.unwrap_or_else(|| panic!("{node}: the collector closed without answering HELLO")),
+        )
+    }
+
+    /// Sends HELLO on `s`; the collector's answer, or None when it closed the connection.
+    fn hello_on(s: Box<dyn Conn>, node: &str, token: &str, version: u16) -> (Self, Option<Frame>) {
         let mut a = Self {
             s,
             enc: Encoder::default(),
@@ -170,9 +185,7 @@ impl FakeAgent {
             token: token.into(),
             clock_synced: false,
         });
-        let reply = a
-            .read_frame()
-            .unwrap_or_else(|| panic!("{node}: the collector closed without answering HELLO"));
+        let reply = a.read_frame();
         (a, reply)
     }
 
@@ -205,9 +218,20 @@ impl FakeAgent {
         self.s.write_all(&b).unwrap();
     }
 
-    /// The collector's next frame; `None` when it closed the connection. Fails when
-    /// nothing comes within 5 s.
+    /// The collector's next frame but HEARTBEATs (as an agent, it takes them for a sign
+    /// of life); `None` when it closed the connection (or refused the TLS handshake).
+    /// Fails when nothing comes within 5 s.
     fn read_frame(&mut self) -> Option<Frame> {
+        loop {
+            match self.next_any() {
+                Some(Frame::Heartbeat { .. }) => {}
+                f => return f,
+            }
+        }
+    }
+
+    /// The collector's next frame, whatever it is.
+    fn next_any(&mut self) -> Option<Frame> {
         use std::io::ErrorKind::*;
         let mut chunk = [0u8; 4096];
         loop {
@@ -220,7 +244,15 @@ impl FakeAgent {
             }
             match self.s.read(&mut chunk) {
                 Ok(0) => return None,
-                Err(e) if matches!(e.kind(), ConnectionReset | BrokenPipe) => return None,
+                // A TLS alert (the collector refused the certificate) reads as invalid data.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ConnectionReset | BrokenPipe | InvalidData | UnexpectedEof
+                    ) =>
+                {
+                    return None;
+                }
                 Err(e) if matches!(e.kind(), WouldBlock | TimedOut) => {
                     panic!("nothing from the collector within 5 s")
                 }
@@ -443,10 +475,35 @@ fn data_frames_are_acknowledged_once_they_are_in_the_join() {
     c.finish();
 }
 
-/// A node connecting again while its previous connection is still open (the agent gave up
-/// on it): the old one is told and closed, and WELCOME says how many of its frames were
-/// processed, so the agent sends again exactly the rest. A connection that got no further
-/// than its handshake does not count; another node's connections are not this node's.
+/// Waits until the collector has let go of `node`'s connection.
+fn wait_disconnected(c: &Running, node: &str) {
+    let t = std::time::Instant::now();
+    loop {
+        let agents = c.json("/agents");
+        let a = agents
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["node"] == node)
+            .cloned();
+        if a.is_some_and(|a| a["connected"] == false) {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "`{node}` still connected: {agents}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// One session per node: while a node's connection is open and heard from, a second
+/// HELLO with its name is refused (BYE, counted) and the first goes on — whoever holds the
+/// token cannot take a live agent's place. Once the node's connection is gone it connects
+/// again, and WELCOME says how many of its previous connection's frames were processed, so
+/// the agent sends again exactly the rest. A connection that got no further than its
+/// handshake does not count; another node's connections are not this node's. Fails if a
+/// second session replaces the first (as it did: the first was told "connected again").
 #[test]
 fn a_node_connecting_again_learns_how_much_of_its_previous_connection_counts() {
     let c = Running::start();
@@ -457,23 +514,36 @@ fn a_node_connecting_again_learns_how_much_of_its_previous_connection_counts() {
     a1.send(&Frame::Observations(vec![obs(0, 2, 64, 26)]));
     a1.acked_up_to(3);
 
+    // A second session while a1 is live: refused with its reason; a1 is still served.
+    let (mut dup, reply) = FakeAgent::connect(&c, "again", "t0ken");
+    match reply {
+        Frame::Bye { reason } => assert!(reason.contains("is connected already"), "{reason}"),
+        other => panic!("a second session got {other:?}"),
+    }
+    assert_closed(&mut dup.s, "second session");
+    a1.send(&Frame::Observations(vec![obs(0, 5, 64, 26)]));
+    assert_eq!(a1.read_ack(), 4, "the first session goes on");
+    drop(a1); // gone without a word
+    wait_disconnected(&c, "again");
+
     let (mut a2, (id2, prev, frames)) = FakeAgent::welcomed(&c, "again");
     assert_ne!(id2, id1);
     assert_eq!(
         (prev, frames),
-        (id1, 4),
-        "HELLO, POINTS and two OBSERVATIONS processed"
+        (id1, 5),
+        "HELLO, POINTS and three OBSERVATIONS processed"
     );
-    a1.assert_bye("node `again` connected again");
     a2.send(&Frame::Points(vec![point(0, "eth0")]));
     a2.send(&Frame::Observations(vec![obs(0, 3, 64, 26)]));
     assert_eq!(a2.read_ack(), 2);
-    drop(a2); // gone without a word
+    drop(a2);
+    wait_disconnected(&c, "again");
 
     // Handshake only, then gone: it does not replace a2 as the one to resume from.
     let (a3, (id3, prev, frames)) = FakeAgent::welcomed(&c, "again");
     assert_eq!((prev, frames), (id2, 3));
     drop(a3);
+    wait_disconnected(&c, "again");
     let (mut a4, (id4, prev, frames)) = FakeAgent::welcomed(&c, "again");
     assert!(id4 != id3 && id4 != id2);
     assert_eq!((prev, frames), (id2, 3), "a3 processed nothing past its HELLO");
@@ -491,9 +561,161 @@ fn a_node_connecting_again_learns_how_much_of_its_previous_connection_counts() {
         .iter()
         .find(|a| a["node"] == "again")
         .unwrap();
-    assert_eq!(again["connections"], 4);
+    assert_eq!(again["connections"], 4, "the refused session is no connection");
     assert_eq!(again["connected"], true, "{again}");
-    assert_eq!(again["observations"], 4);
+    assert_eq!(again["observations"], 5);
+    c.finish();
+}
+
+/// Keepalives both ways. The collector sends a HEARTBEAT every third of
+/// `--agent-timeout` (at most 5 s): an agent can tell a live collector from a dead one.
+/// An agent silent for `--agent-timeout` is closed with its reason, and its node may
+/// connect again at once; one that sends its heartbeats stays. Fails without the
+/// collector's heartbeats (nothing comes within 3 s) and without the timeout (the silent
+/// connection stays open: a dead host would hold its node's session for good).
+#[test]
+fn silent_agents_are_closed_and_the_collector_sends_heartbeats() {
+    let c = Running::start_with(|o| o.agent_timeout = Duration::from_secs(6));
+    let (mut quiet, _) = FakeAgent::welcomed(&c, "quiet");
+    let t = std::time::Instant::now();
+    match quiet.next_any() {
+        Some(Frame::Heartbeat { unix_ns }) => assert!(unix_ns > 1_600_000_000_000_000_000),
+        other => panic!("expected HEARTBEAT, got {other:?}"),
+    }
+    let first = t.elapsed();
+    assert!(
+        first > Duration::from_millis(1500) && first < Duration::from_secs(3),
+        "{first:?}"
+    );
+    let (mut chatty, _) = FakeAgent::welcomed(&c, "chatty");
+    let beating = std::thread::spawn(move || {
+        for _ in 0..9 {
+            chatty.send(&Frame::Heartbeat { unix_ns: 1 });
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        chatty
+    });
+    quiet.assert_bye("nothing from the agent for 6s");
+    let closed = t.elapsed();
+    assert!(
+        closed > Duration::from_millis(5500) && closed < Duration::from_secs(8),
+        "{closed:?}"
+    );
+    let mut chatty = beating.join().unwrap();
+    chatty.send(&Frame::Points(vec![point(0, "eth0")]));
+    // POINTS is not acknowledged: the next frame that comes is the ACK of this one.
+    chatty.send(&Frame::Observations(vec![obs(0, 1, 64, 26)]));
+    match chatty.read_frame() {
+        Some(Frame::Ack { .. }) => {}
+        other => panic!("chatty should stay: {other:?}"),
+    }
+    let agents = c.json("/agents");
+    let chatty_now = agents
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["node"] == "chatty")
+        .unwrap();
+    assert_eq!(chatty_now["connected"], true, "{agents}");
+    // The silent node connects again at once.
+    FakeAgent::welcomed(&c, "quiet");
+    c.finish();
+}
+
+/// Mutual TLS on the agents' port (the collector with certificates and no token): an
+/// agent needs a certificate from the collector's CA, and it speaks for its own node only.
+/// Refused: a peer speaking plain TCP, a TLS peer without a certificate, one with a
+/// certificate from another CA, and h1's certificate claiming node h2 (told why). h1's
+/// certificate for h1 is welcomed and served. Each refusal fails without its check.
+#[test]
+fn over_tls_an_agent_needs_a_certificate_naming_its_own_node() {
+    use roce_trace::tls::{TlsFiles, client_config, create, load_certs, server_config};
+    use std::sync::Arc;
+    let dir = roce_trace_tests::TempDir::new("tls-peers");
+    create(
+        &dir.0.join("ours"),
+        &["127.0.0.1".into()],
+        &["h1".into(), "h2".into()],
+    )
+    .unwrap();
+    create(&dir.0.join("theirs"), &["127.0.0.1".into()], &["h1".into()]).unwrap();
+    let files = |ca: &str, leaf: &str| TlsFiles {
+        cert: dir.0.join(format!("{ca}/{leaf}.pem")),
+        key: dir.0.join(format!("{ca}/{leaf}.key")),
+        ca: dir.0.join(format!("{ca}/ca.pem")),
+    };
+    let server = server_config(&files("ours", "collector")).unwrap();
+    let c = Running::start_with(move |o| {
+        o.token = String::new();
+        o.tls = Some(server);
+    });
+    let tcp = || {
+        let s = TcpStream::connect(c.agents).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s
+    };
+    let over_tls = |cfg: Arc<rustls::ClientConfig>| -> Box<dyn Conn> {
+        let name =
+            rustls::pki_types::ServerName::IpAddress("127.0.0.1".parse::<std::net::IpAddr>().unwrap().into());
+        let conn = rustls::ClientConnection::new(cfg, name).unwrap();
+        Box::new(rustls::StreamOwned::new(conn, tcp()))
+    };
+    let hello = |s: Box<dyn Conn>, node: &str| {
+        // A refused handshake fails the first write or read: either way, no WELCOME.
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            FakeAgent::hello_on(s, node, "", VERSION).1
+        }))
+        .unwrap_or(None)
+    };
+
+    // Plain TCP: the collector speaks TLS, so no frame ever comes back.
+    assert_eq!(hello(Box::new(tcp()), "h1"), None, "plain TCP");
+    // TLS without a certificate.
+    let roots = {
+        let mut r = rustls::RootCertStore::empty();
+        for cert in load_certs(&dir.0.join("ours/ca.pem")).unwrap() {
+            r.add(cert).unwrap();
+        }
+        r
+    };
+    let anonymous =
+        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    assert_eq!(hello(over_tls(Arc::new(anonymous)), "h1"), None, "no certificate");
+    // h1's certificate from another CA (trusting ours for the collector's).
+    let mut foreign = files("theirs", "h1");
+    foreign.ca = dir.0.join("ours/ca.pem");
+    assert_eq!(
+        hello(over_tls(client_config(&foreign).unwrap()), "h1"),
+        None,
+        "another CA"
+    );
+    // h1's certificate, claiming h2.
+    match hello(over_tls(client_config(&files("ours", "h1")).unwrap()), "h2") {
+        Some(Frame::Bye { reason }) => assert!(
+            reason.contains("the certificate is not for node `h2`"),
+            "{reason}"
+        ),
+        other => panic!("h1 as h2: {other:?}"),
+    }
+    // h1's certificate for h1: welcomed, and its frames served.
+    let (mut h1, reply) = FakeAgent::hello_on(
+        over_tls(client_config(&files("ours", "h1")).unwrap()),
+        "h1",
+        "",
+        VERSION,
+    );
+    assert!(matches!(reply, Some(Frame::Welcome { .. })), "{reply:?}");
+    h1.send(&Frame::Points(vec![point(0, "eth0")]));
+    h1.send(&Frame::Observations(vec![obs(0, 1, 64, 26)]));
+    assert_eq!(h1.read_ack(), 2);
+    let agents = c.json("/agents");
+    assert_eq!(agents.as_array().unwrap().len(), 1, "{agents}");
+    assert_eq!(agents[0]["node"], "h1");
+    assert_eq!(c.json("/stats")["observations"], 1);
     c.finish();
 }
 

@@ -1062,6 +1062,8 @@ fn collector_views(n: u32) -> anyhow::Result<()> {
                 http: Some("127.0.0.1:0".parse()?),
                 token: "bench".into(),
                 report: None,
+                tls: None,
+                agent_timeout: roce_trace::collector::AGENT_TIMEOUT,
                 report_every: Duration::ZERO,
                 join: roce_trace_correlate::JoinConfig {
                     max_flows: 2_000_000,

@@ -22,6 +22,15 @@ pub struct AgentArgs {
     config: Option<PathBuf>,
     #[command(flatten)]
     token: TokenArgs,
+    /// Mutual TLS to the collector: this node's certificate (its DNS name is the node's
+    /// name) and key, and the CA that signed the collector's (`roce-trace certs`). With
+    /// it the token is optional.
+    #[command(flatten)]
+    tls: TlsArgs,
+    /// The name the collector's certificate must carry (default: the host of
+    /// --collector).
+    #[arg(long, requires = "peer_tls_cert")]
+    tls_server_name: Option<String>,
     #[arg(long)]
     sample_rate: Option<u32>,
     #[arg(long)]
@@ -70,7 +79,16 @@ pub(super) async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
     } else {
         Some(a.nats.options()?)
     };
-    let token = if fleet.is_some() {
+    let tls_files = a.tls.files().or_else(|| {
+        Some(roce_trace::tls::TlsFiles {
+            cert: cfg.tls_cert.clone()?,
+            key: cfg.tls_key.clone()?,
+            ca: cfg.tls_ca.clone()?,
+        })
+    });
+    let token = if fleet.is_some()
+        || (tls_files.is_some() && !token_given(&a.token, cfg.token_file.as_ref(), cfg.token.as_ref()))
+    {
         String::new()
     } else {
         read_token(&a.token, cfg.token_file.as_ref(), cfg.token.as_ref())?
@@ -80,14 +98,26 @@ pub(super) async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
         (None, Some(s)) => humantime::parse_duration(s)?,
         (None, None) => Duration::from_secs(2),
     };
+    let collector = match (a.collector.or(cfg.collector), &fleet) {
+        (Some(c), _) => c,
+        (None, Some(nats)) => format!("NATS {}", nats.urls.join(",")),
+        (None, None) => {
+            anyhow::bail!("no collector: --collector HOST:PORT or `collector` in the config, or --nats-url")
+        }
+    };
+    let tls = match tls_files {
+        Some(f) => Some((
+            roce_trace::tls::client_config(&f)?,
+            roce_trace::tls::server_name(
+                &collector,
+                a.tls_server_name.as_deref().or(cfg.tls_server_name.as_deref()),
+            )?,
+        )),
+        None => None,
+    };
     let opts = AgentOptions {
-        collector: match (a.collector.or(cfg.collector), &fleet) {
-            (Some(c), _) => c,
-            (None, Some(nats)) => format!("NATS {}", nats.urls.join(",")),
-            (None, None) => anyhow::bail!(
-                "no collector: --collector HOST:PORT or `collector` in the config, or --nats-url"
-            ),
-        },
+        collector,
+        tls,
         ifaces: if a.interfaces.is_empty() {
             cfg.interfaces.unwrap_or_default()
         } else {

@@ -17,6 +17,15 @@ pub struct CollectArgs {
     http_token: HttpTokenArgs,
     #[command(flatten)]
     token: TokenArgs,
+    /// Mutual TLS on the agents' port: this collector's certificate and key, and the CA
+    /// every agent's certificate must be signed by (`roce-trace certs` makes them). With
+    /// it the token is optional (checked too when given).
+    #[command(flatten)]
+    tls: TlsArgs,
+    /// Close an agent's connection silent this long (agents send a HEARTBEAT every 5 s);
+    /// until then a second session from its node is refused.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "16s")]
+    agent_timeout: Duration,
     /// Write the report (JSON) here: at start (the path is checked), every
     /// --report-every, and on exit; each time whole, replacing the last.
     #[arg(long, default_value = "roce-trace-report.json")]
@@ -64,12 +73,23 @@ pub struct CollectArgs {
 
 pub(super) async fn run_collect(a: CollectArgs) -> anyhow::Result<()> {
     use roce_trace::{collector, correlate::JoinConfig};
-    let token = read_token(&a.token, None, None)?;
+    let tls = a
+        .tls
+        .files()
+        .map(|f| roce_trace::tls::server_config(&f))
+        .transpose()?;
+    let token = if tls.is_some() && !token_given(&a.token, None, None) {
+        String::new()
+    } else {
+        read_token(&a.token, None, None)?
+    };
     let opts = collector::CollectorOptions {
         listen: a.listen,
         http: a.http,
         token,
         report: Some(a.report.clone()),
+        tls,
+        agent_timeout: a.agent_timeout,
         report_every: a.report_every,
         join: JoinConfig {
             trajectory_timeout_ns: a.trajectory_timeout.as_nanos() as u64,

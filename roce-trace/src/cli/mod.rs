@@ -49,6 +49,59 @@ pub enum Command {
     /// Check the fabric against a policy: pass/fail per rule with evidence (exit 0 pass,
     /// 1 a check failed, 2 error, 3 a check could not be made).
     Verify(VerifyArgs),
+    /// Make a CA and certificates for mutual TLS between agents and the collector.
+    Certs(CertsArgs),
+}
+
+#[derive(clap::Args)]
+pub struct CertsArgs {
+    /// Directory to write ca.pem, ca.key, collector.pem/.key and NODE.pem/.key into
+    /// (created; existing files are never overwritten).
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// A name agents dial the collector by: a DNS name or an IP address (repeat, or
+    /// comma-separated).
+    #[arg(long, value_delimiter = ',', required = true)]
+    collector_name: Vec<String>,
+    /// A node to make a certificate for: its agent's --node (repeat, or comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    node: Vec<String>,
+}
+
+fn run_certs(a: CertsArgs) -> anyhow::Result<()> {
+    let issued = roce_trace::tls::create(&a.out, &a.collector_name, &a.node)?;
+    for f in &issued.files {
+        println!("{}", f.display());
+    }
+    tracing::info!(
+        "collector: --tls-cert {0}/collector.pem --tls-key {0}/collector.key --tls-ca {0}/ca.pem; each agent: --tls-cert {0}/NODE.pem --tls-key {0}/NODE.key --tls-ca {0}/ca.pem (copy ca.key nowhere: it signs new certificates)",
+        a.out.display()
+    );
+    Ok(())
+}
+
+/// Mutual TLS between agents and the collector: all three files, or none.
+#[derive(clap::Args)]
+struct TlsArgs {
+    /// This side's certificate (PEM): the collector's, or an agent's naming its node.
+    #[arg(id = "peer_tls_cert", long = "tls-cert", value_name = "FILE", requires_all = ["peer_tls_key", "peer_tls_ca"])]
+    tls_cert: Option<PathBuf>,
+    /// Its private key (PEM, readable by its owner alone).
+    #[arg(id = "peer_tls_key", long = "tls-key", value_name = "FILE", requires_all = ["peer_tls_cert", "peer_tls_ca"])]
+    tls_key: Option<PathBuf>,
+    /// The CA that signed the other side's certificates (PEM).
+    #[arg(id = "peer_tls_ca", long = "tls-ca", value_name = "FILE", requires_all = ["peer_tls_cert", "peer_tls_key"])]
+    tls_ca: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    fn files(&self) -> Option<roce_trace::tls::TlsFiles> {
+        Some(roce_trace::tls::TlsFiles {
+            cert: self.tls_cert.clone()?,
+            key: self.tls_key.clone()?,
+            ca: self.tls_ca.clone()?,
+        })
+    }
 }
 
 #[derive(clap::Args)]
@@ -85,6 +138,11 @@ fn read_secret_file(f: &std::path::Path) -> anyhow::Result<String> {
     Ok(tok)
 }
 
+/// Whether a token was given at all (flag, environment, file, or config).
+fn token_given(t: &TokenArgs, file_from_config: Option<&PathBuf>, from_config: Option<&String>) -> bool {
+    t.token.is_some() || t.token_file.is_some() || file_from_config.is_some() || from_config.is_some()
+}
+
 fn read_token(
     t: &TokenArgs,
     file_from_config: Option<&PathBuf>,
@@ -106,26 +164,8 @@ fn read_token(
         .ok_or_else(|| anyhow::anyhow!("a token is required: --token, --token-file or ROCE_TRACE_TOKEN"))
 }
 
-/// A file holding a secret must be the reader's own, or root's, and readable by nobody
-/// else (as ssh requires of a private key): a secret others can read is no secret.
 fn check_secret_file(f: &std::path::Path) -> anyhow::Result<()> {
-    use std::os::unix::fs::MetadataExt as _;
-    let m = std::fs::metadata(f).with_context(|| format!("reading the token file {}", f.display()))?;
-    let mode = m.mode() & 0o777;
-    anyhow::ensure!(
-        mode & 0o077 == 0,
-        "the token file {} can be read by others (mode {mode:03o}): chmod 600 it",
-        f.display()
-    );
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let me = unsafe { libc::geteuid() };
-    anyhow::ensure!(
-        m.uid() == me || m.uid() == 0,
-        "the token file {} belongs to uid {}, not to this user ({me}) or root",
-        f.display(),
-        m.uid()
-    );
-    Ok(())
+    Ok(roce_trace::sys::check_secret_file(f, "token file")?)
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -198,6 +238,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Trace(a) => trace::run_trace(a),
         Command::Verify(_) => unreachable!("handled in main"),
         Command::Capture(a) => capture::run_capture(a, &rt),
+        Command::Certs(a) => run_certs(a),
     }
 }
 

@@ -114,6 +114,7 @@ pub(super) fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
                 ingress: Some(IngressHook::Auto),
                 egress: true,
                 node: roce_trace::sys::hostname(),
+                tls: None,
                 token: String::new(),
                 datapath: DatapathOptions {
                     udp_port: a.port,
