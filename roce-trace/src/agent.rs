@@ -80,6 +80,10 @@ impl AgentOptions {
 mod outbox;
 mod traces;
 
+/// A reader of a capture (`agent -r`) forgets a flow idle this long in capture time (its
+/// last counter delta was sent before), as the kernel's tables let idle flows go.
+const OFFLINE_FLOW_IDLE_NS: u64 = 120_000_000_000;
+
 /// How long the agent waits without a frame from the collector (which sends a
 /// HEARTBEAT every third of its `--agent-timeout`, 16 s by default) before it gives the
 /// connection up and connects again.
@@ -231,92 +235,117 @@ pub async fn run(
                 }
             }
             _ = tick.tick() => {
-                let flows = dp.flows()?;
-                let read_ns = clock.to_unix_ns(KernelClock::mono_now_ns());
-                let globals = dp.globals()?;
-                let mut next = HashMap::with_capacity(flows.len());
-                let mut by_point: BTreeMap<u16, PointMetrics> = BTreeMap::new();
-                let mut left = Vec::new();
-                let points = {
-                    let mut table = shared.points.lock().expect("points");
-                    dp.resolve_mirrors(&mut table.mirrors, flows.keys())?;
-                    let mut ob = shared.outbox.lock().expect("outbox");
-                    for (k, c) in &flows {
-                        let (before, start_ns) = prev.get(k).map_or((None, last_read_ns), |(b, s)| (Some(b), *s));
-                        let Some(p) = table.index_of(k) else {
-                            next.insert(*k, (*c, start_ns));
-                            continue;
-                        };
-                        let d = CounterDelta::between(p, k, c, before, [start_ns, read_ns]);
-                        let reported = d.counts.packets > 0;
-                        if reported && shared.own_egress.get(p as usize) == Some(&true) {
-                            left.push((FlowId::of_key(k), source_class(c)));
-                        }
-                        if reported {
-                            ob.push_counter(d);
-                        }
-                        next.insert(*k, (*c, if reported { read_ns } else { start_ns }));
-                        let m = by_point.entry(p).or_default();
-                        let e = m.packets_by_dscp.entry(c.last_dscp).or_default();
-                        e.0 += c.counts.packets;
-                        e.1 += c.counts.bytes;
-                        m.counts.add(&c.counts);
-                    }
-                    ob.ringbuf_drops = globals.total(GlobalCounter::RingbufFull);
-                    // A port's MTU may change under us (a fault, a repair): declared again.
-                    let own: Vec<(u16, String)> = table
-                        .decls()
-                        .iter()
-                        .filter(|d| d.node.is_empty())
-                        .map(|d| (d.index, d.iface.clone()))
-                        .collect();
-                    for (i, iface) in own {
-                        if let Ok(m) = crate::sys::mtu(&iface) {
-                            table.set_mtu(i, m);
-                        }
-                    }
-                    let dropped = ob.dropped().0 + shared.unplaced.load(std::sync::atomic::Ordering::Relaxed);
-                    for h in health.interval(table.decls(), &globals, dropped) {
-                        ob.push_health(h);
-                    }
-                    table.decls().to_vec()
-                };
-                *shared.metrics.lock().expect("metrics") = (
-                    points
-                        .iter()
-                        .map(|p| {
-                            let iface = if p.node.is_empty() { p.iface.clone() } else { format!("{}/{}", p.node, p.iface) };
-                            (format!("{iface}\t{}", direction_name(p.direction)), by_point.remove(&p.index).unwrap_or_default())
-                        })
-                        .collect(),
-                    globals,
-                );
-                {
-                    let now = Instant::now();
-                    let mut gate = shared.gate.lock().expect("gate");
-                    gate.sources.expire(now);
-                    for (f, c) in left {
-                        gate.sources.saw(f, c, now);
-                    }
-                }
-                prev = next;
-                last_read_ns = read_ns;
+                read_interval(&mut dp, &clock, &shared, &mut prev, &mut last_read_ns, &mut health)?;
                 shared.notify.notify_one();
             }
         }
     }
-    // Whatever the kernel queued still goes, with the health of the last interval, and
-    // the sender gets a moment to deliver.
+    // Whatever the kernel queued still goes, with the last (partial) interval's counter
+    // deltas and health, and the sender gets a moment to deliver.
     drain(ring.get_mut(), &clock, &shared);
-    if let Ok(globals) = dp.globals() {
-        let table = shared.points.lock().expect("points");
+    if let Err(e) = read_interval(
+        &mut dp,
+        &clock,
+        &shared,
+        &mut prev,
+        &mut last_read_ns,
+        &mut health,
+    ) {
+        tracing::warn!("the last interval's counters could not be read: {e:#}");
+    }
+    shared.notify.notify_one();
+    Ok(finish(&shared, sender, Duration::from_secs(2)).await)
+}
+
+/// One interval's reading of the kernel's flow table: each flow's counter delta since
+/// its last report, each point's health, the metrics; also what the table says this host
+/// sent (the flows it may trace).
+fn read_interval(
+    dp: &mut Datapath,
+    clock: &KernelClock,
+    shared: &Shared,
+    prev: &mut HashMap<FlowKey, (FlowCounters, u64)>,
+    last_read_ns: &mut u64,
+    health: &mut HealthMeter,
+) -> anyhow::Result<()> {
+    let flows = dp.flows()?;
+    let read_ns = clock.to_unix_ns(KernelClock::mono_now_ns());
+    let globals = dp.globals()?;
+    let mut next = HashMap::with_capacity(flows.len());
+    let mut by_point: BTreeMap<u16, PointMetrics> = BTreeMap::new();
+    let mut left = Vec::new();
+    let points = {
+        let mut table = shared.points.lock().expect("points");
+        dp.resolve_mirrors(&mut table.mirrors, flows.keys())?;
         let mut ob = shared.outbox.lock().expect("outbox");
+        for (k, c) in &flows {
+            let (before, start_ns) = prev.get(k).map_or((None, *last_read_ns), |(b, s)| (Some(b), *s));
+            let Some(p) = table.index_of(k) else {
+                next.insert(*k, (*c, start_ns));
+                continue;
+            };
+            let d = CounterDelta::between(p, k, c, before, [start_ns, read_ns]);
+            let reported = d.counts.packets > 0;
+            if reported && shared.own_egress.get(p as usize) == Some(&true) {
+                left.push((FlowId::of_key(k), source_class(c)));
+            }
+            if reported {
+                ob.push_counter(d);
+            }
+            next.insert(*k, (*c, if reported { read_ns } else { start_ns }));
+            let m = by_point.entry(p).or_default();
+            let e = m.packets_by_dscp.entry(c.last_dscp).or_default();
+            e.0 += c.counts.packets;
+            e.1 += c.counts.bytes;
+            m.counts.add(&c.counts);
+        }
+        ob.ringbuf_drops = globals.total(GlobalCounter::RingbufFull);
+        // A port's MTU may change under us (a fault, a repair): declared again.
+        let own: Vec<(u16, String)> = table
+            .decls()
+            .iter()
+            .filter(|d| d.node.is_empty())
+            .map(|d| (d.index, d.iface.clone()))
+            .collect();
+        for (i, iface) in own {
+            if let Ok(m) = crate::sys::mtu(&iface) {
+                table.set_mtu(i, m);
+            }
+        }
         let dropped = ob.dropped().0 + shared.unplaced.load(std::sync::atomic::Ordering::Relaxed);
         for h in health.interval(table.decls(), &globals, dropped) {
             ob.push_health(h);
         }
+        table.decls().to_vec()
+    };
+    *shared.metrics.lock().expect("metrics") = (
+        points
+            .iter()
+            .map(|p| {
+                let iface = if p.node.is_empty() {
+                    p.iface.clone()
+                } else {
+                    format!("{}/{}", p.node, p.iface)
+                };
+                (
+                    format!("{iface}\t{}", direction_name(p.direction)),
+                    by_point.remove(&p.index).unwrap_or_default(),
+                )
+            })
+            .collect(),
+        globals,
+    );
+    {
+        let now = Instant::now();
+        let mut gate = shared.gate.lock().expect("gate");
+        gate.sources.expire(now);
+        for (f, c) in left {
+            gate.sources.saw(f, c, now);
+        }
     }
-    Ok(finish(&shared, sender, Duration::from_secs(2)).await)
+    *prev = next;
+    *last_read_ns = read_ns;
+    Ok(())
 }
 
 fn drain(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, clock: &KernelClock, sh: &Shared) -> usize {
@@ -1224,6 +1253,7 @@ pub async fn run_pcap(
     );
     let sh = shared.clone();
     let interval = opts.interval;
+    let max_flows = (opts.datapath.max_flows as usize).max(64);
     let reading = tokio::task::spawn_blocking(move || {
         // Per flow: its counters at its last report and that report's capture time. A
         // capture's clock is its packets' timestamps: each delta covers the capture time
@@ -1294,11 +1324,25 @@ pub async fn run_pcap(
                     sh.unplaced.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
             });
-            if last.elapsed() >= interval {
+            // Each interval, and whenever the table outgrows its bound: every flow's
+            // delta first, then the idle (by capture time) and the oldest past the bound
+            // forgotten — an endless stream holds a bounded table.
+            let full = offline.flows.len() > max_flows;
+            if full || last.elapsed() >= interval {
                 last = Instant::now();
                 deltas(&offline, &mut prev, read_ns);
                 read_ns[0] = read_ns[1];
                 health(&mut covered, &mut reported_dropped);
+                // Past the bound, 1/64 of it goes at once, so the next frames do not each
+                // pay for a sort.
+                let keep = if full {
+                    max_flows - max_flows / 64
+                } else {
+                    max_flows
+                };
+                for k in offline.expire(read_ns[1], OFFLINE_FLOW_IDLE_NS, keep) {
+                    prev.remove(&k);
+                }
             }
         });
         deltas(&offline, &mut prev, read_ns);
@@ -1320,6 +1364,54 @@ pub async fn run_pcap(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A reader of an endless capture holds a bounded table: flows idle for
+    /// OFFLINE_FLOW_IDLE_NS of capture time are forgotten, then the least recently seen
+    /// past the bound; a flow seen again starts from zero. Fails if `expire` forgets
+    /// nothing (the table grows with every flow ever seen) or forgets a flow still busy.
+    #[test]
+    fn an_offline_reader_forgets_idle_flows_and_stays_within_its_bound() {
+        let mut off = crate::pcap::Offline::new(&DatapathOptions::default()).unwrap();
+        let frame = |sport: u16, psn: u32, time_ns: u64| crate::pcap::CapturedFrame {
+            time_ns,
+            data: crate::frame::RoceFrame {
+                udp_sport: sport,
+                psn,
+                ..Default::default()
+            }
+            .build(),
+            orig_len: 0,
+        };
+        let s = 1_000_000_000u64;
+        // Flow 1 at 0 s; flows 2..=6 at 100..104 s; flow 7 at 200 s.
+        off.frame(&frame(1, 0, 0), |_| {});
+        for sport in 2..=6u16 {
+            off.frame(&frame(sport, 0, (98 + sport as u64) * s), |_| {});
+        }
+        off.frame(&frame(7, 0, 200 * s), |_| {});
+        assert_eq!(off.flows.len(), 7);
+        let sports = |off: &crate::pcap::Offline| {
+            let mut v: Vec<u16> = off.flows.keys().map(|k| k.udp_sport).collect();
+            v.sort();
+            v
+        };
+        // At 200 s: flow 1 is idle past 120 s; a bound of 4 then drops the two oldest.
+        let mut gone: Vec<u16> = off
+            .expire(200 * s, OFFLINE_FLOW_IDLE_NS, 4)
+            .iter()
+            .map(|k| k.udp_sport)
+            .collect();
+        gone.sort();
+        assert_eq!(gone, [1, 2, 3]);
+        assert_eq!(sports(&off), [4, 5, 6, 7]);
+        assert!(off.icrc_errors.keys().all(|k| k.udp_sport >= 4));
+        // Flow 1 again: counted from zero.
+        off.frame(&frame(1, 1, 201 * s), |_| {});
+        let k = off.flows.keys().find(|k| k.udp_sport == 1).copied().unwrap();
+        assert_eq!(off.flows[&k].1.counts.packets, 1);
+        // Nothing idle, within the bound: nothing forgotten.
+        assert!(off.expire(201 * s, OFFLINE_FLOW_IDLE_NS, 10).is_empty());
+    }
 
     /// In fleet mode a record handed to the publisher is not delivered until JetStream
     /// acknowledges it: the agent's last line must not call it acknowledged before.

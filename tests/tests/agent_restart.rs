@@ -360,3 +360,73 @@ fn a_full_buffer_drops_the_oldest_and_says_so() {
         "the collector was told"
     );
 }
+
+/// The last interval is not lost at shutdown: an agent with a 60 s interval, stopped a
+/// moment after its traffic, still reads its counters once more and delivers them — the
+/// flow's one counter delta, acknowledged, with every packet. Fails when the agent stops
+/// without that last reading (no counter delta at all: a stopped agent lost up to an
+/// interval of every flow's counts).
+#[test]
+fn an_agent_stopped_mid_interval_delivers_its_last_counters() {
+    if !require_root() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let pair = VethPair::new("lst");
+    let dir = TempDir::new("lst");
+    let c = collector(&pair, "c", &dir);
+    let a = Daemon::start(
+        &pair.a.name,
+        &[
+            "agent",
+            "--collector",
+            "10.99.0.2:4792",
+            "--node",
+            "a",
+            "-i",
+            &pair.a_if,
+            "--token",
+            "tk",
+            "--sample-rate",
+            "0",
+            "--interval",
+            "60s",
+        ],
+        "connected to collector",
+    );
+    let frames: Vec<Vec<u8>> = (0..25)
+        .map(|psn| {
+            roce_trace_gen::frame::RoceFrame {
+                src: "10.99.0.1".parse().unwrap(),
+                dst: "10.99.0.2".parse().unwrap(),
+                udp_sport: 49_700,
+                psn,
+                ..Default::default()
+            }
+            .build()
+        })
+        .collect();
+    let a_if = pair.a_if.clone();
+    pair.a.run(move || send_frames(&a_if, &frames));
+    std::thread::sleep(Duration::from_millis(500));
+    let log = stop_and_log(a);
+    let (_, counters, _) = agent_totals(&log);
+    assert_eq!((counters.made, counters.acked), (1, 1), "{log}");
+    let v = collector_view(&pair);
+    assert_eq!(v["counter_deltas"], 1, "{v}");
+    c.stop();
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(dir.path("c.json")).unwrap()).unwrap();
+    let flow = r["flows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["id"].as_str().is_some_and(|id| id.contains(":49700>")))
+        .unwrap_or_else(|| panic!("no flow: {r}"));
+    let packets: u64 = flow["counters"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|d| d["packets"].as_u64().unwrap_or_else(|| panic!("{d}")))
+        .sum();
+    assert_eq!(packets, 25, "{flow}");
+}
