@@ -52,6 +52,9 @@ pub struct AgentOptions {
     /// This host's clock is synchronised (PTP/NTP): one-way delays are meaningful.
     pub clock_synced: bool,
     pub metrics: Option<SocketAddr>,
+    /// The metrics endpoint's bearer token: every scrape must carry it. Required to serve
+    /// metrics beyond loopback.
+    pub metrics_token: Option<String>,
     /// Fleet mode: publish to NATS JetStream instead of streaming to `collector`.
     pub fleet: Option<crate::fleet::NatsOptions>,
     /// Which mirror sessions (GRE/ERSPAN from switches) become points.
@@ -72,6 +75,12 @@ impl AgentOptions {
             "the token and the node name must be at most 65,535 bytes"
         );
         anyhow::ensure!(self.queue > 0, "--queue must be at least 1");
+        if let Some(addr) = self.metrics {
+            anyhow::ensure!(
+                addr.ip().is_loopback() || self.metrics_token.is_some(),
+                "--metrics {addr} would serve this host's traffic counts beyond it to anyone: give --metrics-token-file FILE (Prometheus then sends `authorization: credentials_file`), or a loopback address"
+            );
+        }
         anyhow::ensure!(!self.interval.is_zero(), "--interval must be longer than zero");
         Ok(())
     }
@@ -189,7 +198,8 @@ pub async fn run(
     let mut metrics_addr = None;
     if let Some(addr) = opts.metrics {
         let sh = shared.clone();
-        let (bound, serve) = http::bind(addr, None, move |path, _| match path {
+        let bearer = opts.metrics_token.as_deref().map(Arc::from);
+        let (bound, serve) = http::bind(addr, bearer, move |path, _| match path {
             "/metrics" => Response::metrics(render_metrics(&sh)),
             _ => Response::text(404, "try /metrics\n".into()),
         })
@@ -1181,6 +1191,8 @@ pub struct AgentConfig {
     pub queue: Option<usize>,
     pub clock_synced: Option<bool>,
     pub metrics: Option<SocketAddr>,
+    /// The metrics endpoint's bearer token, from this file (mode 600).
+    pub metrics_token_file: Option<std::path::PathBuf>,
 }
 
 impl AgentConfig {
@@ -1474,10 +1486,38 @@ mod tests {
             queue: 1,
             clock_synced: false,
             metrics: None,
+            metrics_token: None,
             fleet: None,
             mirrors: Default::default(),
         };
         assert!(opts.check().is_ok());
+        // Metrics beyond loopback only with a bearer token.
+        let open = AgentOptions {
+            metrics: Some("0.0.0.0:9464".parse().unwrap()),
+            ..opts.clone()
+        };
+        assert!(
+            open.check()
+                .unwrap_err()
+                .to_string()
+                .contains("--metrics-token-file")
+        );
+        assert!(
+            AgentOptions {
+                metrics_token: Some("s3cret".into()),
+                ..open.clone()
+            }
+            .check()
+            .is_ok()
+        );
+        assert!(
+            AgentOptions {
+                metrics: Some("127.0.0.1:9464".parse().unwrap()),
+                ..opts.clone()
+            }
+            .check()
+            .is_ok()
+        );
         for (node, token) in [("h1", "t".repeat(65_536)), (&*"n".repeat(65_536), "t".into())] {
             let e = AgentOptions {
                 node: node.into(),

@@ -30,7 +30,7 @@ struct Metrics(String);
 
 impl Metrics {
     fn read(pair: &VethPair) -> Self {
-        Self(get(&pair.a, "10.99.0.1:9464", "/metrics"))
+        Self(get(&pair.a, "127.0.0.1:9464", "/metrics"))
     }
     /// The value of the series `name` (with its labels, if any).
     fn get(&self, name: &str) -> u64 {
@@ -141,7 +141,7 @@ fn agent(pair: &VethPair, queue: &str) -> Daemon {
             "--queue",
             queue,
             "--metrics",
-            "10.99.0.1:9464",
+            "127.0.0.1:9464",
         ],
         "connected to collector",
     )

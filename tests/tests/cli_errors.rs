@@ -128,3 +128,75 @@ fn a_token_file_others_can_read_is_refused() {
     let (code, err) = collect();
     assert_eq!(code, 0, "{err}");
 }
+
+/// Endpoints that tell the world this host's traffic, or accept agents, are not opened
+/// carelessly: agent metrics beyond loopback need a bearer token file; a collector needs a
+/// token or TLS certificates; TLS files come in threes; a private key others can read is
+/// refused. Each fails without its check (the agent would start serving, the collector
+/// would take anyone).
+#[test]
+fn open_endpoints_need_credentials() {
+    let (code, err) = run(&[
+        "agent",
+        "--collector",
+        "127.0.0.1:1",
+        "-i",
+        "lo",
+        "--token",
+        "t",
+        "--metrics",
+        "0.0.0.0:9464",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("--metrics-token-file"), "{err}");
+    let (code, err) = run(&[
+        "collect",
+        "--listen",
+        "127.0.0.1:0",
+        "--quiet",
+        "--duration",
+        "1s",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("a token is required") || err.contains("TLS certificates"),
+        "{err}"
+    );
+    let (code, err) = run(&["collect", "--tls-cert", "c.pem", "--quiet"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--tls-key") && err.contains("--tls-ca"), "{err}");
+    let dir = TempDir::new("cli-tls");
+    let out = Command::new(roce_trace_bin())
+        .args(["certs", "--out"])
+        .arg(&dir.0)
+        .args(["--collector-name", "127.0.0.1"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(dir.path("collector.key"), std::fs::Permissions::from_mode(0o640)).unwrap();
+    let p = |f: &str| dir.path(f).to_string_lossy().into_owned();
+    let (code, err) = run(&[
+        "collect",
+        "--listen",
+        "127.0.0.1:0",
+        "--tls-cert",
+        &p("collector.pem"),
+        "--tls-key",
+        &p("collector.key"),
+        "--tls-ca",
+        &p("ca.pem"),
+        "--quiet",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("can be read by others"), "{err}");
+    // `certs` never overwrites.
+    let out = Command::new(roce_trace_bin())
+        .args(["certs", "--out"])
+        .arg(&dir.0)
+        .args(["--collector-name", "127.0.0.1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("never overwritten"));
+}

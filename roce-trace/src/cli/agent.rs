@@ -48,9 +48,14 @@ pub struct AgentArgs {
     /// This host's clock is synchronised (PTP/NTP).
     #[arg(long)]
     clock_synced: bool,
-    /// Serve Prometheus metrics on ADDR (e.g. 127.0.0.1:9464).
+    /// Serve Prometheus metrics on ADDR (e.g. 127.0.0.1:9464; beyond loopback only with
+    /// --metrics-token-file).
     #[arg(long)]
     metrics: Option<std::net::SocketAddr>,
+    /// Every scrape must carry this bearer token, read from FILE (first line; readable by
+    /// its owner alone): required to serve metrics beyond loopback.
+    #[arg(long, value_name = "FILE", env = "ROCE_TRACE_METRICS_TOKEN_FILE")]
+    metrics_token_file: Option<PathBuf>,
     /// Take mirrored copies (GRE/ERSPAN) only from switches in these ranges (repeat, or
     /// comma-separated: `10.0.0.0/8,2001:db8::/32`; a bare address is one switch).
     /// Without it, from any source, up to --max-mirror-sessions.
@@ -143,6 +148,12 @@ pub(super) async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
         queue: a.queue.or(cfg.queue).unwrap_or(100_000),
         clock_synced: a.clock_synced || cfg.clock_synced.unwrap_or(false),
         metrics: a.metrics.or(cfg.metrics),
+        metrics_token: a
+            .metrics_token_file
+            .or(cfg.metrics_token_file)
+            .as_deref()
+            .map(read_secret_file)
+            .transpose()?,
         fleet,
         mirrors: roce_trace::observation::MirrorPolicy {
             from: a.mirror_from,
