@@ -59,6 +59,18 @@ pub struct AgentOptions {
     pub fleet: Option<crate::fleet::NatsOptions>,
     /// Which mirror sessions (GRE/ERSPAN from switches) become points.
     pub mirrors: crate::observation::MirrorPolicy,
+    /// What the agent gives up once its programs are attached ([`crate::privilege`]).
+    pub privileges: Privileges,
+}
+
+/// What an agent does with its privileges once attached.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Privileges {
+    /// Keeps them (an agent inside another process, e.g. `verify`'s).
+    #[default]
+    Keep,
+    /// Drops every capability it no longer needs, and becomes `user` when given.
+    Drop { user: Option<String> },
 }
 
 impl AgentOptions {
@@ -211,6 +223,24 @@ pub async fn run(
 
     let clock = KernelClock::now();
     let ring = dp.take_samples()?;
+    if let Privileges::Drop { user } = &opts.privileges {
+        use crate::privilege::*;
+        let mut keep = Vec::new();
+        if opts.fleet.is_none() {
+            keep.push(CAP_NET_RAW);
+        }
+        if hooks.iter().any(|h| h.mode == "clsact") {
+            keep.push(CAP_NET_ADMIN);
+        }
+        if map_reads_need_cap_bpf() {
+            keep.push(CAP_BPF);
+        }
+        let dropped = drop_privileges(user.as_deref(), &keep)?;
+        dp.globals().map_err(|e| {
+            anyhow::anyhow!("with privileges dropped ({dropped}) the agent cannot read its maps: {e}")
+        })?;
+        tracing::info!("privileges dropped: {dropped}");
+    }
     // SAFETY: the RingBuf owns its map fd and keeps it open for as long as this AsyncFd.
     let mut ring = unsafe { tokio::io::unix::AsyncFd::register(ring) }
         .map_err(|e| anyhow::anyhow!("polling the sample ring buffer: {e}"))?;
@@ -1193,6 +1223,8 @@ pub struct AgentConfig {
     pub metrics: Option<SocketAddr>,
     /// The metrics endpoint's bearer token, from this file (mode 600).
     pub metrics_token_file: Option<std::path::PathBuf>,
+    /// Once attached, become this user.
+    pub user: Option<String>,
 }
 
 impl AgentConfig {
@@ -1241,6 +1273,11 @@ pub async fn run_pcap(
 ) -> anyhow::Result<AgentStats> {
     opts.check()?;
     let reader = crate::pcap::open(&input)?;
+    if let Privileges::Drop { user } = &opts.privileges {
+        // A reader of captures needs no capability at all.
+        let dropped = crate::privilege::drop_privileges(user.as_deref(), &[])?;
+        tracing::info!("privileges dropped: {dropped}");
+    }
     let mut offline = crate::pcap::Offline::new(&opts.datapath)?;
     let points = vec![PointDecl {
         mtu: 0,
@@ -1489,6 +1526,7 @@ mod tests {
             metrics_token: None,
             fleet: None,
             mirrors: Default::default(),
+            privileges: Privileges::Keep,
         };
         assert!(opts.check().is_ok());
         // Metrics beyond loopback only with a bearer token.

@@ -15,6 +15,7 @@ pub mod http;
 pub mod local;
 pub mod metrics;
 pub mod observation;
+pub mod privilege;
 pub mod protocol;
 pub mod tls;
 pub mod trace;

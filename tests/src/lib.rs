@@ -773,10 +773,17 @@ pub struct Daemon {
 
 impl Daemon {
     pub fn start(ns: &str, args: &[&str], ready: &str) -> Self {
+        Self::start_under(ns, &[], args, ready)
+    }
+
+    /// As [`Daemon::start`], run through `wrapper` (e.g. `setpriv …`), which must exec
+    /// it (the process is then roce-trace's).
+    pub fn start_under(ns: &str, wrapper: &[&str], args: &[&str], ready: &str) -> Self {
         use std::io::BufRead;
         let mut child = Proc::spawn(
             Command::new("ip")
                 .args(["netns", "exec", ns])
+                .args(wrapper)
                 .arg(roce_trace_bin())
                 .args(args)
                 .stdout(std::process::Stdio::null())

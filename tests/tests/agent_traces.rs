@@ -31,7 +31,8 @@ fn scripted_collector(listener: TcpListener, sport: u16) -> Seen {
     let mut dec = Decoder::handshake();
     let mut enc = Encoder::default();
     let mut buf = BytesMut::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
+    // Within the agent's 20 s patience with a collector that sends no HEARTBEAT.
+    let deadline = Instant::now() + Duration::from_secs(15);
     let next = |sock: &mut std::net::TcpStream, dec: &mut Decoder, buf: &mut BytesMut| -> Option<Frame> {
         loop {
             if let Some(f) = dec.decode(buf).unwrap() {
@@ -107,12 +108,60 @@ fn an_agent_traces_only_flows_it_sent_with_the_class_they_left_with() {
     if !require_root() {
         return;
     }
-    let pair = VethPair::new("atr");
+    traced_by_an_agent("atr", &[]);
+}
+
+/// The capabilities the shipped systemd unit gives the agent (its AmbientCapabilities).
+fn unit_capabilities() -> Vec<String> {
+    let unit = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../dist/roce-trace-agent.service"
+    ))
+    .unwrap();
+    let line = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("AmbientCapabilities="))
+        .expect("the unit sets AmbientCapabilities");
+    line.split_whitespace()
+        .map(|c| c.trim_start_matches("CAP_").to_lowercase())
+        .collect()
+}
+
+/// The agent as the shipped unit runs it: an unprivileged user (nobody) holding only the
+/// unit's capabilities (setpriv, as systemd's AmbientCapabilities= does). It attaches,
+/// streams, answers a trace — and, once attached, holds CAP_NET_RAW alone (the traces'
+/// raw socket). Fails if the unit lacks a capability the agent needs (CAP_NET_RAW was
+/// missing: every trace failed), or if the agent keeps what it no longer needs.
+#[test]
+fn an_agent_under_the_shipped_units_capabilities_attaches_streams_and_traces() {
+    if !require_root() {
+        return;
+    }
+    let caps: Vec<String> = unit_capabilities().iter().map(|c| format!("+{c}")).collect();
+    let caps = caps.join(",");
+    let inh = format!("--inh-caps=-all,{caps}");
+    let amb = format!("--ambient-caps={caps}");
+    let bound = format!("--bounding-set=-all,{caps}");
+    let wrapper = [
+        "setpriv",
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        &inh,
+        &amb,
+        &bound,
+    ];
+    traced_by_an_agent("aup", &wrapper);
+}
+
+fn traced_by_an_agent(tag: &str, wrapper: &[&str]) {
+    let pair = VethPair::new(tag);
     let sport = 49_500;
     let listener = pair.b.run(|| TcpListener::bind("10.99.0.2:4792").unwrap());
     let collector = std::thread::spawn(move || scripted_collector(listener, sport));
-    let agent = Daemon::start(
+    let agent = Daemon::start_under(
         &pair.a.name,
+        wrapper,
         &[
             "agent",
             "--collector",
@@ -152,6 +201,31 @@ fn an_agent_traces_only_flows_it_sent_with_the_class_they_left_with() {
     let a_if = pair.a_if.clone();
     pair.a.run(move || send_frames(&a_if, &frames));
     let seen = collector.join().unwrap();
+    // What the agent holds once attached: CAP_NET_RAW alone (on this kernel: ≥ 6.5, tcx),
+    // and the user it was started as.
+    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.child.id())).unwrap();
+    let field = |k: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(k))
+            .unwrap_or_else(|| panic!("{k}: {status}"))
+            .trim()
+            .to_owned()
+    };
+    assert_eq!(
+        field("CapEff:"),
+        "0000000000002000",
+        "CAP_NET_RAW alone: {status}"
+    );
+    assert_eq!(field("CapPrm:"), "0000000000002000", "{status}");
+    assert_eq!(field("CapAmb:"), "0000000000000000", "{status}");
+    assert_eq!(field("NoNewPrivs:"), "1");
+    let want_uid = if wrapper.is_empty() { "0" } else { "65534" };
+    assert_eq!(
+        field("Uid:").split_whitespace().next(),
+        Some(want_uid),
+        "{status}"
+    );
     let (_, metrics) = pair.a.run(|| {
         roce_trace::http::get(
             "127.0.0.1:9464".parse().unwrap(),

@@ -65,6 +65,10 @@ pub struct AgentArgs {
     /// (`roce_trace_mirror_sessions_refused_total`).
     #[arg(long, default_value_t = roce_trace::observation::MirrorPolicy::MAX_SESSIONS)]
     max_mirror_sessions: usize,
+    /// Once attached, become this user (the agent must start as root); capabilities it
+    /// no longer needs are dropped either way (README: least privilege).
+    #[arg(id = "run_as_user", long = "user", value_name = "USER")]
+    user: Option<String>,
     #[command(flatten)]
     ingress: IngressArgs,
     /// Fleet mode (`--nats-url`): publish to NATS JetStream, for a group of collectors,
@@ -155,6 +159,9 @@ pub(super) async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
             .map(read_secret_file)
             .transpose()?,
         fleet,
+        privileges: agent::Privileges::Drop {
+            user: a.user.or(cfg.user),
+        },
         mirrors: roce_trace::observation::MirrorPolicy {
             from: a.mirror_from,
             max_sessions: a.max_mirror_sessions,

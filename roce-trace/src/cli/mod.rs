@@ -255,3 +255,14 @@ async fn shutdown_signal() {
         _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// Every subcommand's flags are consistent (unique names, valid `requires`): clap
+    /// checks it only when a command is parsed, so a clash would fail at run time.
+    #[test]
+    fn the_command_line_is_consistent() {
+        use clap::CommandFactory as _;
+        super::Cli::command().debug_assert();
+    }
+}

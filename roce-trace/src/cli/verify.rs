@@ -127,6 +127,7 @@ pub(super) fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
                 interval: Duration::from_millis(500),
                 queue: 1_000_000,
                 clock_synced: true,
+                privileges: roce_trace::agent::Privileges::Keep,
                 metrics_token: None,
                 metrics: None,
                 fleet: None,
