@@ -244,8 +244,9 @@ impl Counts {
     #[inline(always)]
     pub fn add(&mut self, o: &Counts) {
         let o = o.values();
+        // Saturating: counts from an agent are not trusted to be small.
         for (x, y) in self.values_mut().iter_mut().zip(o) {
-            *x += *y;
+            *x = x.saturating_add(*y);
         }
     }
 

@@ -14,5 +14,6 @@ pub mod icrc;
 pub mod parse;
 pub mod roce;
 pub mod sampling;
+pub mod sat;
 pub mod scratch;
 pub mod wire;

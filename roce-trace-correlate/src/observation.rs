@@ -182,6 +182,8 @@ pub struct PointHealth {
 impl PointHealth {
     /// Samples from this point that never reached the collector.
     pub fn samples_lost(&self) -> u64 {
-        self.ringbuf_full + self.unparsed + self.agent_dropped
+        self.ringbuf_full
+            .saturating_add(self.unparsed)
+            .saturating_add(self.agent_dropped)
     }
 }

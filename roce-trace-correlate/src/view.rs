@@ -4,6 +4,7 @@
 //! count: taking one costs the join a copy of a pointer per flow, and the join goes on
 //! (copy on write) while reports are built from the view on another thread.
 
+use roce_trace_common::sat::SaturatingSum as _;
 use std::{
     collections::{HashMap, VecDeque},
     sync::Arc,
@@ -104,10 +105,10 @@ impl JoinView {
                     from_ns: hs[0].start_ns,
                     to_ns: hs.iter().map(|x| x.end_ns).max().unwrap_or(0),
                     gaps,
-                    samples_lost: hs.iter().map(|x| x.samples_lost()).sum(),
-                    rx_dropped: hs.iter().map(|x| x.if_rx_dropped).sum(),
-                    tx_dropped: hs.iter().map(|x| x.if_tx_dropped).sum(),
-                    qdisc_dropped: hs.iter().map(|x| x.qdisc_dropped).sum(),
+                    samples_lost: hs.iter().map(|x| x.samples_lost()).saturating_sum(),
+                    rx_dropped: hs.iter().map(|x| x.if_rx_dropped).saturating_sum(),
+                    tx_dropped: hs.iter().map(|x| x.if_tx_dropped).saturating_sum(),
+                    qdisc_dropped: hs.iter().map(|x| x.qdisc_dropped).saturating_sum(),
                 }
             })
             .collect();
@@ -129,7 +130,7 @@ impl JoinView {
         let sum = |p: PointId, f: fn(&PointHealth) -> u64| -> Option<u64> {
             let h = self.health.get(&p)?;
             let over: Vec<&PointHealth> = h.iter().filter(|x| x.end_ns >= lo && x.start_ns <= hi).collect();
-            (!over.is_empty()).then(|| over.iter().map(|x| f(x)).sum())
+            (!over.is_empty()).then(|| over.iter().map(|x| f(x)).saturating_sum())
         };
         let mut v = Vec::new();
         type Counter = (PointId, &'static str, fn(&PointHealth) -> u64);
@@ -236,7 +237,7 @@ impl JoinView {
                 .copied()
                 .filter(|p| self.topo.point_node[*p as usize] == host && cnps(p) > 0)
                 .collect();
-            let n: u64 = there.iter().map(cnps).sum();
+            let n: u64 = there.iter().map(cnps).saturating_sum();
             reached = Some(n);
             reached_at = Some(self.label(there.first().copied().unwrap_or(at)));
             // CNPs that never reached the host at all: lost after the last point that
@@ -313,21 +314,21 @@ impl JoinView {
         };
         // CNPs count where they reach the sender they throttle (the most downstream point
         // that counted them when its host is not watched).
-        let mut cnps_sent = 0;
-        let mut cnps = 0;
+        let mut cnps_sent = 0u64;
+        let mut cnps = 0u64;
         let mut cnps_lost = Vec::new();
         for (rid, r) in &cnp_flows {
             let Some(d) = self.cnp_delivery(rid, r) else {
                 continue;
             };
-            cnps_sent += d.sent;
-            cnps += d.reached.unwrap_or_else(|| {
+            cnps_sent = d.sent.saturating_add(cnps_sent);
+            cnps = cnps.saturating_add(d.reached.unwrap_or_else(|| {
                 let totals = r.totals();
                 self.counter_path(&totals)
                     .last()
                     .and_then(|p| totals.get(p))
                     .map_or(0, |c| c.counts.cnp)
-            });
+            }));
             cnps_lost.extend(d.lost);
         }
         let totals = f.totals();

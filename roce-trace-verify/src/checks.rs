@@ -1,6 +1,7 @@
 //! The judge: each policy rule applied to every flow (one QP direction) of a collector
 //! report, with the flows, QPs, points and hops that break it as evidence.
 
+use roce_trace_correlate::sat::SaturatingSum as _;
 use std::{collections::BTreeMap, net::IpAddr};
 
 use serde::{Deserialize, Serialize};
@@ -463,7 +464,7 @@ fn cnp_answers(data: &[&FlowReport], min_per_ce: f64) -> CheckResult {
         let per = a.cnps as f64 / a.ce_marks as f64;
         // A CNP lost on the way left its sender unthrottled for a while, however many
         // others got through (a fault that came and went).
-        let lost: u64 = a.cnps_lost.iter().map(|l| l.packets).sum();
+        let lost: u64 = a.cnps_lost.iter().map(|l| l.packets).saturating_sum();
         if a.cnps == 0 || per < min_per_ce || lost > 0 {
             // Where the CNPs that were sent vanished, or the receiver's side when none
             // were sent at all.
@@ -498,7 +499,7 @@ fn hop_count(f: &FlowReport) -> Option<(u8, &'static str)> {
     {
         return Some((last.ttl.saturating_sub(1), "probes"));
     }
-    (f.path.len() >= 2).then(|| (f.hops.iter().sum(), "TTL"))
+    (f.path.len() >= 2).then(|| (f.hops.iter().fold(0u8, |a, h| a.saturating_add(*h)), "TTL"))
 }
 
 fn hops(flows: &[FlowReport], rule: &HopRule) -> CheckResult {
@@ -658,8 +659,8 @@ fn psn_gaps(data: &[&FlowReport], max: u64) -> CheckResult {
         };
         r.checked += 1;
         let n = peak(f).map_or(0, |p| p.counts.packets);
-        total.0 += c.counts.psn_gaps;
-        total.1 += n;
+        total.0 = c.counts.psn_gaps.saturating_add(total.0);
+        total.1 = n.saturating_add(total.1);
         if c.counts.psn_gaps > 0 && ppm(c.counts.psn_gaps, n) > max {
             r.evidence(
                 f,
@@ -722,7 +723,7 @@ fn loss(flows: &[FlowReport], max: u64) -> CheckResult {
         // A lost packet's trajectory (cut short) is one of the flow's trajectories.
         d.0 += match short {
             Some(_) => f.trajectories,
-            None => f.lost.iter().map(|l| l.span.packets).sum::<u64>(),
+            None => f.lost.iter().map(|l| l.span.packets).saturating_sum(),
         };
         d.1 += f.trajectories;
         d.2.push((f, short));
@@ -733,8 +734,13 @@ fn loss(flows: &[FlowReport], max: u64) -> CheckResult {
         let Some(d) = &f.cnp_delivery else { continue };
         r.checked += 1;
         let e = cnps.entry((f.src_ip, f.dst_ip)).or_default();
-        e.0 += d.lost.iter().map(|l| l.packets).sum::<u64>();
-        e.1 += d.sent;
+        e.0 = d
+            .lost
+            .iter()
+            .map(|l| l.packets)
+            .saturating_sum()
+            .saturating_add(e.0);
+        e.1 = d.sent.saturating_add(e.1);
         e.2.push(f);
     }
     for ((src, dst), (lost, sent, fs)) in &cnps {
@@ -755,8 +761,8 @@ fn loss(flows: &[FlowReport], max: u64) -> CheckResult {
             }
         }
     }
-    let cnp_lost: u64 = cnps.values().map(|x| x.0).sum();
-    let cnp_sent: u64 = cnps.values().map(|x| x.1).sum();
+    let cnp_lost: u64 = cnps.values().map(|x| x.0).saturating_sum();
+    let cnp_sent: u64 = cnps.values().map(|x| x.1).saturating_sum();
     let (mut all_lost, mut all) = (0, 0);
     for ((src, dst), (lost, n, fs)) in &dirs {
         all_lost += lost;
@@ -810,7 +816,7 @@ fn loss(flows: &[FlowReport], max: u64) -> CheckResult {
         .iter()
         .flat_map(|f| &f.unobserved)
         .map(|u| u.span.packets)
-        .sum();
+        .saturating_sum();
     r.summary = format!(
         "{all_lost} of {all} sampled packets lost ({} ppm); {cnp_lost} of {cnp_sent} CNPs",
         ppm(all_lost, all)

@@ -1029,3 +1029,62 @@ fn traces_on_request_need_trace_and_come_once_per_flow() {
     }
     on.finish();
 }
+
+/// Counts an agent sends are not trusted to be small: counter deltas and health records
+/// near u64::MAX, summed by the join, the views and the judge, stop at u64::MAX instead of
+/// wrapping into small numbers — or, in this debug build, panicking the agent's task and
+/// every view. Fails without the saturating sums (the second delta overflows).
+#[test]
+fn absurd_counts_saturate_instead_of_crashing_the_collector() {
+    use roce_trace::observation::PointHealth;
+    let c = Running::start();
+    let (mut a, _) = FakeAgent::welcomed(&c, "huge");
+    a.send(&Frame::Points(vec![point(0, "eth0")]));
+    let huge = CounterDelta {
+        point: 0,
+        counts: Counts {
+            packets: u64::MAX - 1,
+            bytes: u64::MAX,
+            cnp: u64::MAX,
+            psn_gaps: u64::MAX,
+            ..Default::default()
+        },
+        start_ns: 1,
+        end_ns: 2,
+        ..Default::default()
+    };
+    a.send(&Frame::Counters(vec![huge, huge]));
+    a.send(&Frame::Counters(vec![huge]));
+    let health = PointHealth {
+        point: 0,
+        start_ns: 1,
+        end_ns: 2,
+        ringbuf_full: u64::MAX,
+        unparsed: u64::MAX,
+        agent_dropped: u64::MAX,
+        if_rx_dropped: u64::MAX,
+        ..Default::default()
+    };
+    a.send(&Frame::Health(vec![health, health]));
+    a.acked_up_to(a.next_seq() - 1);
+    let r = c.json("/report");
+    let f = &r["flows"][0];
+    let packets: Vec<u64> = f["counters"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|d| d["packets"].as_u64().unwrap())
+        .collect();
+    assert_eq!(packets, [u64::MAX], "{f}");
+    let h = &r["health"][0];
+    assert_eq!(h["samples_lost"], u64::MAX, "{h}");
+    assert_eq!(h["rx_dropped"], u64::MAX, "{h}");
+    // The judge sums them too.
+    let report: CollectorReport = serde_json::from_value(r).unwrap();
+    let policy =
+        roce_trace_verify::policy::Policy::parse("[reliability]\nmax_psn_gap_ppm = 10\nmax_loss_ppm = 10\n")
+            .unwrap();
+    let results = roce_trace_verify::checks::judge(&policy, &report, roce_trace_verify::checks::Load::Idle);
+    assert!(!results.is_empty());
+    c.finish();
+}
