@@ -329,6 +329,33 @@ pub fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result
     written
 }
 
+/// Creates (or truncates) `path` for writing as a stream, never through a symbolic link
+/// at `path` (O_NOFOLLOW: refused with an error that says so), so output written as root
+/// cannot be aimed at another file by a link planted there.
+pub fn create_nofollow(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                std::io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{} is a symbolic link: not written through (remove it, or name the file itself)",
+                        path.display()
+                    ),
+                )
+            } else {
+                e
+            }
+        })
+}
+
 #[cfg(test)]
 mod write_tests {
     use super::write_atomically;

@@ -89,7 +89,8 @@ impl Outputs {
         }
         let mut pcaps = Vec::new();
         for path in &opts.write {
-            let f = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+            let f =
+                crate::sys::create_nofollow(path).with_context(|| format!("creating {}", path.display()))?;
             if path.extension().is_some_and(|e| e == "pcapng") {
                 pcaps.push(
                     crate::pcap::PcapNgOut::new(BufWriter::new(f))

@@ -93,7 +93,9 @@ where
     F: FnOnce(SocketAddr) -> Fut,
     Fut: Future<Output = anyhow::Result<T>>,
 {
-    let token = format!("verify-{}", std::process::id());
+    // The in-process collector listens on loopback: any local user could connect with a
+    // guessable token, so it is random.
+    let token = random_token()?;
     let (ctx, crx) = tokio::sync::oneshot::channel();
     let (stop_c, stopped_c) = tokio::sync::oneshot::channel::<()>();
     let copts = CollectorOptions {
@@ -412,5 +414,18 @@ pub fn save_baseline(
     b: &roce_trace_verify::baseline::Baseline,
     path: &std::path::Path,
 ) -> anyhow::Result<()> {
-    std::fs::write(path, b.to_json()).with_context(|| format!("writing {}", path.display()))
+    crate::sys::write_atomically(path, &b.to_json()).with_context(|| format!("writing {}", path.display()))
+}
+
+/// 128 random bits from the kernel, as hex.
+fn random_token() -> anyhow::Result<String> {
+    let mut b = [0u8; 16];
+    // SAFETY: getrandom writes at most `b.len()` bytes into `b`.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    anyhow::ensure!(
+        n == b.len() as isize,
+        "getrandom: {}",
+        std::io::Error::last_os_error()
+    );
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }

@@ -200,3 +200,49 @@ fn open_endpoints_need_credentials() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("never overwritten"));
 }
+
+/// Outputs written as root are never written through a symbolic link planted at their
+/// path: `capture -w` refuses one (saying so) and leaves its target as it was; `verify
+/// --json`/`--junit` replace the link with the file. Fails if either writes through the
+/// link (the target is overwritten).
+#[test]
+fn outputs_are_never_written_through_a_symbolic_link() {
+    let dir = TempDir::new("cli-links");
+    let target = dir.path("precious");
+    std::fs::write(&target, b"precious").unwrap();
+    let pcap = dir.path("in.pcap");
+    write_pcap(&pcap, &[roce_trace_gen::frame::RoceFrame::default().build()]);
+    let link = dir.path("out.json");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let (code, err) = run(&[
+        "capture",
+        "-r",
+        &pcap.to_string_lossy(),
+        "-w",
+        &link.to_string_lossy(),
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("is a symbolic link"), "{err}");
+    assert_eq!(std::fs::read(&target).unwrap(), b"precious");
+    // verify over a saved report, its verdict to the link: the link is replaced.
+    let report = std::path::PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/golden/collector-report-http.json"
+    ));
+    let policy = dir.path("p.toml");
+    std::fs::write(&policy, "[class]\ndata_dscp = 26\n").unwrap();
+    let (_, err) = run(&[
+        "verify",
+        "--policy",
+        &policy.to_string_lossy(),
+        "--report",
+        &report.to_string_lossy(),
+        "--json",
+        &link.to_string_lossy(),
+    ]);
+    assert_eq!(std::fs::read(&target).unwrap(), b"precious", "{err}");
+    assert!(
+        !std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(),
+        "{err}"
+    );
+}

@@ -584,3 +584,57 @@ fn cnps_are_rate_limited_per_qp() {
         assert!(tightest > 0.009, "QP {qp:#x}: 11 CNPs within {tightest} s");
     }
 }
+
+/// A request gen cannot answer never stops its responder: a request with a valid ICRC
+/// from an address with no route back (spoofed), then a real sender's traffic. The
+/// responder counts the reply it could not send and answers every message of the
+/// sender. Fails if the failed reply ends the responder (as it did: gen exited with
+/// "replying to 203.0.113.7:4791").
+#[test]
+fn a_request_that_cannot_be_answered_does_not_stop_the_responder() {
+    if !require_root() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let pair = VethPair::new("gspf");
+    let mac = |ns: &Netns, ifn: &str| -> [u8; 6] {
+        let out = ns.exec(&["cat", &format!("/sys/class/net/{ifn}/address")]);
+        let v: Vec<u8> = out
+            .trim()
+            .split(':')
+            .map(|h| u8::from_str_radix(h, 16).unwrap())
+            .collect();
+        v.try_into().unwrap()
+    };
+    let (src_mac, dst_mac) = (mac(&pair.a, &pair.a_if), mac(&pair.b, &pair.b_if));
+    let resp = spawn_gen(&pair.b.name, &["--bind", "10.99.0.2", "--duration", "4s"]);
+    std::thread::sleep(Duration::from_millis(300));
+    let spoofed = roce_trace_gen::frame::RoceFrame {
+        src_mac,
+        dst_mac,
+        src: "203.0.113.7".parse().unwrap(),
+        dst: "10.99.0.2".parse().unwrap(),
+        udp_sport: 49_999,
+        dest_qp: 0x77,
+        ack_req: true,
+        payload: vec![1; 64],
+        ..Default::default()
+    }
+    .build();
+    let a_if = pair.a_if.clone();
+    pair.a.run(move || send_frames(&a_if, &[spoofed]));
+    std::thread::sleep(Duration::from_millis(300));
+    let send = spawn_gen(
+        &pair.a.name,
+        &["--to", "10.99.0.2", "--duration", "2s", "--rate", "20mbit"],
+    );
+    let s = gen_report(send);
+    let r = gen_report(resp);
+    assert!(n(&r["unanswered"]) >= 1, "the spoofed request's reply: {r}");
+    for q in s["senders"].as_array().unwrap() {
+        let sent = n(&q["messages_sent"]);
+        assert!(sent > 0, "{q}");
+        assert_eq!(n(&q["messages_acked"]), sent, "every message completed: {q}");
+        assert!(n(&responder_of(&r, q)["messages"]) >= sent, "{r}");
+    }
+}

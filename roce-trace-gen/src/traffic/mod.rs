@@ -361,7 +361,15 @@ pub struct GenReport {
     pub responders: Vec<ResponderReport>,
     /// Requests dropped for a bad ICRC, as a RoCE NIC drops them (probes among them).
     pub icrc_errors: u64,
+    /// Replies that could not be sent (a peer address with no route, one that refuses,
+    /// no socket left for a new QP) and requests of QPs past [`MAX_RESPONDER_QPS`], left
+    /// unanswered. A request (spoofed, say) never stops the responder.
+    pub unanswered: u64,
 }
+
+/// Responder QPs (peer address, QPN) answered at most: each holds a reply socket. Past
+/// it, requests of new QPs are counted unanswered.
+pub const MAX_RESPONDER_QPS: usize = 4096;
 
 struct SenderQp {
     req: Requester,
@@ -395,6 +403,7 @@ struct Rx {
     /// ICRC checkers for arriving requests, per (peer, source port).
     checkers: HashMap<(IpAddr, u16), PayloadBuilder>,
     icrc_errors: u64,
+    unanswered: u64,
 }
 
 /// The first PSN of QP `qpn`.
@@ -510,6 +519,7 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
                 cnp_builders: HashMap::new(),
                 checkers: HashMap::new(),
                 icrc_errors: 0,
+                unanswered: 0,
             })
         })
         .collect::<Result<_, GenError>>()?;
@@ -688,14 +698,15 @@ pub fn run(opts: &GenOptions, stop: &AtomicBool) -> Result<GenReport, GenError> 
         senders,
         responders,
         icrc_errors: rxs.iter().map(|r| r.icrc_errors).sum(),
+        unanswered: rxs.iter().map(|r| r.unanswered).sum(),
     })
 }
 
 /// The report as a network engineer reads it.
 pub fn render_report(r: &GenReport) -> String {
     let mut s = format!(
-        "gen ran {:.1}s ({:.2}s of it draining); {} requests dropped for a bad ICRC\n",
-        r.duration_s, r.drain_s, r.icrc_errors
+        "gen ran {:.1}s ({:.2}s of it draining); {} requests dropped for a bad ICRC, {} unanswered\n",
+        r.duration_s, r.drain_s, r.icrc_errors, r.unanswered
     );
     if !r.senders.is_empty() {
         s.push_str(&format!(
@@ -815,12 +826,23 @@ fn handle(
     if roce::is_request(opcode) {
         // A NIC drops a request whose ICRC is wrong before any QP sees it.
         let n = payload.len();
-        let checker = rx
-            .checkers
-            .entry((peer, d.from.port()))
-            .or_insert_with(|| PayloadBuilder::new(peer, rx.local, d.from.port(), 0, 0));
+        // One checker per (peer, port) kept, as many as there are QPs at most; past that
+        // a checker is made for this request alone.
+        let key = (peer, d.from.port());
+        let mut once = None;
+        let checker = if rx.checkers.contains_key(&key) || rx.checkers.len() < MAX_RESPONDER_QPS {
+            rx.checkers
+                .entry(key)
+                .or_insert_with(|| PayloadBuilder::new(peer, rx.local, d.from.port(), 0, 0))
+        } else {
+            once.insert(PayloadBuilder::new(peer, rx.local, d.from.port(), 0, 0))
+        };
         if n < Bth::LEN + ICRC_LEN || checker.icrc_of(&payload[..n - ICRC_LEN]) != payload[n - ICRC_LEN..] {
             rx.icrc_errors += 1;
+            return Ok(());
+        }
+        if !responders.contains_key(&(peer, qpn)) && responders.len() >= MAX_RESPONDER_QPS {
+            rx.unanswered += 1;
             return Ok(());
         }
         let ce = d.tos & 3 == 3;
@@ -833,9 +855,20 @@ fn handle(
             let port = reply_port(qpn);
             let sock = net::bind_sender(SocketAddr::new(rx.local, port), ack_tos)
                 .or_else(|_| net::bind(SocketAddr::new(rx.local, 0), ack_tos))
-                .map_err(io_err(format!("binding a reply port on {}", rx.local)))?;
-            let port = sock.local_addr().map_err(io_err("reply socket address"))?.port();
-            rx.reply_socks.insert((peer, qpn), (sock, port));
+                .and_then(|sock| Ok((sock.local_addr()?.port(), sock)));
+            match sock {
+                Ok((port, sock)) => {
+                    rx.reply_socks.insert((peer, qpn), (sock, port));
+                }
+                Err(e) => {
+                    // Out of descriptors or ports: this QP goes unanswered, the rest go on.
+                    if rx.unanswered == 0 {
+                        eprintln!("gen: no reply socket for {peer} QP {qpn:#x} on {}: {e}", rx.local);
+                    }
+                    rx.unanswered += 1;
+                    return Ok(());
+                }
+            }
         }
         for rep in replies {
             let (tos, builder_map, sport, sock) = match rep {
@@ -869,9 +902,14 @@ fn handle(
                 }
             }
             if let Err(e) = net::send_with_tos(sock, &dst, tos, reply) {
-                // A full socket buffer loses a reply, as a congested NIC would.
+                // A full socket buffer loses a reply, as a congested NIC would; a peer
+                // that cannot be replied to (no route, refused: a spoofed source) is
+                // counted and the responder goes on.
                 if e.kind() != io::ErrorKind::WouldBlock {
-                    return Err(io_err(format!("replying to {dst}"))(e));
+                    if rx.unanswered == 0 {
+                        eprintln!("gen: cannot reply to {dst}: {e}");
+                    }
+                    rx.unanswered += 1;
                 }
             }
         }

@@ -182,11 +182,12 @@ pub(super) fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
     };
     let v = output::Verdict::new(source.describe(), load, flows, checks);
     if let Some(p) = &a.json {
-        std::fs::write(p, serde_json::to_vec_pretty(&v)?)
+        roce_trace::sys::write_atomically(p, &serde_json::to_vec_pretty(&v)?)
             .with_context(|| format!("writing {}", p.display()))?;
     }
     if let Some(p) = &a.junit {
-        std::fs::write(p, output::junit(&v)).with_context(|| format!("writing {}", p.display()))?;
+        roce_trace::sys::write_atomically(p, output::junit(&v).as_bytes())
+            .with_context(|| format!("writing {}", p.display()))?;
     }
     if a.json_stdout {
         println!("{}", serde_json::to_string(&v)?);
