@@ -378,32 +378,34 @@ impl Offline {
     /// Forgets the flows whose last packet is more than `idle_ns` of capture time before
     /// `now_ns`, then, past `max` flows, the least recently seen until `max` remain — as
     /// the kernel's LRU table forgets flows, so a reader of an endless stream
-    /// (`tcpdump … | roce-trace agent -r -`) holds a bounded table. The keys forgotten (a
-    /// flow seen again starts from zero).
-    pub fn expire(&mut self, now_ns: u64, idle_ns: u64, max: usize) -> Vec<FlowKey> {
-        let mut gone: Vec<FlowKey> = self
+    /// (`tcpdump … | roce-trace agent -r -`) holds a bounded table. What was forgotten:
+    /// each flow's key, last counters and ICRC errors (a flow seen again starts from
+    /// zero).
+    pub fn expire(&mut self, now_ns: u64, idle_ns: u64, max: usize) -> Vec<(FlowKey, FlowCounters, u64)> {
+        let mut keys: Vec<FlowKey> = self
             .flows
             .iter()
             .filter(|(_, (_, c))| now_ns.saturating_sub(c.last_ns) > idle_ns)
             .map(|(k, _)| *k)
             .collect();
-        for k in &gone {
-            self.flows.remove(k);
-        }
-        if self.flows.len() > max {
-            let mut by_age: Vec<(u64, FlowKey)> =
-                self.flows.iter().map(|(k, (_, c))| (c.last_ns, *k)).collect();
-            let over = by_age.len() - max;
+        let remaining = self.flows.len() - keys.len();
+        if remaining > max {
+            let mut by_age: Vec<(u64, FlowKey)> = self
+                .flows
+                .iter()
+                .filter(|(_, (_, c))| now_ns.saturating_sub(c.last_ns) <= idle_ns)
+                .map(|(k, (_, c))| (c.last_ns, *k))
+                .collect();
+            let over = remaining - max;
             by_age.select_nth_unstable(over - 1);
-            for (_, k) in &by_age[..over] {
-                self.flows.remove(k);
-                gone.push(*k);
-            }
+            keys.extend(by_age[..over].iter().map(|(_, k)| *k));
         }
-        for k in &gone {
-            self.icrc_errors.remove(k);
-        }
-        gone
+        keys.into_iter()
+            .filter_map(|k| {
+                let (_, c) = self.flows.remove(&k)?;
+                Some((k, c, self.icrc_errors.remove(&k).unwrap_or(0)))
+            })
+            .collect()
     }
 }
 

@@ -103,7 +103,7 @@ mod traces;
 
 /// A reader of a capture (`agent -r`) forgets a flow idle this long in capture time (its
 /// last counter delta was sent before), as the kernel's tables let idle flows go.
-const OFFLINE_FLOW_IDLE_NS: u64 = 120_000_000_000;
+pub const OFFLINE_FLOW_IDLE_NS: u64 = 120_000_000_000;
 
 /// How long the agent waits without a frame from the collector (which sends a
 /// HEARTBEAT every third of its `--agent-timeout`, 16 s by default) before it gives the
@@ -1389,7 +1389,7 @@ pub async fn run_pcap(
                 } else {
                     max_flows
                 };
-                for k in offline.expire(read_ns[1], OFFLINE_FLOW_IDLE_NS, keep) {
+                for (k, _, _) in offline.expire(read_ns[1], OFFLINE_FLOW_IDLE_NS, keep) {
                     prev.remove(&k);
                 }
             }
@@ -1448,7 +1448,10 @@ mod tests {
         let mut gone: Vec<u16> = off
             .expire(200 * s, OFFLINE_FLOW_IDLE_NS, 4)
             .iter()
-            .map(|k| k.udp_sport)
+            .map(|(k, c, _)| {
+                assert_eq!(c.counts.packets, 1, "the flow's last counters come back");
+                k.udp_sport
+            })
             .collect();
         gone.sort();
         assert_eq!(gone, [1, 2, 3]);

@@ -486,6 +486,28 @@ pub(crate) fn print_summary(s: &SummaryRecord) {
 }
 
 /// `capture -r FILE`: the same records from a pcap/pcapng file (`-`: stdin).
+/// A flow's final record from a capture: its counters, rates over its own span and ICRC
+/// errors.
+fn final_record(
+    k: &FlowKey,
+    c: &FlowCounters,
+    icrc_errors: u64,
+    clock: &KernelClock,
+    iface: &str,
+    now: u64,
+    mirrors: &MirrorTable,
+) -> FlowRecord {
+    let mut r = FlowRecord::new(k, c, clock, iface, now, mirrors);
+    r.is_final = true;
+    let secs = (c.last_ns.saturating_sub(c.first_ns)) as f64 / 1e9;
+    if secs > 0.0 {
+        r.pps = c.counts.packets as f64 / secs;
+        r.gbps = c.counts.bytes as f64 * 8.0 / secs / 1e9;
+    }
+    r.icrc_errors = Some(icrc_errors);
+    r
+}
+
 pub fn run_offline(opts: &CaptureOptions, path: &std::path::Path) -> anyhow::Result<SummaryRecord> {
     let started = Instant::now();
     let input = crate::pcap::open(path)?;
@@ -494,12 +516,48 @@ pub fn run_offline(opts: &CaptureOptions, path: &std::path::Path) -> anyhow::Res
     let clock = KernelClock::UNIX;
     let mut samples = 0u64;
     let mut write_error = None;
-    let off = crate::pcap::analyse(input, &opts.datapath, |s| {
-        samples += 1;
-        if let Err(e) = out.sample(s, &clock, &iface)
-            && write_error.is_none()
-        {
-            write_error = Some(e);
+    let mut off = crate::pcap::Offline::new(&opts.datapath)?;
+    // An endless stream (`tcpdump … | roce-trace capture -r -`) holds a bounded table:
+    // every 4,096 frames, flows idle for 2 minutes of capture time, and the least recently
+    // seen past --max-flows, get their final record then and are forgotten.
+    let max_flows = (opts.datapath.max_flows as usize).max(64);
+    let mut expired = (0u64, 0u64, 0u64, 0u64); // flows, packets, bytes, ICRC errors
+    crate::pcap::read_frames(input, |fr| {
+        let now_ns = fr.time_ns;
+        off.frame(&fr, |s| {
+            samples += 1;
+            if let Err(e) = out.sample(s, &clock, &iface)
+                && write_error.is_none()
+            {
+                write_error = Some(e);
+            }
+        });
+        if off.frames % 4096 == 0 || off.flows.len() > max_flows {
+            let keep = if off.flows.len() > max_flows {
+                max_flows - max_flows / 64
+            } else {
+                max_flows
+            };
+            for (k, c, icrc) in off.expire(now_ns, crate::agent::OFFLINE_FLOW_IDLE_NS, keep) {
+                let r = final_record(
+                    &k,
+                    &c,
+                    icrc,
+                    &clock,
+                    &iface,
+                    clock.to_unix_ns(now_ns),
+                    &off.mirrors,
+                );
+                expired.0 += 1;
+                expired.1 = expired.1.saturating_add(r.packets);
+                expired.2 = expired.2.saturating_add(r.bytes);
+                expired.3 = expired.3.saturating_add(icrc);
+                if let Err(e) = out.json.emit(&r)
+                    && write_error.is_none()
+                {
+                    write_error = Some(e);
+                }
+            }
         }
     })
     .with_context(|| format!("reading {}", path.display()))?;
@@ -512,16 +570,8 @@ pub fn run_offline(opts: &CaptureOptions, path: &std::path::Path) -> anyhow::Res
     let recs: Vec<FlowRecord> = keys
         .into_iter()
         .map(|k| {
-            let c = &off.flows[k].1;
-            let mut r = FlowRecord::new(k, c, &clock, &iface, now, &off.mirrors);
-            r.is_final = true;
-            let secs = (c.last_ns.saturating_sub(c.first_ns)) as f64 / 1e9;
-            if secs > 0.0 {
-                r.pps = c.counts.packets as f64 / secs;
-                r.gbps = c.counts.bytes as f64 * 8.0 / secs / 1e9;
-            }
-            r.icrc_errors = Some(off.icrc_errors.get(k).copied().unwrap_or(0));
-            r
+            let icrc = off.icrc_errors.get(k).copied().unwrap_or(0);
+            final_record(k, &off.flows[k].1, icrc, &clock, &iface, now, &off.mirrors)
         })
         .collect();
     for r in &recs {
@@ -535,7 +585,7 @@ pub fn run_offline(opts: &CaptureOptions, path: &std::path::Path) -> anyhow::Res
         mode: "offline",
         warning: None,
     }];
-    let summary = summarize(
+    let mut summary = summarize(
         &hooks,
         &recs,
         &off.globals,
@@ -544,11 +594,15 @@ pub fn run_offline(opts: &CaptureOptions, path: &std::path::Path) -> anyhow::Res
         "end of input",
         &clock,
     );
+    // Flows whose final record went out earlier count too.
+    summary.flows += expired.0;
+    summary.packets = summary.packets.saturating_add(expired.1);
+    summary.bytes = summary.bytes.saturating_add(expired.2);
     out.json.emit(&summary)?;
     out.flush()?;
     if !opts.json_stdout {
         print_live(&recs, &off.globals, samples, started.elapsed(), false);
-        let bad: u64 = recs.iter().filter_map(|r| r.icrc_errors).sum();
+        let bad: u64 = recs.iter().filter_map(|r| r.icrc_errors).sum::<u64>() + expired.3;
         println!(
             "{} frames read; {} RoCEv2 packets with a wrong ICRC",
             off.frames, bad

@@ -317,6 +317,24 @@ pub fn write_pcap(path: &Path, frames: &[Vec<u8>]) {
     }
 }
 
+/// Writes frames to a pcap file, each at its own time (since the epoch).
+pub fn write_pcap_at(path: &Path, frames: &[(std::time::Duration, Vec<u8>)]) {
+    use pcap_file::pcap::{PcapHeader, PcapPacket, PcapWriter};
+    let f = std::fs::File::create(path).unwrap();
+    let mut w = PcapWriter::with_header(
+        f,
+        PcapHeader {
+            snaplen: 65535,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    for (ts, fr) in frames {
+        w.write_packet(&PcapPacket::new(*ts, fr.len() as u32, fr))
+            .unwrap();
+    }
+}
+
 /// Reads the Ethernet frames of a pcap file.
 pub fn read_pcap(path: &Path) -> Vec<Vec<u8>> {
     use pcap_file::pcap::PcapReader;

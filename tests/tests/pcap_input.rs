@@ -358,3 +358,55 @@ for p in rdpcap(sys.argv[1]):
         .collect();
     assert_eq!(ours, theirs, "scapy's ERSPAN/GRE decoding");
 }
+
+/// A reader of an endless stream (`tcpdump … | roce-trace capture -r -`) holds a bounded
+/// table: a flow idle for 2 minutes of capture time gets its final record then, mid-stream,
+/// and is forgotten; the summary still counts every flow and packet. One packet of flow A
+/// at 0 s, then 5,000 of flow B from 130 s: A's final record comes before B's later
+/// samples. Fails if idle flows are kept to the end (A's record comes last).
+#[test]
+fn capture_of_a_stream_gives_idle_flows_their_final_record_and_forgets_them() {
+    use std::time::Duration;
+    let dir = TempDir::new("pcap-idle");
+    let flow = |sport: u16, psn: u32| {
+        roce_trace_gen::frame::RoceFrame {
+            udp_sport: sport,
+            psn,
+            ..Default::default()
+        }
+        .build()
+    };
+    let mut frames = vec![(Duration::from_secs(1_700_000_000), flow(50_001, 0))];
+    for i in 0..5_000u32 {
+        frames.push((
+            Duration::from_secs(1_700_000_130) + Duration::from_micros(u64::from(i)),
+            flow(50_002, i),
+        ));
+    }
+    let pcap = dir.path("stream.pcap");
+    write_pcap_at(&pcap, &frames);
+    let out = std::process::Command::new(roce_trace_bin())
+        .args(["capture", "--json", "--sample-rate", "1", "-r"])
+        .arg(&pcap)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let recs: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let pos = |pred: &dyn Fn(&serde_json::Value) -> bool| recs.iter().rposition(pred).unwrap();
+    let a_final = pos(&|r| r["type"] == "flow" && r["udp_sport"] == 50_001);
+    let last_b_sample = pos(&|r| r["type"] == "sample" && r["udp_sport"] == 50_002);
+    assert!(
+        a_final < last_b_sample,
+        "A's final record came at the end ({a_final} > {last_b_sample})"
+    );
+    assert_eq!(recs[a_final]["packets"], 1);
+    assert_eq!(recs[a_final]["final"], true);
+    let summary = recs.last().unwrap();
+    assert_eq!(summary["type"], "summary");
+    assert_eq!(summary["flows"], 2, "{summary}");
+    assert_eq!(summary["packets"], 5_001, "{summary}");
+}
