@@ -35,6 +35,7 @@ pub const MAP_FLOW_SLOTS: &str = "FLOW_SLOTS";
 pub const MAP_GLOBALS: &str = "GLOBALS";
 pub const MAP_SAMPLES: &str = "SAMPLES";
 pub const MAP_MIRRORS: &str = "MIRRORS";
+pub const MAP_MIRROR_FROM: &str = "MIRROR_FROM";
 pub const GLOBAL_CONFIG: &str = "CONFIG";
 pub const PROG_XDP: &str = "roce_xdp";
 pub const PROG_TC: &str = "roce_tc";
@@ -78,6 +79,50 @@ pub const SAMPLE_BATCH_BYTES: u32 = 128 << 10;
 pub const RING_RECORD_BYTES: u32 = 8 + core::mem::size_of::<Sample>() as u32;
 /// Mirror sessions the kernel remembers (`MIRRORS`): switches × sessions, far below this.
 pub const MAX_MIRRORS: u32 = 1024;
+/// Address ranges mirrored copies are taken from (`MIRROR_FROM`), at most.
+pub const MAX_MIRROR_FROM: u32 = 8;
+
+/// An address range in the datapath's form: address and mask as the words of a mapped
+/// address ([`words_of_addr`]), so a match is four masked word compares whatever the
+/// byte order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AddrPrefix {
+    pub addr: [u32; 4],
+    pub mask: [u32; 4],
+}
+
+impl AddrPrefix {
+    /// `net/len` (IPv4 ranges as their IPv4-mapped IPv6 range).
+    pub fn new(net: core::net::IpAddr, len: u8) -> Self {
+        let (bytes, len) = match net {
+            core::net::IpAddr::V4(a) => (a.to_ipv6_mapped().octets(), len.min(32) + 96),
+            core::net::IpAddr::V6(a) => (a.octets(), len.min(128)),
+        };
+        let mut mask = [0u8; 16];
+        for (i, m) in mask.iter_mut().enumerate() {
+            let bits = (len as usize).saturating_sub(i * 8).min(8);
+            *m = if bits == 0 { 0 } else { 0xffu8 << (8 - bits) };
+        }
+        let mut addr = bytes;
+        for (a, m) in addr.iter_mut().zip(mask) {
+            *a &= m;
+        }
+        Self {
+            addr: words_of_addr(addr),
+            mask: words_of_addr(mask),
+        }
+    }
+
+    /// Whether `a` (the words of a mapped address, as [`MirrorInfo::src`]) is in range.
+    #[inline(always)]
+    pub fn contains(&self, a: &[u32; 4]) -> bool {
+        a[0] & self.mask[0] == self.addr[0]
+            && a[1] & self.mask[1] == self.addr[1]
+            && a[2] & self.mask[2] == self.addr[2]
+            && a[3] & self.mask[3] == self.addr[3]
+    }
+}
 
 /// One RDMA QP direction as seen at one observation point: interface + direction, and for
 /// a mirrored copy also the mirror session (as its [`MirrorInfo::id`]), so counters per
@@ -449,7 +494,9 @@ impl Default for Sample {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DatapathConfig {
     pub udp_port: u16,
-    pub _pad: u16,
+    /// Mirrored copies are taken only from the first this many ranges of `MIRROR_FROM`
+    /// (0: from any source); others are counted (`mirror_refused`) and go no further.
+    pub mirror_from: u16,
     pub seed: u32,
     /// Sampled when the identity hash is `<=` this (see `sampling::threshold_for_rate`).
     pub sample_threshold: u32,
@@ -482,7 +529,7 @@ impl DatapathConfig {
     ) -> Self {
         Self {
             udp_port: crate::wire::ROCEV2_UDP_PORT,
-            _pad: 0,
+            mirror_from: 0,
             seed,
             sample_threshold,
             sample_enabled,
@@ -577,6 +624,10 @@ global_counters! {
     /// TC frames whose headers were pulled into the skb's linear area (a write the kernel
     /// may pay a copy for): RoCEv2 and GRE candidates only, whose headers were not there.
     HeadersPulled = 22 => "headers_pulled", Event;
+    /// Mirrored copies (GRE/ERSPAN) from a source outside the mirror ranges
+    /// (`--mirror-from`): not decapsulated further, no session remembered, not counted
+    /// as RoCEv2.
+    MirrorRefused = 23 => "mirror_refused", NotRoce;
 }
 
 pub const GLOBAL_COUNTERS_PER_DIR: u32 = 32;
@@ -678,6 +729,8 @@ mod pod {
     unsafe impl aya::Pod for Sample {}
     // SAFETY: as above.
     unsafe impl aya::Pod for DatapathConfig {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for AddrPrefix {}
 }
 
 #[cfg(test)]

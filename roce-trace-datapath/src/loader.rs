@@ -72,6 +72,10 @@ pub struct DatapathOptions {
     /// for a reader to which a quarter second's delay does not matter (capture); agents
     /// deliver promptly, for the collector joins observations in time.
     pub batch_wakeups: bool,
+    /// Mirrored copies (GRE/ERSPAN) only from these ranges, checked in the datapath
+    /// before a session is remembered (empty: from any source); at most
+    /// `MAX_MIRROR_FROM`.
+    pub mirror_from: Vec<AddrPrefix>,
 }
 
 impl Default for DatapathOptions {
@@ -85,6 +89,7 @@ impl Default for DatapathOptions {
             flow_slots: MAX_FLOW_SLOTS,
             slot_idle_ms: DEFAULT_SLOT_IDLE_MS,
             batch_wakeups: false,
+            mirror_from: Vec::new(),
         }
     }
 }
@@ -119,9 +124,16 @@ impl DatapathOptions {
                 "max flows must be at least 1".into(),
             ));
         }
+        if self.mirror_from.len() > MAX_MIRROR_FROM as usize {
+            return Err(DatapathError::InvalidOption(format!(
+                "{} mirror source ranges: the datapath checks {MAX_MIRROR_FROM} at most",
+                self.mirror_from.len()
+            )));
+        }
         let threshold = threshold_for_rate(self.sample_rate);
         Ok(DatapathConfig {
             udp_port: self.udp_port,
+            mirror_from: self.mirror_from.len() as u16,
             slot_idle_ms: self.slot_idle_ms,
             wakeup_bytes: if self.batch_wakeups { SAMPLE_BATCH_BYTES } else { 0 },
             ..DatapathConfig::with(
@@ -186,7 +198,7 @@ impl Datapath {
             slot_bits: slots.trailing_zeros(),
             ..opts.config()?
         };
-        let ebpf = EbpfLoader::new()
+        let mut ebpf = EbpfLoader::new()
             .override_global(GLOBAL_CONFIG, &cfg, true)
             .map_max_entries(MAP_FLOWS, opts.max_flows)
             // Every flow has an owner record, in a slot or not.
@@ -197,6 +209,22 @@ impl Datapath {
             .map_max_entries(MAP_FLOW_SLOTS, slots.div_ceil(SLOTS_PER_CHUNK))
             .load(EBPF_OBJECT)
             .map_err(DatapathError::Load)?;
+        if !opts.mirror_from.is_empty() {
+            let map = ebpf
+                .map_mut(MAP_MIRROR_FROM)
+                .ok_or(DatapathError::MissingMap(MAP_MIRROR_FROM))?;
+            let mut ranges: aya::maps::Array<&mut MapData, AddrPrefix> = aya::maps::Array::try_from(map)
+                .map_err(|source| DatapathError::Map {
+                    name: MAP_MIRROR_FROM,
+                    source,
+                })?;
+            for (i, p) in opts.mirror_from.iter().enumerate() {
+                ranges.set(i as u32, p, 0).map_err(|source| DatapathError::Map {
+                    name: MAP_MIRROR_FROM,
+                    source,
+                })?;
+            }
+        }
         Ok(Self { ebpf })
     }
 

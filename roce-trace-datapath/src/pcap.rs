@@ -306,6 +306,8 @@ pub struct Offline {
     pub globals: GlobalTotals,
     pub frames: u64,
     cfg: Option<DatapathConfig>,
+    /// The datapath's `MIRROR_FROM`: mirrored copies only from these (empty: any).
+    mirror_from: Vec<AddrPrefix>,
 }
 
 impl Offline {
@@ -313,6 +315,7 @@ impl Offline {
         let cfg = opts.config()?;
         Ok(Self {
             cfg: Some(cfg),
+            mirror_from: opts.mirror_from.clone(),
             ..Self::default()
         })
     }
@@ -329,6 +332,14 @@ impl Offline {
         let mut inner = [0u8; INNER_HEAD_LEN];
         if let Err(reason) = parse_into(&pkt, cfg.udp_port, &mut p, &mut inner) {
             g[reason.index(dir) as usize] += 1;
+            return;
+        }
+        // As the datapath: a mirrored copy from outside the mirror ranges goes no further.
+        if let Some(m) = p.mirror()
+            && !self.mirror_from.is_empty()
+            && !self.mirror_from.iter().any(|r| r.contains(&m.src))
+        {
+            g[GlobalCounter::MirrorRefused.index(dir) as usize] += 1;
             return;
         }
         g[GlobalCounter::RoceV2.index(dir) as usize] += 1;

@@ -30,7 +30,7 @@ use roce_trace_common::{
 
 use crate::{
     ctx::{TcPacket, XdpPacket},
-    maps::{CONFIG, FLOW_OWNER, FLOW_SLOTS, FLOWS, GLOBALS, MIRRORS, SAMPLES},
+    maps::{CONFIG, FLOW_OWNER, FLOW_SLOTS, FLOWS, GLOBALS, MIRROR_FROM, MIRRORS, SAMPLES},
 };
 
 #[xdp]
@@ -121,6 +121,15 @@ fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
     // Every frame is counted once, by what became of it (`GlobalCounter::OUTCOMES`).
     match parse_into(pkt, cfg.udp_port, &mut g.work.parsed, &mut g.work.inner) {
         Ok(()) => {
+            // A mirrored copy from outside the mirror ranges is not ours: no session is
+            // remembered for it, no flow counted (a forged GRE flood cannot fill MIRRORS).
+            if g.work.parsed.present & HAS_MIRROR != 0
+                && cfg.mirror_from != 0
+                && !mirror_allowed(cfg.mirror_from, &g.work.parsed.mirror_info.src)
+            {
+                bump(&mut g.counters, GlobalCounter::MirrorRefused, dir);
+                return;
+            }
             bump(&mut g.counters, GlobalCounter::RoceV2, dir);
             if g.work.parsed.present & HAS_MIRROR != 0 {
                 bump(&mut g.counters, GlobalCounter::Mirrored, dir);
@@ -160,6 +169,23 @@ fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
         }
         Err(reason) => bump(&mut g.counters, reason, dir),
     }
+}
+
+/// Whether a mirror's outer source `src` is in one of the first `n` ranges of
+/// `MIRROR_FROM`.
+#[inline(always)]
+fn mirror_allowed(n: u16, src: &[u32; 4]) -> bool {
+    for i in 0..MAX_MIRROR_FROM {
+        if i >= u32::from(n) {
+            break;
+        }
+        if let Some(p) = MIRROR_FROM.get(i)
+            && p.contains(src)
+        {
+            return true;
+        }
+    }
+    false
 }
 
 /// Records a mirrored copy's session under its id (before its flow exists, so userspace

@@ -3,7 +3,7 @@
 use aya_ebpf::{
     Global,
     macros::map,
-    maps::{HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
 };
 use roce_trace_common::{datapath::*, scratch::Work};
 
@@ -34,6 +34,11 @@ pub static FLOW_OWNER: LruHashMap<FlowKey, FlowOwner> = LruHashMap::with_max_ent
 /// mirrored copies; the first session to claim an id keeps it.
 #[map]
 pub static MIRRORS: HashMap<u32, MirrorInfo> = HashMap::with_max_entries(MAX_MIRRORS, 0);
+
+/// The address ranges mirrored copies are taken from (`DatapathConfig::mirror_from` of
+/// them are set). Read only for mirrored copies.
+#[map]
+pub static MIRROR_FROM: Array<AddrPrefix> = Array::with_max_entries(MAX_MIRROR_FROM, 0);
 
 /// Global counters and working memory, one value per CPU (see [`CpuGlobals`]).
 #[map]

@@ -69,6 +69,11 @@ impl std::str::FromStr for Cidr {
 }
 
 impl Cidr {
+    /// The range in the datapath's form (checked there before a session is remembered).
+    pub fn prefix(&self) -> roce_trace_common::datapath::AddrPrefix {
+        roce_trace_common::datapath::AddrPrefix::new(self.net, self.len)
+    }
+
     pub fn contains(&self, ip: std::net::IpAddr) -> bool {
         use std::net::IpAddr::{V4, V6};
         let bits = |a: &[u8], b: &[u8], len: u8| {

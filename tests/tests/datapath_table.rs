@@ -1371,3 +1371,75 @@ fn a_full_ring_is_counted_and_the_packet_passes() {
     );
     assert_eq!(t.samples().len() as u64, emitted);
 }
+
+/// With mirror ranges set (the agent's --mirror-from), the datapath takes mirrored copies
+/// only from them, before it remembers a session: a copy from a switch outside them
+/// (IPv4 and IPv6) is counted `mirror_refused` (not RoCEv2, not mirrored), makes no flow
+/// and no `MIRRORS` entry — so forged sessions cannot fill its 1,024 ids — while copies
+/// from inside (an IPv4 /24, an IPv6 /64) are taken as before; XDP, TC and the pcap path
+/// agree. Fails if the datapath ignores the ranges (the forged sessions take ids).
+#[test]
+fn mirrored_copies_are_taken_only_from_the_mirror_ranges() {
+    if !require_root() {
+        return;
+    }
+    let opts = DatapathOptions {
+        sample_rate: 1,
+        mirror_from: vec![
+            AddrPrefix::new("198.51.100.0".parse().unwrap(), 24),
+            AddrPrefix::new("2001:db8:1::".parse().unwrap(), 64),
+        ],
+        ..Default::default()
+    };
+    let mut t = ProgTest::new(&opts);
+    let m = Mirror::ErspanII {
+        session: 7,
+        seq: 1,
+        index: 1,
+    };
+    let inner = send_frame();
+    let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
+    let allowed = m.encapsulate(ip("198.51.100.7"), ip("198.51.100.1"), &inner);
+    let allowed6 = m.encapsulate(ip("2001:db8:1::7"), ip("2001:db8:1::1"), &inner);
+    let forged = m.encapsulate(ip("203.0.113.9"), ip("198.51.100.1"), &inner);
+    let forged6 = m.encapsulate(ip("2001:db8:2::7"), ip("2001:db8:1::1"), &inner);
+    for f in [&forged, &forged6] {
+        assert_eq!(t.run_xdp(f), XDP_PASS);
+        assert_eq!(t.run_tc(f), TC_ACT_UNSPEC);
+    }
+    let g = t.globals();
+    for dir in [DIR_INGRESS, DIR_EGRESS] {
+        assert_eq!(g.get(GlobalCounter::MirrorRefused, dir), 2);
+        assert_eq!(g.get(GlobalCounter::RoceV2, dir), 0);
+        assert_eq!(g.get(GlobalCounter::Mirrored, dir), 0);
+    }
+    assert!(t.mirrors().is_empty(), "{:?}", t.mirrors());
+    assert!(t.flows().is_empty());
+    for f in [&allowed, &allowed6] {
+        assert_eq!(t.run_xdp(f), XDP_PASS);
+    }
+    let g = t.globals();
+    assert_eq!(g.get(GlobalCounter::RoceV2, DIR_INGRESS), 2);
+    assert_eq!(g.get(GlobalCounter::Mirrored, DIR_INGRESS), 2);
+    assert_eq!(t.mirrors().len(), 2);
+    assert_eq!(t.flows().len(), 2);
+    // The pcap path (agent -r, capture -r) takes and refuses the same.
+    let mut off = roce_trace_datapath::pcap::Offline::new(&opts).unwrap();
+    for (i, f) in [&forged, &forged6, &allowed, &allowed6].into_iter().enumerate() {
+        let fr = roce_trace_datapath::pcap::CapturedFrame {
+            time_ns: i as u64,
+            data: f.clone(),
+            orig_len: f.len() as u32,
+        };
+        off.frame(&fr, |_| {});
+    }
+    assert_eq!(off.globals.get(GlobalCounter::MirrorRefused, DIR_INGRESS), 2);
+    assert_eq!(off.globals.get(GlobalCounter::RoceV2, DIR_INGRESS), 2);
+    assert_eq!(off.mirrors.len(), 2);
+    // More ranges than the datapath checks are refused at load.
+    let many = DatapathOptions {
+        mirror_from: vec![AddrPrefix::new(ip("10.0.0.0"), 8); MAX_MIRROR_FROM as usize + 1],
+        ..Default::default()
+    };
+    assert!(many.config().is_err());
+}

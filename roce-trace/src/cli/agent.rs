@@ -146,6 +146,7 @@ pub(super) async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
                 a.expect_dscp
             },
             batch_wakeups: false,
+            mirror_from: a.mirror_from.iter().map(|c| c.prefix()).collect(),
             ..DatapathOptions::default()
         },
         interval,
