@@ -291,13 +291,26 @@ mod tests {
     }
 }
 
+/// Writes `bytes` into a new file at `path` with `mode`, synced: never over an existing
+/// file, never through a symbolic link (O_EXCL|O_NOFOLLOW).
+pub fn write_new(path: &std::path::Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()
+}
+
 /// Writes `bytes` to `path` so that a reader (or a crash) sees the old file or the new one
 /// whole, never a part: into a new file beside it (created, never opened through a
 /// symbolic link), synced, renamed over `path` (which replaces a link at `path` rather
 /// than writing where it points), and the directory synced.
 pub fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => std::path::Path::new("."),
@@ -312,14 +325,7 @@ pub fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result
     // A leftover of this process's own earlier attempt (unlink never follows a link).
     let _ = std::fs::remove_file(&tmp);
     let written = (|| {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o644)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
+        write_new(&tmp, bytes, 0o644)?;
         std::fs::rename(&tmp, path)?;
         std::fs::File::open(dir)?.sync_all()
     })();

@@ -159,22 +159,14 @@ pub fn create(dir: &Path, collector_names: &[String], nodes: &[String]) -> anyho
     let mut files = Vec::new();
     let mut write = |name: String, text: String, secret: bool| -> anyhow::Result<()> {
         let path = dir.join(name);
-        use std::{io::Write as _, os::unix::fs::OpenOptionsExt as _};
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(if secret { 0o600 } else { 0o644 })
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)
-            .with_context(|| {
+        crate::sys::write_new(&path, text.as_bytes(), if secret { 0o600 } else { 0o644 }).with_context(
+            || {
                 format!(
                     "creating {} (an existing file is never overwritten)",
                     path.display()
                 )
-            })?;
-        f.write_all(text.as_bytes())
-            .and_then(|()| f.sync_all())
-            .with_context(|| format!("writing {}", path.display()))?;
+            },
+        )?;
         files.push(path);
         Ok(())
     };

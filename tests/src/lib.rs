@@ -301,28 +301,24 @@ impl ProgTest {
 
 /// Writes Ethernet frames to a classic pcap file.
 pub fn write_pcap(path: &Path, frames: &[Vec<u8>]) {
-    use pcap_file::pcap::{PcapHeader, PcapPacket, PcapWriter};
-    let f = std::fs::File::create(path).unwrap();
-    let mut w = PcapWriter::with_header(
-        f,
-        PcapHeader {
-            snaplen: 65535,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    for (i, fr) in frames.iter().enumerate() {
-        let ts = std::time::Duration::from_millis(i as u64);
-        w.write_packet(&PcapPacket::new(ts, fr.len() as u32, fr)).unwrap();
-    }
+    let timed: Vec<(std::time::Duration, Vec<u8>)> = frames
+        .iter()
+        .enumerate()
+        .map(|(i, fr)| (std::time::Duration::from_millis(i as u64), fr.clone()))
+        .collect();
+    write_pcap_at(path, &timed);
 }
 
 /// Writes frames to a pcap file, each at its own time (since the epoch).
 pub fn write_pcap_at(path: &Path, frames: &[(std::time::Duration, Vec<u8>)]) {
+    std::fs::write(path, pcap_bytes(frames)).unwrap();
+}
+
+/// Frames with their capture times as a classic pcap.
+pub fn pcap_bytes(frames: &[(std::time::Duration, Vec<u8>)]) -> Vec<u8> {
     use pcap_file::pcap::{PcapHeader, PcapPacket, PcapWriter};
-    let f = std::fs::File::create(path).unwrap();
     let mut w = PcapWriter::with_header(
-        f,
+        Vec::new(),
         PcapHeader {
             snaplen: 65535,
             ..Default::default()
@@ -333,6 +329,7 @@ pub fn write_pcap_at(path: &Path, frames: &[(std::time::Duration, Vec<u8>)]) {
         w.write_packet(&PcapPacket::new(*ts, fr.len() as u32, fr))
             .unwrap();
     }
+    w.into_writer()
 }
 
 /// Reads the Ethernet frames of a pcap file.
@@ -577,28 +574,7 @@ impl VethPair {
 /// Sends raw Ethernet frames out of `ifname` in the calling thread's namespace through an
 /// AF_PACKET socket (they cross the interface's TC egress like any transmitted packet).
 pub fn send_frames(ifname: &str, frames: &[Vec<u8>]) {
-    let idx = roce_trace_datapath::sys::ifindex(ifname).unwrap();
-    // SAFETY: plain socket syscalls on a fd we own; addresses are valid sockaddr_ll.
-    unsafe {
-        let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0);
-        assert!(fd >= 0, "AF_PACKET socket: {}", std::io::Error::last_os_error());
-        let mut addr: libc::sockaddr_ll = std::mem::zeroed();
-        addr.sll_family = libc::AF_PACKET as u16;
-        addr.sll_ifindex = idx as i32;
-        addr.sll_halen = 6;
-        for f in frames {
-            let n = libc::sendto(
-                fd,
-                f.as_ptr() as *const libc::c_void,
-                f.len(),
-                0,
-                &addr as *const libc::sockaddr_ll as *const libc::sockaddr,
-                std::mem::size_of::<libc::sockaddr_ll>() as u32,
-            );
-            assert_eq!(n as usize, f.len(), "sendto: {}", std::io::Error::last_os_error());
-        }
-        libc::close(fd);
-    }
+    packet_send(ifname, frames, None);
 }
 
 /// Like [`send_frames`], but each frame leaves as an skb whose linear area holds only its
@@ -607,35 +583,49 @@ pub fn send_frames(ifname: &str, frames: &[Vec<u8>]) {
 /// stack. The kernel makes a paged skb only of frames of a page or more (4,096 bytes),
 /// so the interface's MTU must let them through.
 pub fn send_frames_paged(ifname: &str, frames: &[Vec<u8>], linear: u16) {
-    const PACKET_VNET_HDR: libc::c_int = 15;
-    let idx = roce_trace_datapath::sys::ifindex(ifname).unwrap();
     for f in frames {
         assert!(f.len() >= 4096, "a frame under a page stays linear");
     }
+    packet_send(ifname, frames, Some(linear));
+}
+
+/// The AF_PACKET sender of [`send_frames`] and [`send_frames_paged`]: with `vnet_linear`,
+/// each frame is preceded by a virtio-net header whose `hdr_len` is it.
+fn packet_send(ifname: &str, frames: &[Vec<u8>], vnet_linear: Option<u16>) {
+    const PACKET_VNET_HDR: libc::c_int = 15;
+    let idx = roce_trace_datapath::sys::ifindex(ifname).unwrap();
     // SAFETY: plain socket syscalls on a fd we own; addresses are valid sockaddr_ll.
     unsafe {
         let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0);
         assert!(fd >= 0, "AF_PACKET socket: {}", std::io::Error::last_os_error());
-        let on: libc::c_int = 1;
-        let r = libc::setsockopt(
-            fd,
-            libc::SOL_PACKET,
-            PACKET_VNET_HDR,
-            &on as *const libc::c_int as *const libc::c_void,
-            std::mem::size_of::<libc::c_int>() as u32,
-        );
-        assert_eq!(r, 0, "PACKET_VNET_HDR: {}", std::io::Error::last_os_error());
+        if vnet_linear.is_some() {
+            let on: libc::c_int = 1;
+            let r = libc::setsockopt(
+                fd,
+                libc::SOL_PACKET,
+                PACKET_VNET_HDR,
+                &on as *const libc::c_int as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as u32,
+            );
+            assert_eq!(r, 0, "PACKET_VNET_HDR: {}", std::io::Error::last_os_error());
+        }
         let mut addr: libc::sockaddr_ll = std::mem::zeroed();
         addr.sll_family = libc::AF_PACKET as u16;
         addr.sll_ifindex = idx as i32;
         addr.sll_halen = 6;
         for f in frames {
-            // struct virtio_net_hdr: flags, gso_type (none), hdr_len, gso_size,
-            // csum_start, csum_offset; little-endian.
-            let mut m = vec![0u8, 0];
-            m.extend_from_slice(&linear.to_le_bytes());
-            m.extend_from_slice(&[0; 6]);
-            m.extend_from_slice(f);
+            let m = match vnet_linear {
+                None => std::borrow::Cow::Borrowed(f),
+                Some(linear) => {
+                    // struct virtio_net_hdr: flags, gso_type (none), hdr_len, gso_size,
+                    // csum_start, csum_offset; little-endian.
+                    let mut m = vec![0u8, 0];
+                    m.extend_from_slice(&linear.to_le_bytes());
+                    m.extend_from_slice(&[0; 6]);
+                    m.extend_from_slice(f);
+                    std::borrow::Cow::Owned(m)
+                }
+            };
             let n = libc::sendto(
                 fd,
                 m.as_ptr() as *const libc::c_void,
@@ -648,6 +638,17 @@ pub fn send_frames_paged(ifname: &str, frames: &[Vec<u8>], linear: u16) {
         }
         libc::close(fd);
     }
+}
+
+/// The MAC address of interface `ifname` in namespace `ns`.
+pub fn mac_of(ns: &Netns, ifname: &str) -> [u8; 6] {
+    let out = ns.exec(&["cat", &format!("/sys/class/net/{ifname}/address")]);
+    let v: Vec<u8> = out
+        .trim()
+        .split(':')
+        .map(|h| u8::from_str_radix(h, 16).unwrap())
+        .collect();
+    v.try_into().unwrap()
 }
 
 /// A running `roce-trace capture`, its JSON Lines collected from stdout.

@@ -122,18 +122,9 @@ fn collector(pair: &VethPair, tag: &str, dir: &TempDir) -> Daemon {
 }
 
 fn agent(pair: &VethPair, queue: &str) -> Daemon {
-    Daemon::start(
-        &pair.a.name,
+    agent_with(
+        pair,
         &[
-            "agent",
-            "--collector",
-            "10.99.0.2:4792",
-            "--node",
-            "a",
-            "-i",
-            &pair.a_if,
-            "--token",
-            "tk",
             "--sample-rate",
             "1",
             "--interval",
@@ -143,8 +134,24 @@ fn agent(pair: &VethPair, queue: &str) -> Daemon {
             "--metrics",
             "127.0.0.1:9464",
         ],
-        "connected to collector",
     )
+}
+
+/// Node a's agent on its veth, streaming to the collector with the token, plus `more`.
+fn agent_with(pair: &VethPair, more: &[&str]) -> Daemon {
+    let mut args = vec![
+        "agent",
+        "--collector",
+        "10.99.0.2:4792",
+        "--node",
+        "a",
+        "-i",
+        &pair.a_if,
+        "--token",
+        "tk",
+    ];
+    args.extend_from_slice(more);
+    Daemon::start(&pair.a.name, &args, "connected to collector")
 }
 
 /// Stops a daemon and returns everything it wrote to stderr.
@@ -375,25 +382,7 @@ fn an_agent_stopped_mid_interval_delivers_its_last_counters() {
     let pair = VethPair::new("lst");
     let dir = TempDir::new("lst");
     let c = collector(&pair, "c", &dir);
-    let a = Daemon::start(
-        &pair.a.name,
-        &[
-            "agent",
-            "--collector",
-            "10.99.0.2:4792",
-            "--node",
-            "a",
-            "-i",
-            &pair.a_if,
-            "--token",
-            "tk",
-            "--sample-rate",
-            "0",
-            "--interval",
-            "60s",
-        ],
-        "connected to collector",
-    );
+    let a = agent_with(&pair, &["--sample-rate", "0", "--interval", "60s"]);
     let frames: Vec<Vec<u8>> = (0..25)
         .map(|psn| {
             roce_trace_gen::frame::RoceFrame {

@@ -48,57 +48,36 @@ fn over_mutual_tls_agents_stream_as_their_own_node_only_to_their_collector() {
     certs(&dir, "ours", "a,b");
     certs(&dir, "theirs", "a");
     let f = |set: &str, name: &str| dir.path(&format!("{set}/{name}")).to_string_lossy().into_owned();
-    let report = dir.path("report.json").to_string_lossy().into_owned();
-    let collector = Daemon::start(
-        &pair.b.name,
-        &[
-            "collect",
-            "--listen",
-            "10.99.0.2:4792",
-            "--http",
-            "127.0.0.1:8080",
-            "--tls-cert",
-            &f("ours", "collector.pem"),
-            "--tls-key",
-            &f("ours", "collector.key"),
-            "--tls-ca",
-            &f("ours", "ca.pem"),
-            "--quiet",
-            "--report",
-            &report,
-        ],
-        "collecting on",
-    );
-    // A rogue collector, its certificate from another CA, names the same address.
-    let rogue_report = dir.path("rogue.json").to_string_lossy().into_owned();
-    let rogue = Daemon::start(
-        &pair.b.name,
-        &[
-            "collect",
-            "--listen",
-            "10.99.0.2:4793",
-            "--tls-cert",
-            &f("theirs", "collector.pem"),
-            "--tls-key",
-            &f("theirs", "collector.key"),
-            "--tls-ca",
-            &f("theirs", "ca.pem"),
-            "--quiet",
-            "--report",
-            &rogue_report,
-        ],
-        "collecting on",
-    );
-    let tls_args = |set: &str, node: &str| -> Vec<String> {
+    // The TLS flags of `leaf`'s certificate in `set` (its key, and the set's CA).
+    let tls_args = |set: &str, leaf: &str| -> Vec<String> {
         vec![
             "--tls-cert".into(),
-            f(set, &format!("{node}.pem")),
+            f(set, &format!("{leaf}.pem")),
             "--tls-key".into(),
-            f(set, &format!("{node}.key")),
+            f(set, &format!("{leaf}.key")),
             "--tls-ca".into(),
             f(set, "ca.pem"),
         ]
     };
+    // A collector on `listen` with the collector certificate of `set`, plus `more`.
+    let collect = |listen: &str, set: &str, report: &str, more: &[&str]| {
+        let report = dir.path(report).to_string_lossy().into_owned();
+        let mut args: Vec<String> = ["collect", "--listen", listen, "--quiet", "--report", &report]
+            .map(String::from)
+            .to_vec();
+        args.extend(tls_args(set, "collector"));
+        args.extend(more.iter().map(|a| a.to_string()));
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        Daemon::start(&pair.b.name, &argv, "collecting on")
+    };
+    let collector = collect(
+        "10.99.0.2:4792",
+        "ours",
+        "report.json",
+        &["--http", "127.0.0.1:8080"],
+    );
+    // A rogue collector, its certificate from another CA, names the same address.
+    let rogue = collect("10.99.0.2:4793", "theirs", "rogue.json", &[]);
     let mut args: Vec<String> = [
         "agent",
         "--collector",

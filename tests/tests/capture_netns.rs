@@ -195,16 +195,6 @@ fn traffic(src_mac: [u8; 6], dst_mac: [u8; 6]) -> Traffic {
     }
 }
 
-fn mac_of(ns: &Netns, ifname: &str) -> [u8; 6] {
-    let out = ns.exec(&["cat", &format!("/sys/class/net/{ifname}/address")]);
-    let v: Vec<u8> = out
-        .trim()
-        .split(':')
-        .map(|h| u8::from_str_radix(h, 16).unwrap())
-        .collect();
-    v.try_into().unwrap()
-}
-
 fn final_flows(recs: &[Value], direction: &str) -> BTreeMap<(String, u16, u32), Want> {
     recs.iter()
         .filter(|r| r["type"] == "flow" && r["final"] == true && r["direction"] == direction)

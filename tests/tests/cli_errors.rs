@@ -166,13 +166,17 @@ fn open_endpoints_need_credentials() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--tls-key") && err.contains("--tls-ca"), "{err}");
     let dir = TempDir::new("cli-tls");
-    let out = Command::new(roce_trace_bin())
-        .args(["certs", "--out"])
-        .arg(&dir.0)
-        .args(["--collector-name", "127.0.0.1"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let certs = || {
+        run(&[
+            "certs",
+            "--out",
+            &dir.0.to_string_lossy(),
+            "--collector-name",
+            "127.0.0.1",
+        ])
+    };
+    let (code, err) = certs();
+    assert_eq!(code, 0, "{err}");
     use std::os::unix::fs::PermissionsExt as _;
     std::fs::set_permissions(dir.path("collector.key"), std::fs::Permissions::from_mode(0o640)).unwrap();
     let p = |f: &str| dir.path(f).to_string_lossy().into_owned();
@@ -191,14 +195,9 @@ fn open_endpoints_need_credentials() {
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("can be read by others"), "{err}");
     // `certs` never overwrites.
-    let out = Command::new(roce_trace_bin())
-        .args(["certs", "--out"])
-        .arg(&dir.0)
-        .args(["--collector-name", "127.0.0.1"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("never overwritten"));
+    let (code, err) = certs();
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("never overwritten"), "{err}");
 }
 
 /// Outputs written as root are never written through a symbolic link planted at their

@@ -69,24 +69,6 @@ fn check(name: &str, actual: &[u8]) {
     }
 }
 
-/// Writes frames with their capture times to a classic pcap.
-fn pcap_bytes(frames: &[(Duration, Vec<u8>)]) -> Vec<u8> {
-    use pcap_file::pcap::{PcapHeader, PcapPacket, PcapWriter};
-    let mut w = PcapWriter::with_header(
-        Vec::new(),
-        PcapHeader {
-            snaplen: 65535,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    for (ts, fr) in frames {
-        w.write_packet(&PcapPacket::new(*ts, fr.len() as u32, fr))
-            .unwrap();
-    }
-    w.into_writer()
-}
-
 const SWITCHES: [&str; 3] = ["198.51.100.1", "198.51.100.2", "198.51.100.3"];
 
 /// The fabric seen through three switches' mirror sessions, in capture order.

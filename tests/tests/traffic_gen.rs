@@ -597,16 +597,7 @@ fn a_request_that_cannot_be_answered_does_not_stop_the_responder() {
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let pair = VethPair::new("gspf");
-    let mac = |ns: &Netns, ifn: &str| -> [u8; 6] {
-        let out = ns.exec(&["cat", &format!("/sys/class/net/{ifn}/address")]);
-        let v: Vec<u8> = out
-            .trim()
-            .split(':')
-            .map(|h| u8::from_str_radix(h, 16).unwrap())
-            .collect();
-        v.try_into().unwrap()
-    };
-    let (src_mac, dst_mac) = (mac(&pair.a, &pair.a_if), mac(&pair.b, &pair.b_if));
+    let (src_mac, dst_mac) = (mac_of(&pair.a, &pair.a_if), mac_of(&pair.b, &pair.b_if));
     let resp = spawn_gen(&pair.b.name, &["--bind", "10.99.0.2", "--duration", "4s"]);
     std::thread::sleep(Duration::from_millis(300));
     let spoofed = roce_trace_gen::frame::RoceFrame {
