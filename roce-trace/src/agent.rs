@@ -821,7 +821,14 @@ async fn session(opts: &AgentOptions, sh: &Arc<Shared>) -> Result<std::convert::
                 send(&mut sock, &mut enc, &Frame::TraceResult(t)).await?;
             }
             if last_beat.elapsed() >= Duration::from_secs(5) {
-                send(&mut sock, &mut enc, &Frame::Heartbeat { unix_ns: unix_now() }).await?;
+                send(
+                    &mut sock,
+                    &mut enc,
+                    &Frame::Heartbeat {
+                        unix_ns: crate::protocol::unix_now_ns(),
+                    },
+                )
+                .await?;
                 last_beat = Instant::now();
             }
             if !wrote {
@@ -863,7 +870,7 @@ struct HealthMeter {
 impl HealthMeter {
     fn new() -> Self {
         let mut m = Self {
-            since_ns: unix_now(),
+            since_ns: crate::protocol::unix_now_ns(),
             ringbuf: [0; 2],
             unparsed: [0; 2],
             dropped: 0,
@@ -904,7 +911,7 @@ impl HealthMeter {
         };
         let ringbuf = by_dir(|c| c == GlobalCounter::RingbufFull);
         let unparsed = by_dir(|c| c.kind() == CounterKind::RoceParseFailure);
-        let now = unix_now();
+        let now = crate::protocol::unix_now_ns();
         let (ifs, qdiscs) = self.kernel();
         let agent_dropped = dropped.saturating_sub(self.dropped);
         let v = points
@@ -944,13 +951,6 @@ impl HealthMeter {
         self.qdiscs = qdiscs;
         v
     }
-}
-
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos() as u64
 }
 
 /// Reads the collector's frames on connection `connection` until it ends; why it ended.

@@ -318,13 +318,6 @@ fn now_ns(start: Instant) -> u64 {
     start.elapsed().as_nanos() as u64
 }
 
-fn unix_now_ns() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos() as u64
-}
-
 /// Writes the report whole, replacing the last one (a reader, or a crash, never sees a
 /// part of it).
 fn write_report(path: &std::path::Path, r: &CollectorReport) -> anyhow::Result<()> {
@@ -642,28 +635,18 @@ async fn serve_agent(
     let (node, clock_synced) = match hello {
         Ok(h) => h,
         Err(why) => {
-            st.lock().refused += 1;
-            if matches!(
+            let told = matches!(
                 why,
                 Closed::Version(_) | Closed::WrongToken(_) | Closed::WrongIdentity { .. }
-            ) && let Ok(bye) = Encoder::default().encode(&Frame::bye(why.to_string()))
-            {
-                let _ = tokio::time::timeout(HANDSHAKE_DEADLINE, sock.write_all(&bye)).await;
-            }
-            return why;
+            );
+            return refuse(st, &mut sock, why, told).await;
         }
     };
     dec.authenticated();
     drop(handshake);
     let (conn, stop, done, previous) = match take_over(st, &node, dec.next_seq(), start, timeout).await {
         Ok(c) => c,
-        Err(why) => {
-            st.lock().refused += 1;
-            if let Ok(bye) = Encoder::default().encode(&Frame::bye(why.to_string())) {
-                let _ = tokio::time::timeout(HANDSHAKE_DEADLINE, sock.write_all(&bye)).await;
-            }
-            return why;
-        }
+        Err(why) => return refuse(st, &mut sock, why, true).await,
     };
     let welcome = Frame::Welcome {
         version: VERSION,
@@ -748,6 +731,16 @@ async fn serve_agent(
     }
     drop(ack_tx);
     closed
+}
+
+/// A connection refused at its handshake: counted, and told why with BYE when `tell`
+/// (within the handshake deadline); `why` is handed back.
+async fn refuse(st: &Shared, sock: &mut Box<dyn Stream>, why: Closed, tell: bool) -> Closed {
+    st.lock().refused += 1;
+    if tell && let Ok(bye) = Encoder::default().encode(&Frame::bye(why.to_string())) {
+        let _ = tokio::time::timeout(HANDSHAKE_DEADLINE, sock.write_all(&bye)).await;
+    }
+    why
 }
 
 /// Why an agent's connection ended: refused at the handshake (counted as refused; a
@@ -910,7 +903,7 @@ async fn write_to_agent(
     loop {
         let f = tokio::select! {
             biased;
-            _ = beats.tick() => Frame::Heartbeat { unix_ns: unix_now_ns() },
+            _ = beats.tick() => Frame::Heartbeat { unix_ns: crate::protocol::unix_now_ns() },
             f = req_rx.recv() => match f {
                 Some(f) => f,
                 None => break,

@@ -10,7 +10,7 @@ use std::{
         Arc,
         atomic::{AtomicBool, Ordering},
     },
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::Duration,
 };
 
 use anyhow::Context as _;
@@ -204,12 +204,7 @@ pub struct DrillOptions {
     pub timeout: Duration,
 }
 
-fn unix_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
-}
+use crate::protocol::unix_now_ns as unix_ns;
 
 /// Set when the future waiting for a drill command is dropped (the drill was interrupted
 /// or failed around it): the command and everything it started are killed.

@@ -19,6 +19,15 @@ use roce_trace_common::datapath::Counts;
 pub const VERSION: u16 = 6;
 /// Largest frame either side accepts (length field included).
 pub const MAX_FRAME: usize = 4 << 20;
+/// Now, Unix nanoseconds: the time a HEARTBEAT carries (either way) and agents stamp
+/// their health intervals with.
+pub fn unix_now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos() as u64
+}
+
 /// A connection's byte stream between an agent and a collector: TCP, or TLS over it.
 pub trait Stream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
 impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Stream for T {}

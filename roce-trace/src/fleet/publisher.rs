@@ -166,14 +166,7 @@ impl Publisher {
     pub fn new(fleet: &Fleet, node: impl Into<String>, opts: PublisherOptions) -> Result<Self, FleetError> {
         let node = node.into();
         check_name(&node)?;
-        let instance = format!(
-            "{:x}.{:x}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(0)
-        );
+        let instance = format!("{:x}.{:x}", std::process::id(), crate::protocol::unix_now_ns());
         let sh = Arc::new(Shared {
             state: Mutex::new(State {
                 queue: VecDeque::new(),
