@@ -11,6 +11,7 @@ pub mod datapath;
 pub mod flow;
 #[cfg(feature = "icrc")]
 pub mod icrc;
+pub mod nic;
 pub mod parse;
 pub mod roce;
 pub mod sampling;

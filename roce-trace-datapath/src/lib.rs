@@ -7,6 +7,7 @@
 pub mod loader;
 pub mod mirror;
 pub mod netstat;
+pub mod nic;
 pub mod pcap;
 pub mod record;
 pub mod sys;

@@ -17,6 +17,8 @@
 //! leaf X and spine Y is 10.2X.Y.0/24 (leaf .1, spine .2) and fd00:2X:Y::/64. Interfaces
 //! are named after their peer: `eth0` on a host, `h1`/`s1` on a leaf, `l1` on a spine.
 
+pub mod nic_fixture;
+
 use std::{net::IpAddr, process::Command};
 
 /// Why a lab step failed: the command it ran and what that command said.

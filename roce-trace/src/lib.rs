@@ -14,6 +14,7 @@ pub mod fuzz_api;
 pub mod http;
 pub mod local;
 pub mod metrics;
+pub mod nic;
 pub mod observation;
 pub mod privilege;
 pub mod protocol;

@@ -4,6 +4,7 @@ pub mod agent;
 pub mod capture;
 pub mod collect;
 pub mod generate;
+pub mod nic;
 pub mod trace;
 pub mod verify;
 
@@ -18,8 +19,8 @@ use roce_trace::{
 use roce_trace_common::datapath::DEFAULT_MAX_FLOWS;
 
 use self::{
-    agent::AgentArgs, capture::CaptureArgs, collect::CollectArgs, generate::GenArgs, trace::TraceArgs,
-    verify::VerifyArgs,
+    agent::AgentArgs, capture::CaptureArgs, collect::CollectArgs, generate::GenArgs, nic::NicArgs,
+    trace::TraceArgs, verify::VerifyArgs,
 };
 
 #[derive(Parser)]
@@ -51,6 +52,10 @@ pub enum Command {
     Verify(VerifyArgs),
     /// Make a CA and certificates for mutual TLS between agents and the collector.
     Certs(CertsArgs),
+    /// This host's NIC and PFC counters (RDMA hw_counters, ethtool statistics) in one
+    /// vocabulary: pause per priority, CNPs, ECN, sequence errors; what is not available
+    /// and why.
+    Nic(NicArgs),
 }
 
 #[derive(clap::Args)]
@@ -239,6 +244,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Verify(_) => unreachable!("handled in main"),
         Command::Capture(a) => capture::run_capture(a, &rt),
         Command::Certs(a) => run_certs(a),
+        Command::Nic(a) => nic::run_nic(a),
     }
 }
 
