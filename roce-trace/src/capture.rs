@@ -38,6 +38,8 @@ pub struct CaptureOptions {
     /// otherwise.
     pub write: Vec<PathBuf>,
     pub interval: Duration,
+    /// Where the NIC and PFC counters of the interfaces are read (None: not read).
+    pub nic: Option<crate::nic::Root>,
 }
 
 /// Where JSON Lines go.
@@ -183,6 +185,13 @@ pub async fn run(
         .map_err(|e| anyhow::anyhow!("polling the sample ring buffer: {e}"))?;
     ready(&hooks);
 
+    let mut nic = opts
+        .nic
+        .clone()
+        .and_then(|root| crate::nic::NicWatch::open(root, &opts.ifaces));
+    if let Some(w) = &mut nic {
+        nic_tick(w, &HashMap::new(), &HashMap::new(), &mut out)?;
+    }
     let started = Instant::now();
     let mut samples_received = 0u64;
     let mut prev: HashMap<FlowKey, FlowCounters> = HashMap::new();
@@ -230,11 +239,15 @@ pub async fn run(
                         out.json.emit(r)?;
                     }
                 }
+                let nic_lines = match &mut nic {
+                    Some(w) => nic_tick(w, &flows, &prev, &mut out)?,
+                    None => Vec::new(),
+                };
                 out.flush()?;
                 if live {
                     let g = dp.globals()?;
                     let recs: Vec<FlowRecord> = recs.into_iter().map(|(_, r)| r).collect();
-                    print_live(&recs, &g, samples_received, started.elapsed(), tty);
+                    print_live(&recs, &g, samples_received, started.elapsed(), tty, &nic_lines);
                 }
                 prev = flows;
                 last_tick = now;
@@ -262,6 +275,10 @@ pub async fn run(
     for r in &recs {
         out.json.emit(r)?;
     }
+    let nic_lines = match &mut nic {
+        Some(w) => nic_tick(w, &flows, &prev, &mut out)?,
+        None => Vec::new(),
+    };
     let summary = summarize(
         &hooks,
         &recs,
@@ -274,8 +291,18 @@ pub async fn run(
     out.json.emit(&summary)?;
     out.flush()?;
     if live {
-        print_live(&recs, &globals, samples_received, started.elapsed(), false);
+        print_live(
+            &recs,
+            &globals,
+            samples_received,
+            started.elapsed(),
+            false,
+            &nic_lines,
+        );
         print_summary(&summary);
+        if let Some(w) = &nic {
+            print_nic_summary(w);
+        }
     }
     Ok(summary)
 }
@@ -430,7 +457,70 @@ pub fn render_flows(recs: &[FlowRecord]) -> String {
     s
 }
 
-fn print_live(recs: &[FlowRecord], g: &GlobalTotals, samples: u64, elapsed: Duration, clear: bool) {
+/// Reads the NIC counters, emits their records (with what the kernel counted on the same
+/// interface since the previous refresh: its own flows, not mirrored copies), and returns
+/// the lines the live view shows: PFC per active priority, and the NIC's CNP/ECN counters
+/// beside the kernel's.
+fn nic_tick(
+    w: &mut crate::nic::NicWatch,
+    flows: &HashMap<FlowKey, FlowCounters>,
+    prev: &HashMap<FlowKey, FlowCounters>,
+    out: &mut Outputs,
+) -> anyhow::Result<Vec<String>> {
+    let mut lines = Vec::new();
+    for t in w.tick() {
+        let mut rec = crate::nic::record(t.port, &t.reading, t.interval.as_ref(), false);
+        let Some(iv) = &t.interval else {
+            out.json.emit(&rec)?;
+            continue;
+        };
+        lines.extend(crate::nic::pfc_lines(iv));
+        let mut k = crate::nic::KernelCounts::default();
+        for (key, c) in flows
+            .iter()
+            .filter(|(key, _)| key.ifindex == t.port.ifindex && key.mirror == 0)
+        {
+            let p = prev.get(key).map(|p| p.counts).unwrap_or_default();
+            let cnp = c.counts.cnp.saturating_sub(p.cnp);
+            if key.direction == DIR_EGRESS {
+                k.cnp_tx += cnp;
+            } else {
+                k.cnp_rx += cnp;
+                k.ce_rx += c.counts.ecn[3].saturating_sub(p.ecn[3]);
+            }
+        }
+        rec.kernel = Some(k);
+        out.json.emit(&rec)?;
+        lines.extend(crate::nic::nic_line(iv, Some(k)));
+    }
+    Ok(lines)
+}
+
+/// The NIC counters over the whole capture.
+fn print_nic_summary(w: &crate::nic::NicWatch) {
+    for iv in w.whole() {
+        let mut lines = crate::nic::pfc_lines(&iv);
+        lines.extend(crate::nic::nic_line(&iv, None));
+        if lines.is_empty() {
+            println!(
+                "  {}: no PFC pause and no NIC congestion counters moved",
+                iv.netdev
+            );
+        }
+        for l in lines {
+            println!("  {l} (whole capture)");
+        }
+    }
+}
+
+fn print_live(
+    recs: &[FlowRecord],
+    g: &GlobalTotals,
+    samples: u64,
+    elapsed: Duration,
+    clear: bool,
+    nic_lines: &[String],
+) {
     let mut out = String::new();
     if clear {
         out.push_str("\x1b[H\x1b[2J");
@@ -446,6 +536,10 @@ fn print_live(recs: &[FlowRecord], g: &GlobalTotals, samples: u64, elapsed: Dura
         if clear { "   (Ctrl-C to stop; * = DSCP changed within the flow)" } else { "" },
     ));
     out.push_str(&render_flows(recs));
+    for l in nic_lines {
+        out.push_str(l);
+        out.push('\n');
+    }
     let mut stdout = std::io::stdout().lock();
     let _ = stdout.write_all(out.as_bytes());
     let _ = stdout.flush();
@@ -601,7 +695,7 @@ pub fn run_offline(opts: &CaptureOptions, path: &std::path::Path) -> anyhow::Res
     out.json.emit(&summary)?;
     out.flush()?;
     if !opts.json_stdout {
-        print_live(&recs, &off.globals, samples, started.elapsed(), false);
+        print_live(&recs, &off.globals, samples, started.elapsed(), false, &[]);
         let bad: u64 = recs.iter().filter_map(|r| r.icrc_errors).sum::<u64>() + expired.3;
         println!(
             "{} frames read; {} RoCEv2 packets with a wrong ICRC",

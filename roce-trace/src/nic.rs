@@ -60,6 +60,10 @@ pub struct NicRecord {
     /// The driver's counters no canonical name covers (with `--all`).
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub other: BTreeMap<String, u64>,
+    /// `capture`: what the kernel datapath counted on this interface over the same
+    /// interval, beside the NIC's own counters.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<KernelCounts>,
 }
 
 /// The record of a read, with the interval since the previous one when there was one.
@@ -122,6 +126,7 @@ pub fn record(port: &Port, r: &Reading, iv: Option<&Interval>, all: bool) -> Nic
         } else {
             BTreeMap::new()
         },
+        kernel: None,
     }
 }
 
@@ -313,7 +318,7 @@ pub fn nic_line(iv: &Interval, kernel: Option<KernelCounts>) -> Option<String> {
 }
 
 /// What the kernel datapath counted on one interface over the same interval.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct KernelCounts {
     pub cnp_tx: u64,
     pub cnp_rx: u64,
@@ -387,5 +392,118 @@ mod tests {
             compact(&ids),
             ["np_cnp_sent", "rx_prio{0-2,4-7}_pause", "tx_prio3_pause"]
         );
+    }
+}
+
+/// The NIC counters of the interfaces a capture observes, read at each refresh: the
+/// interfaces with an RDMA device or PFC counters; the others have nothing to add.
+pub struct NicWatch {
+    root: Root,
+    ports: Vec<Port>,
+    tracker: Tracker,
+    /// Per port: the sum of every known delta so far, and the time they cover.
+    totals: std::collections::HashMap<String, (BTreeMap<CounterId, u64>, u64)>,
+}
+
+/// One port's read at a refresh.
+pub struct NicTick<'a> {
+    pub port: &'a Port,
+    pub reading: Reading,
+    pub interval: Option<Interval>,
+}
+
+impl NicWatch {
+    /// `None` when none of `ifaces` has NIC counters worth showing (or they cannot be
+    /// found: said once, the capture goes on).
+    pub fn open(root: Root, ifaces: &[String]) -> Option<Self> {
+        let ports = match ports(&root, ifaces) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!("NIC counters: {e}; capturing without them");
+                return None;
+            }
+        };
+        let ports: Vec<Port> = ports
+            .into_iter()
+            .filter(|p| {
+                p.rdma.is_some() || {
+                    let r = read(&root, p);
+                    r.values.keys().any(|id| id.kind.is_pause())
+                }
+            })
+            .collect();
+        if ports.is_empty() {
+            return None;
+        }
+        for p in &ports {
+            tracing::info!(
+                "NIC counters of {}{}",
+                p.netdev,
+                p.rdma
+                    .as_ref()
+                    .map(|r| format!(" (RDMA {} port {})", r.device, r.port))
+                    .unwrap_or_default()
+            );
+        }
+        Some(Self {
+            root,
+            ports,
+            tracker: Tracker::default(),
+            totals: Default::default(),
+        })
+    }
+
+    pub fn ports(&self) -> &[Port] {
+        &self.ports
+    }
+
+    /// Reads every port now.
+    pub fn tick(&mut self) -> Vec<NicTick<'_>> {
+        let mut out = Vec::new();
+        for p in &self.ports {
+            let r = read(&self.root, p);
+            let iv = self.tracker.update(&p.netdev, r.clone());
+            if let Some(iv) = &iv {
+                let (sums, ns) = self.totals.entry(p.netdev.clone()).or_default();
+                *ns += iv.elapsed_ns;
+                for c in &iv.changes {
+                    if let Some(d) = c.step.delta() {
+                        let s = sums.entry(c.id).or_default();
+                        *s = s.saturating_add(d);
+                    }
+                }
+            }
+            out.push(NicTick {
+                port: p,
+                reading: r,
+                interval: iv,
+            });
+        }
+        out
+    }
+
+    /// Every port's whole capture as one interval: the sums of the deltas of every
+    /// refresh (an interval in which a counter reset adds nothing for it).
+    pub fn whole(&self) -> Vec<Interval> {
+        self.ports
+            .iter()
+            .filter_map(|p| {
+                let (sums, ns) = self.totals.get(&p.netdev)?;
+                Some(Interval {
+                    netdev: p.netdev.clone(),
+                    elapsed_ns: *ns,
+                    epoch_changed: false,
+                    changes: sums
+                        .iter()
+                        .map(|(id, d)| Change {
+                            id: *id,
+                            value: 0,
+                            step: Step::Delta(*d),
+                        })
+                        .collect(),
+                    missing: BTreeMap::new(),
+                })
+            })
+            .collect()
     }
 }

@@ -423,3 +423,94 @@ fn ethtool_statistics_of_a_veth_match_ethtool_s() {
             > 10
     );
 }
+
+/// `capture` on an interface whose NIC counters a fixture gives (an mlx5 port with PFC on
+/// priority 3): `nic` records with the NIC's deltas, and beside them what the kernel
+/// counted on the same interface — CNPs sent over the wire that the NIC says it handled.
+#[test]
+fn capture_puts_the_nic_counters_beside_what_the_kernel_counted() {
+    if !require_root() {
+        return;
+    }
+    use roce_trace_gen::frame::{RoceFrame, ext};
+    let pair = VethPair::new("nicc");
+    let dir = TempDir::new("nic-capture");
+    let f = Fixture::create(dir.path("sys")).unwrap();
+    let ifindex: u32 = pair
+        .b
+        .exec(&["cat", &format!("/sys/class/net/{}/ifindex", pair.b_if)])
+        .trim()
+        .parse()
+        .unwrap();
+    f.add(&pair.b_if, ifindex, NicDriver::Mlx5, &[3], Some("mlx5_0"))
+        .unwrap();
+    let root = dir.path("sys");
+    let cap = roce_trace_tests::CaptureProc::start(
+        &pair.b,
+        &[
+            "-i",
+            &pair.b_if,
+            "--direction",
+            "ingress",
+            "--sysfs-root",
+            root.to_str().unwrap(),
+            "--json",
+            "--sample-rate",
+            "0",
+            "--interval",
+            "300ms",
+            "--duration",
+            "3s",
+        ],
+    );
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    // 5 CNPs arrive; the NIC says it handled 5, paused 40 times on priority 3 for 120 ms.
+    let cnp = RoceFrame {
+        src_mac: roce_trace_tests::mac_of(&pair.a, &pair.a_if),
+        dst_mac: roce_trace_tests::mac_of(&pair.b, &pair.b_if),
+        src: "10.99.0.1".parse().unwrap(),
+        dst: "10.99.0.2".parse().unwrap(),
+        opcode: 0x81,
+        dest_qp: 0x200,
+        dscp: 48,
+        becn: true,
+        ext: ext::cnp(),
+        ..Default::default()
+    }
+    .build();
+    let a_if = pair.a_if.clone();
+    pair.a
+        .run(move || roce_trace_tests::send_frames(&a_if, &vec![cnp; 5]));
+    f.bump(&pair.b_if, "rp_cnp_handled", 5).unwrap();
+    for _ in 0..4 {
+        f.bump(&pair.b_if, "rx_prio3_pause", 10).unwrap();
+        f.bump(&pair.b_if, "rx_prio3_pause_duration", 30_000).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let recs = cap.finish();
+    let nic: Vec<&Value> = recs.iter().filter(|r| r["type"] == "nic").collect();
+    assert!(nic.len() >= 5, "a record per refresh: {}", nic.len());
+    assert!(
+        nic.iter()
+            .all(|r| r["interface"] == pair.b_if.as_str() && r["rdma_device"] == "mlx5_0")
+    );
+    let sum = |name: &str| -> u64 {
+        nic.iter()
+            .filter_map(|r| r["counters"][name]["delta"].as_u64())
+            .sum()
+    };
+    assert_eq!(sum("rp_cnp_handled"), 5);
+    assert_eq!(sum("rx_prio3_pause"), 40);
+    assert_eq!(sum("rx_prio3_pause_duration"), 120_000);
+    let kernel_cnp_in: u64 = nic.iter().filter_map(|r| r["kernel"]["cnp_rx"].as_u64()).sum();
+    assert_eq!(
+        kernel_cnp_in, 5,
+        "the kernel saw the 5 CNPs on the same interface"
+    );
+    assert_eq!(
+        nic.iter()
+            .filter_map(|r| r["kernel"]["cnp_tx"].as_u64())
+            .sum::<u64>(),
+        0
+    );
+}

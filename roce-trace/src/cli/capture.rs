@@ -58,6 +58,13 @@ pub struct CaptureArgs {
     /// Refresh interval of the live view and of periodic flow records.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "1s")]
     interval: Duration,
+    /// Do not read the interfaces' NIC and PFC counters.
+    #[arg(long)]
+    no_nic: bool,
+    /// Read NIC and PFC counters from a fixture tree laid out like /sys (see `roce-trace
+    /// nic --sysfs-root`) instead of this host's.
+    #[arg(long, value_name = "DIR", conflicts_with = "no_nic")]
+    sysfs_root: Option<PathBuf>,
 }
 
 pub(super) fn run_capture(a: CaptureArgs, rt: &tokio::runtime::Runtime) -> anyhow::Result<()> {
@@ -81,6 +88,14 @@ pub(super) fn run_capture(a: CaptureArgs, rt: &tokio::runtime::Runtime) -> anyho
         json_stdout: a.json,
         write: a.write,
         interval: a.interval,
+        nic: match (a.no_nic, a.sysfs_root) {
+            (true, _) => None,
+            (false, Some(d)) => {
+                anyhow::ensure!(d.is_dir(), "--sysfs-root {}: not a directory", d.display());
+                Some(roce_trace::nic::Root::fixture(d))
+            }
+            (false, None) => Some(roce_trace::nic::Root::system()),
+        },
     };
     if let Some(path) = &a.read {
         capture_lib::run_offline(&opts, path)?;
