@@ -58,8 +58,10 @@ impl Dir {
     }
 }
 
-/// A canonical counter, without its priority.
+/// A canonical counter, without its priority. The discriminant is its code on the wire
+/// (the NIC frame): append new kinds, never reorder.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(u8)]
 pub enum Kind {
     // Per priority (ethtool).
     RxPause,
@@ -559,6 +561,14 @@ pub const SPECS: &[Spec] = &[
 ];
 
 impl Kind {
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    pub fn from_code(c: u8) -> Option<Self> {
+        SPECS.iter().find(|s| s.kind as u8 == c).map(|s| s.kind)
+    }
+
     pub fn spec(self) -> &'static Spec {
         SPECS
             .iter()
@@ -637,8 +647,9 @@ impl fmt::Display for CounterId {
     }
 }
 
-/// The driver behind a port, for its names.
+/// The driver behind a port, for its names (the discriminant is its wire code).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(u8)]
 pub enum Driver {
     /// NVIDIA/Mellanox ConnectX: `mlx5_core` (netdev), `mlx5_ib` (RDMA). Canonical names.
     Mlx5,
@@ -668,6 +679,20 @@ impl Driver {
             "rdma_rxe" | "rxe" => Driver::Rxe,
             _ => Driver::Other,
         }
+    }
+
+    pub const ALL: [Driver; 7] = [
+        Driver::Mlx5,
+        Driver::Bnxt,
+        Driver::Ionic,
+        Driver::Mana,
+        Driver::Intel,
+        Driver::Rxe,
+        Driver::Other,
+    ];
+
+    pub fn from_code(c: u8) -> Option<Self> {
+        Self::ALL.into_iter().find(|d| *d as u8 == c)
     }
 
     pub fn as_str(self) -> &'static str {
@@ -882,8 +907,9 @@ pub fn driver_names(driver: Driver, kind: Kind) -> bool {
     driver == Driver::Mlx5 || ALIASES.iter().any(|a| a.driver == driver && a.kind == kind)
 }
 
-/// Why a port has no value for a counter.
+/// Why a port has no value for a counter (the discriminant is its wire code).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(u8)]
 pub enum Missing {
     /// No RDMA device behind this netdev: no `hw_counters`.
     NoRdmaDevice,
@@ -911,6 +937,27 @@ pub enum Missing {
 }
 
 impl Missing {
+    pub const ALL: [Missing; 10] = [
+        Missing::NoRdmaDevice,
+        Missing::NoHwCounters,
+        Missing::NoEthtoolStats,
+        Missing::NotInDriver,
+        Missing::PfcNotEnabled,
+        Missing::NoPerPriorityPause,
+        Missing::NotExposed,
+        Missing::Optional,
+        Missing::Unreadable,
+        Missing::Gone,
+    ];
+
+    pub fn from_code(c: u8) -> Option<Self> {
+        Self::ALL.into_iter().find(|m| *m as u8 == c)
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|m| m.as_str() == s)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Missing::NoRdmaDevice => "no_rdma_device",
@@ -1138,6 +1185,21 @@ mod tests {
         assert!(!driver_names(Driver::Rxe, Kind::NpCnpSent));
         assert!(driver_names(Driver::Rxe, Kind::OutOfSequence));
         assert!(driver_names(Driver::Mlx5, Kind::NpCnpSent));
+    }
+
+    #[test]
+    fn wire_codes_round_trip() {
+        for s in SPECS {
+            assert_eq!(Kind::from_code(s.kind.code()), Some(s.kind));
+        }
+        for m in Missing::ALL {
+            assert_eq!(Missing::from_code(m as u8), Some(m));
+            assert_eq!(Missing::parse(m.as_str()), Some(m));
+        }
+        for d in Driver::ALL {
+            assert_eq!(Driver::from_code(d as u8), Some(d));
+        }
+        assert_eq!(Kind::from_code(200), None);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! judge reads. Pure logic with time passed in: no I/O, no async runtime, no kernel.
 
 pub mod join;
+pub mod nic;
 pub mod observation;
 pub mod report;
 mod small;
@@ -12,5 +13,6 @@ pub mod view;
 pub use roce_trace_common::sat;
 
 pub use join::*;
+pub use nic::{NicIntervalReport, NicPortReport, NicTable};
 pub use report::*;
 pub use view::*;

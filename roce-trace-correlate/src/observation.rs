@@ -187,3 +187,61 @@ impl PointHealth {
             .saturating_add(self.agent_dropped)
     }
 }
+
+/// One port's NIC and PFC counters over one agent interval (the NIC frame): observations of
+/// a port, not of a packet. Canonical counters only (`roce_trace_common::nic`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NicDelta {
+    /// The interface, on the sending agent's node.
+    pub iface: String,
+    /// Whose names the port's counters were read in (`Driver` code).
+    pub driver: u8,
+    /// The RDMA device behind it, if any (`mlx5_0`).
+    pub rdma_device: String,
+    /// The interval, Unix nanoseconds by the agent's clock.
+    pub start_ns: u64,
+    pub end_ns: u64,
+    /// Every counter was reset in the interval (a reboot, a driver reload): no deltas.
+    pub epoch_changed: bool,
+    pub values: Vec<NicValue>,
+    /// The canonical counters the port does not have, with why (`Missing` code).
+    pub missing: Vec<(NicCounter, u8)>,
+}
+
+/// A canonical counter on the wire: its kind's code and its priority (0xff: none).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct NicCounter {
+    pub kind: u8,
+    pub prio: u8,
+}
+
+impl NicCounter {
+    pub const NO_PRIO: u8 = 0xff;
+
+    pub fn of(id: roce_trace_common::nic::CounterId) -> Self {
+        Self {
+            kind: id.kind.code(),
+            prio: id.prio.unwrap_or(Self::NO_PRIO),
+        }
+    }
+
+    /// The canonical counter, when the codes name one (an unknown kind from a newer
+    /// agent, or a priority past 7, do not).
+    pub fn id(self) -> Option<roce_trace_common::nic::CounterId> {
+        let kind = roce_trace_common::nic::Kind::from_code(self.kind)?;
+        match (kind.per_priority(), self.prio) {
+            (false, Self::NO_PRIO) => Some(roce_trace_common::nic::CounterId::port(kind)),
+            (true, p @ 0..=7) => Some(roce_trace_common::nic::CounterId::prio(kind, p)),
+            _ => None,
+        }
+    }
+}
+
+/// One counter of a port over one interval: its running total and its increase (None:
+/// it was reset, or appeared, in the interval).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NicValue {
+    pub counter: NicCounter,
+    pub total: u64,
+    pub delta: Option<u64>,
+}

@@ -571,6 +571,9 @@ pub struct CollectorReport {
     pub health: Vec<HealthSummary>,
     pub flows: Vec<FlowReport>,
     pub anomalies: Vec<Anomaly>,
+    /// Each port's NIC and PFC counters as its agent reported them.
+    #[serde(default)]
+    pub nic: Vec<crate::nic::NicPortReport>,
 }
 
 impl JoinStats {
@@ -605,6 +608,7 @@ impl CollectorReport {
             health: Vec::new(),
             flows: Vec::new(),
             anomalies: Vec::new(),
+            nic: Vec::new(),
         }
     }
 
@@ -629,6 +633,12 @@ impl CollectorReport {
                     out.health.push(h);
                 }
             }
+            // Every collector of a group hears every node's NIC counters: each port once.
+            for n in r.nic {
+                if !out.nic.iter().any(|m| m.node == n.node && m.iface == n.iface) {
+                    out.nic.push(n);
+                }
+            }
             out.flows.extend(r.flows);
             out.anomalies.extend(r.anomalies);
         }
@@ -645,6 +655,8 @@ impl CollectorReport {
         out.anomalies
             .sort_by(|a, b| a.flow.cmp(&b.flow).then(a.kind.cmp(&b.kind)));
         out.health.sort_by(|a, b| a.point.cmp(&b.point));
+        out.nic
+            .sort_by(|a, b| (&a.node, &a.iface).cmp(&(&b.node, &b.iface)));
         out
     }
 }

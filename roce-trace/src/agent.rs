@@ -61,6 +61,8 @@ pub struct AgentOptions {
     pub mirrors: crate::observation::MirrorPolicy,
     /// What the agent gives up once its programs are attached ([`crate::privilege`]).
     pub privileges: Privileges,
+    /// Where the interfaces' NIC and PFC counters are read (None: not read).
+    pub nic: Option<crate::nic::Root>,
 }
 
 /// What an agent does with its privileges once attached.
@@ -159,6 +161,8 @@ struct Shared {
     trace_slots: Arc<tokio::sync::Semaphore>,
     /// Per point index: one of this host's own egress points (where its flows leave).
     own_egress: Vec<bool>,
+    /// Each NIC port's latest reading (the metrics).
+    nic: Mutex<Vec<(crate::nic::Port, crate::nic::Reading)>>,
 }
 
 use crate::datapath::GlobalTotals;
@@ -173,6 +177,7 @@ impl Shared {
             gate: Mutex::new(traces::Gate::default()),
             trace_slots: Arc::new(tokio::sync::Semaphore::new(traces::MAX_RUNNING)),
             own_egress,
+            nic: Mutex::new(Vec::new()),
             points: Mutex::new(PointTable::new(points).with_policy(mirrors)),
             outbox: Mutex::new(Outbox::new(queue)),
             traces: Mutex::new(VecDeque::new()),
@@ -252,6 +257,14 @@ pub async fn run(
     let mut prev: HashMap<FlowKey, (FlowCounters, u64)> = HashMap::new();
     let mut last_read_ns = clock.to_unix_ns(KernelClock::mono_now_ns());
     let mut health = HealthMeter::new();
+    let mut nic = opts
+        .nic
+        .clone()
+        .and_then(|root| crate::nic::NicWatch::open(root, &opts.ifaces));
+    let mut nic_from_ns = crate::protocol::unix_now_ns();
+    if let Some(w) = &mut nic {
+        nic_interval(w, &shared, &mut nic_from_ns);
+    }
     let mut tick = tokio::time::interval(opts.interval);
     tick.tick().await;
     let mut drain_tick = Datapath::drain_timer();
@@ -276,6 +289,9 @@ pub async fn run(
             }
             _ = tick.tick() => {
                 read_interval(&mut dp, &clock, &shared, &mut prev, &mut last_read_ns, &mut health)?;
+                if let Some(w) = &mut nic {
+                    nic_interval(w, &shared, &mut nic_from_ns);
+                }
                 shared.notify.notify_one();
             }
         }
@@ -293,8 +309,57 @@ pub async fn run(
     ) {
         tracing::warn!("the last interval's counters could not be read: {e:#}");
     }
+    if let Some(w) = &mut nic {
+        nic_interval(w, &shared, &mut nic_from_ns);
+    }
     shared.notify.notify_one();
     Ok(finish(&shared, sender, Duration::from_secs(2)).await)
+}
+
+/// One interval of the NIC ports' counters: a NIC record per port for the collector
+/// (from the previous read to now, by this host's clock), the latest readings for the
+/// metrics.
+fn nic_interval(w: &mut crate::nic::NicWatch, shared: &Shared, from_ns: &mut u64) {
+    use crate::observation::{NicCounter, NicDelta, NicValue};
+    let now = crate::protocol::unix_now_ns();
+    let mut latest = Vec::new();
+    let mut out = Vec::new();
+    for t in w.tick() {
+        if let Some(iv) = &t.interval {
+            out.push(NicDelta {
+                iface: t.port.netdev.clone(),
+                driver: t.reading.driver as u8,
+                rdma_device: t.port.rdma.as_ref().map(|r| r.device.clone()).unwrap_or_default(),
+                start_ns: *from_ns,
+                end_ns: now,
+                epoch_changed: iv.epoch_changed,
+                values: t
+                    .reading
+                    .values
+                    .iter()
+                    .map(|(id, v)| NicValue {
+                        counter: NicCounter::of(*id),
+                        total: v.value,
+                        delta: iv.get(*id).and_then(|c| c.step.delta()),
+                    })
+                    .collect(),
+                missing: iv
+                    .missing
+                    .iter()
+                    .map(|(id, a)| (NicCounter::of(*id), a.why as u8))
+                    .collect(),
+            });
+        }
+        latest.push((t.port.clone(), t.reading));
+    }
+    *from_ns = now;
+    {
+        let mut ob = shared.outbox.lock().expect("outbox");
+        for d in out {
+            ob.push_nic(d);
+        }
+    }
+    *shared.nic.lock().expect("nic") = latest;
 }
 
 /// One interval's reading of the kernel's flow table: each flow's counter delta since
@@ -1194,7 +1259,62 @@ fn render_metrics(sh: &Shared) -> String {
             .into_iter()
             .map(|(why, n)| (labels(&[("reason", why)]), n)),
     );
+    nic_metrics(&mut m, &sh.nic.lock().expect("nic"));
     m.render()
+}
+
+/// The NIC ports' counters as Prometheus counters: one family per canonical metric
+/// (`roce_trace_nic_pfc_pause_frames_total`, `roce_trace_rdma_np_cnp_sent_total`, …),
+/// labelled `interface`, `device` (the RDMA device for its counters, the interface for
+/// ethtool's), `port` (the RDMA port), `priority` and `direction` where the counter has
+/// them; and per interface how many canonical counters are not available, by reason
+/// (never a 0 standing in for them).
+fn nic_metrics(m: &mut crate::metrics::Scrape, ports: &[(crate::nic::Port, crate::nic::Reading)]) {
+    use crate::metrics::labels;
+    use crate::nic::Source;
+    type Rows = Vec<(crate::metrics::Labels, u64)>;
+    let mut families: BTreeMap<&'static str, (&'static str, Rows)> = BTreeMap::new();
+    let mut missing: BTreeMap<(String, &'static str), u64> = BTreeMap::new();
+    for (p, r) in ports {
+        for (id, v) in &r.values {
+            let s = id.spec();
+            let (device, port) = match (s.source, &p.rdma) {
+                (Source::Rdma, Some(rp)) => (rp.device.clone(), rp.port.to_string()),
+                _ => (p.netdev.clone(), String::new()),
+            };
+            let prio = id.prio.map(|x| x.to_string());
+            let mut l = vec![("interface", p.netdev.as_str()), ("device", device.as_str())];
+            if !port.is_empty() {
+                l.push(("port", &port));
+            }
+            if let Some(pr) = &prio {
+                l.push(("priority", pr));
+            }
+            if let Some(d) = s.dir {
+                l.push(("direction", d.as_str()));
+            }
+            families
+                .entry(s.metric)
+                .or_insert((s.help, Vec::new()))
+                .1
+                .push((labels(&l), v.value));
+        }
+        for a in r.missing.values() {
+            *missing.entry((p.netdev.clone(), a.why.as_str())).or_default() += 1;
+        }
+    }
+    for (name, (help, rows)) in families {
+        m.counter(&format!("roce_trace_{name}"), help, rows);
+    }
+    if !ports.is_empty() {
+        m.gauge(
+            "roce_trace_nic_counters_not_available",
+            "Canonical NIC counters an interface does not have, by reason (pfc_not_enabled, not_in_driver, no_rdma_device, ...).",
+            missing
+                .into_iter()
+                .map(|((i, why), n)| (labels(&[("interface", &i), ("reason", why)]), n)),
+        );
+    }
 }
 
 /// The agent's config file (TOML). Every key is optional; flags override it.
@@ -1529,6 +1649,7 @@ mod tests {
             metrics_token: None,
             fleet: None,
             mirrors: Default::default(),
+            nic: None,
             privileges: Privileges::Keep,
         };
         assert!(opts.check().is_ok());

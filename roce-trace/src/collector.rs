@@ -126,6 +126,8 @@ struct State {
     trace_budget: TraceBudget,
     /// The HTTP API's bearer token, sent to the group's other members.
     http_token: Option<String>,
+    /// The agents' NIC and PFC counters, per port.
+    nic: roce_trace_correlate::NicTable,
 }
 
 /// `/trace` requests the whole collector takes: a burst of [`TraceBudget::BURST`], then
@@ -156,6 +158,7 @@ struct Taken {
     agents: Vec<AgentInfo>,
     refused: u64,
     probes: HashMap<crate::observation::FlowId, crate::protocol::ProbeResult>,
+    nic: Vec<roce_trace_correlate::NicPortReport>,
 }
 
 impl Taken {
@@ -165,6 +168,7 @@ impl Taken {
             agents: s.agents.values().cloned().collect(),
             refused: s.refused,
             probes: s.probes.clone(),
+            nic: s.nic.report(),
         }
     }
 
@@ -180,6 +184,7 @@ impl Taken {
             health: view.health_summary(),
             flows: flow_reports(&view, &self.probes),
             anomalies: view.anomalies(),
+            nic: self.nic,
         }
     }
 }
@@ -361,6 +366,7 @@ pub async fn run(
         joiner: Some(joiner),
         trace_on_request: opts.trace,
         http_token: opts.http_token.clone(),
+        nic: Default::default(),
         last_conn: std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), start),
         ..State::default()
     }));
@@ -1036,6 +1042,12 @@ fn ingest(
                 j.add_counters(points[&d.point], d, now);
             }
             agents.get_mut(node).expect("registered").counter_deltas += deltas.len() as u64;
+            data = true;
+        }
+        Frame::Nic(v) => {
+            for d in &v {
+                s.nic.add(node, d);
+            }
             data = true;
         }
         Frame::Health(v) => {

@@ -374,27 +374,6 @@ pub fn render_interval(port: &Port, iv: &Interval) -> String {
     out.join("\n")
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn priorities_fold_into_ranges() {
-        let ids: Vec<CounterId> = [0, 1, 2, 4, 5, 6, 7]
-            .iter()
-            .map(|&p| CounterId::prio(Kind::RxPause, p))
-            .chain([
-                CounterId::prio(Kind::TxPause, 3),
-                CounterId::port(Kind::NpCnpSent),
-            ])
-            .collect();
-        assert_eq!(
-            compact(&ids),
-            ["np_cnp_sent", "rx_prio{0-2,4-7}_pause", "tx_prio3_pause"]
-        );
-    }
-}
-
 /// The NIC counters of the interfaces a capture observes, read at each refresh: the
 /// interfaces with an RDMA device or PFC counters; the others have nothing to add.
 pub struct NicWatch {
@@ -505,5 +484,26 @@ impl NicWatch {
                 })
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn priorities_fold_into_ranges() {
+        let ids: Vec<CounterId> = [0, 1, 2, 4, 5, 6, 7]
+            .iter()
+            .map(|&p| CounterId::prio(Kind::RxPause, p))
+            .chain([
+                CounterId::prio(Kind::TxPause, 3),
+                CounterId::port(Kind::NpCnpSent),
+            ])
+            .collect();
+        assert_eq!(
+            compact(&ids),
+            ["np_cnp_sent", "rx_prio{0-2,4-7}_pause", "tx_prio3_pause"]
+        );
     }
 }

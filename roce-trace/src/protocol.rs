@@ -6,7 +6,9 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 pub use roce_trace_correlate::report::{ProbeHop, ProbeResult};
 use thiserror::Error;
 
-use crate::observation::{CounterDelta, FlowId, Observation, PacketId, PointDecl, PointHealth};
+use crate::observation::{
+    CounterDelta, FlowId, NicCounter, NicDelta, NicValue, Observation, PacketId, PointDecl, PointHealth,
+};
 use roce_trace_common::datapath::Counts;
 
 /// 2: points name their node (mirror sessions) and may be declared at any time. 3: the
@@ -15,8 +17,9 @@ use roce_trace_common::datapath::Counts;
 /// agent reports each point's health per interval (HEALTH), without which the collector
 /// proves no loss, and POINTS carry each point's MTU (declared again when it changes). 6:
 /// the collector sends HEARTBEATs too (keepalives both ways), and refuses a second
-/// session of a node whose connection is live.
-pub const VERSION: u16 = 6;
+/// session of a node whose connection is live. 7: NIC frames (a port's NIC and PFC
+/// counters per interval).
+pub const VERSION: u16 = 7;
 /// Largest frame either side accepts (length field included).
 pub const MAX_FRAME: usize = 4 << 20;
 /// Now, Unix nanoseconds: the time a HEARTBEAT carries (either way) and agents stamp
@@ -83,6 +86,8 @@ pub enum Frame {
     },
     /// Agent → collector: each point's health over the agent's last interval.
     Health(Vec<PointHealth>),
+    /// Agent → collector: its ports' NIC and PFC counters over its last interval.
+    Nic(Vec<NicDelta>),
 }
 
 /// Why reading a frame failed: the peer broke the protocol, or the connection ended.
@@ -135,6 +140,7 @@ impl Frame {
             Frame::TraceResult(_) => "TRACE_RESULT",
             Frame::Ack { .. } => "ACK",
             Frame::Health(_) => "HEALTH",
+            Frame::Nic(_) => "NIC",
         }
     }
 
@@ -164,6 +170,7 @@ impl Frame {
             Frame::TraceResult(_) => 10,
             Frame::Ack { .. } => 11,
             Frame::Health(_) => 12,
+            Frame::Nic(_) => 13,
         }
     }
 }
@@ -398,6 +405,31 @@ pub fn encode(f: &Frame, seq: u64) -> Result<Bytes, ProtoError> {
                     h.qdisc_dropped,
                 ] {
                     b.put_u64(x);
+                }
+            }
+        }
+        Frame::Nic(ports) => {
+            b.put_u16(count16(ports.len(), "more than 65,535 ports")?);
+            for p in ports {
+                put_str(&mut b, &p.iface)?;
+                b.put_u8(p.driver);
+                put_str(&mut b, &p.rdma_device)?;
+                b.put_u64(p.start_ns);
+                b.put_u64(p.end_ns);
+                b.put_u8(p.epoch_changed as u8);
+                b.put_u16(count16(p.values.len(), "more than 65,535 NIC counters")?);
+                for v in &p.values {
+                    b.put_u8(v.counter.kind);
+                    b.put_u8(v.counter.prio);
+                    b.put_u64(v.total);
+                    b.put_u8(v.delta.is_some() as u8);
+                    b.put_u64(v.delta.unwrap_or(0));
+                }
+                b.put_u16(count16(p.missing.len(), "more than 65,535 missing NIC counters")?);
+                for (c, why) in &p.missing {
+                    b.put_u8(c.kind);
+                    b.put_u8(c.prio);
+                    b.put_u8(*why);
                 }
             }
         }
@@ -722,6 +754,68 @@ impl Decoder {
                     });
                 }
                 Frame::Health(v)
+            }
+            13 => {
+                need(&b, 2)?;
+                let n = b.get_u16() as usize;
+                let mut ports = Vec::with_capacity(n.min(1024));
+                for _ in 0..n {
+                    let iface = get_str(&mut b)?;
+                    need(&b, 1)?;
+                    let driver = b.get_u8();
+                    let rdma_device = get_str(&mut b)?;
+                    need(&b, 8 + 8 + 1 + 2)?;
+                    let (start_ns, end_ns) = (b.get_u64(), b.get_u64());
+                    let epoch_changed = match b.get_u8() {
+                        0 => false,
+                        1 => true,
+                        _ => return Err(ProtoError::Malformed("NIC epoch flag is not 0 or 1")),
+                    };
+                    let nv = b.get_u16() as usize;
+                    need(&b, nv * 19)?;
+                    let mut values = Vec::with_capacity(nv);
+                    for _ in 0..nv {
+                        let counter = NicCounter {
+                            kind: b.get_u8(),
+                            prio: b.get_u8(),
+                        };
+                        let total = b.get_u64();
+                        let has = b.get_u8();
+                        let d = b.get_u64();
+                        let delta = match has {
+                            0 if d == 0 => None,
+                            1 => Some(d),
+                            _ => return Err(ProtoError::Malformed("NIC delta flag is not 0 or 1")),
+                        };
+                        values.push(NicValue {
+                            counter,
+                            total,
+                            delta,
+                        });
+                    }
+                    need(&b, 2)?;
+                    let nm = b.get_u16() as usize;
+                    need(&b, nm * 3)?;
+                    let mut missing = Vec::with_capacity(nm);
+                    for _ in 0..nm {
+                        let c = NicCounter {
+                            kind: b.get_u8(),
+                            prio: b.get_u8(),
+                        };
+                        missing.push((c, b.get_u8()));
+                    }
+                    ports.push(NicDelta {
+                        iface,
+                        driver,
+                        rdma_device,
+                        start_ns,
+                        end_ns,
+                        epoch_changed,
+                        values,
+                        missing,
+                    });
+                }
+                Frame::Nic(ports)
             }
             k => return Err(ProtoError::UnknownKind(k)),
         };

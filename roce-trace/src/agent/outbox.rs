@@ -11,7 +11,7 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use crate::{
-    observation::{CounterDelta, Observation, PointHealth},
+    observation::{CounterDelta, NicDelta, Observation, PointHealth},
     protocol::{Encoder, Frame, MAX_BATCH, ProtoError},
 };
 
@@ -168,6 +168,8 @@ pub(super) struct Outbox {
     counters: Lane<CounterDelta>,
     /// Each point's health per interval: what proves a loss (or says it cannot be).
     health: Lane<PointHealth>,
+    /// Each port's NIC and PFC counters per interval.
+    nic: Lane<NicDelta>,
     /// The collector's id of the connection the frames in flight were written on (0: none).
     connection: u64,
     pub(super) connections: u64,
@@ -182,6 +184,7 @@ impl Outbox {
             obs: Lane::new(cap),
             counters: Lane::new(cap),
             health: Lane::new(cap),
+            nic: Lane::new(cap),
             connection: 0,
             connections: 0,
             ringbuf_drops: 0,
@@ -201,6 +204,10 @@ impl Outbox {
         self.health.push(h);
     }
 
+    pub(super) fn push_nic(&mut self, d: NicDelta) {
+        self.nic.push(d);
+    }
+
     /// A handshake succeeded: WELCOME named the new connection and what the collector
     /// processed of the node's previous one. What was in flight on our previous connection
     /// is acknowledged as far as that is the same connection, and queued again beyond.
@@ -209,6 +216,7 @@ impl Outbox {
         self.obs.resume(processed);
         self.counters.resume(processed);
         self.health.resume(processed);
+        self.nic.resume(processed);
         self.connection = connection;
         self.connections += 1;
     }
@@ -219,6 +227,7 @@ impl Outbox {
             self.obs.ack(seq);
             self.counters.ack(seq);
             self.health.ack(seq);
+            self.nic.ack(seq);
         }
     }
 
@@ -257,6 +266,19 @@ impl Outbox {
             }
             return Some(bytes);
         }
+        // A port's record is small (a few hundred bytes): 64 ports a frame fit any limit.
+        if let Some((v, again)) = self.nic.take(max.min(64)) {
+            let f = Frame::Nic(v);
+            let bytes = enc.encode(&f);
+            if let Frame::Nic(v) = f {
+                if bytes.is_ok() {
+                    self.nic.written(seq, v, again);
+                } else {
+                    self.nic.refused(v.len());
+                }
+            }
+            return Some(bytes);
+        }
         let (deltas, again) = self.counters.take(max)?;
         let f = Frame::Counters(deltas);
         let bytes = enc.encode(&f);
@@ -287,12 +309,15 @@ impl Outbox {
         if let Some(v) = take(&mut self.health, seq) {
             return Some(Frame::Health(v));
         }
+        if let Some(v) = take(&mut self.nic, seq) {
+            return Some(Frame::Nic(v));
+        }
         take(&mut self.counters, seq).map(Frame::Counters)
     }
 
     /// Everything made was acknowledged or dropped.
     pub(super) fn is_empty(&self) -> bool {
-        self.obs.is_empty() && self.counters.is_empty() && self.health.is_empty()
+        self.obs.is_empty() && self.counters.is_empty() && self.health.is_empty() && self.nic.is_empty()
     }
 
     /// Observations and counter deltas dropped so far (the DROPPED frame).

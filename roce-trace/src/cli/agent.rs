@@ -65,6 +65,14 @@ pub struct AgentArgs {
     /// (`roce_trace_mirror_sessions_refused_total`).
     #[arg(long, default_value_t = roce_trace::observation::MirrorPolicy::MAX_SESSIONS)]
     max_mirror_sessions: usize,
+    /// Do not read the interfaces' NIC and PFC counters (RDMA hw_counters, ethtool
+    /// statistics; read where an interface has an RDMA device or PFC counters).
+    #[arg(long)]
+    no_nic: bool,
+    /// Read NIC and PFC counters from a fixture tree laid out like /sys (see `roce-trace
+    /// nic --sysfs-root`) instead of this host's.
+    #[arg(long, value_name = "DIR", conflicts_with = "no_nic")]
+    sysfs_root: Option<PathBuf>,
     /// Once attached, become this user (the agent must start as root); capabilities it
     /// no longer needs are dropped either way (README: least privilege).
     #[arg(id = "run_as_user", long = "user", value_name = "USER")]
@@ -166,6 +174,14 @@ pub(super) async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
         mirrors: roce_trace::observation::MirrorPolicy {
             from: a.mirror_from,
             max_sessions: a.max_mirror_sessions,
+        },
+        nic: match (a.no_nic, a.sysfs_root) {
+            (true, _) => None,
+            (false, Some(d)) => {
+                anyhow::ensure!(d.is_dir(), "--sysfs-root {}: not a directory", d.display());
+                Some(roce_trace::nic::Root::fixture(d))
+            }
+            (false, None) => Some(roce_trace::nic::Root::system()),
         },
     };
     let node = opts.node.clone();

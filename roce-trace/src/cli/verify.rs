@@ -132,6 +132,7 @@ pub(super) fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
                 metrics: None,
                 fleet: None,
                 mirrors: Default::default(),
+                nic: Some(roce_trace::nic::Root::system()),
             }),
             window: a.window,
         }

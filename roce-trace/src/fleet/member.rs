@@ -389,9 +389,11 @@ fn fits(sh: &Shared, partition: Option<u32>, subject: &str, f: &Frame) -> Result
     let want = match partition {
         Some(_) if matches!(f, Frame::Observations(_) | Frame::Counters(_)) => return Ok(()),
         Some(_) => "OBSERVATIONS or COUNTERS",
-        None if subject == subjects.health() && matches!(f, Frame::Health(_)) => return Ok(()),
+        None if subject == subjects.health() && matches!(f, Frame::Health(_) | Frame::Nic(_)) => {
+            return Ok(());
+        }
         None if subject == subjects.dropped() && matches!(f, Frame::Dropped { .. }) => return Ok(()),
-        None if subject == subjects.health() => "HEALTH",
+        None if subject == subjects.health() => "HEALTH or NIC",
         None if subject == subjects.dropped() => "DROPPED",
         None => "nothing",
     };

@@ -201,7 +201,7 @@ impl Publisher {
 
     /// Queues `frame` without waiting: POINTS update the node's point table (stored before
     /// anything queued after them is published), OBSERVATIONS and COUNTERS go to their
-    /// partitions, HEALTH and DROPPED to every member. HEARTBEAT is accepted and not sent
+    /// partitions, HEALTH, NIC and DROPPED to every member. HEARTBEAT is accepted and not sent
     /// (NATS has its own liveness); the rest belong to the TCP protocol.
     pub fn send(&self, frame: Frame) -> Result<(), SendError> {
         let mut st = self.sh.lock();
@@ -244,6 +244,17 @@ impl Publisher {
                     );
                     records = rest;
                 }
+            }
+            // A node's NIC counters go where its health goes: every member hears them.
+            Frame::Nic(ports) => {
+                let n = ports.len();
+                self.push(
+                    &mut st,
+                    Lane::Health,
+                    n,
+                    self.sh.subjects.health(),
+                    &Frame::Nic(ports),
+                );
             }
             Frame::Dropped {
                 observations,
