@@ -37,6 +37,9 @@ pub struct NicPortReport {
     pub names: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rdma_device: Option<String>,
+    /// The interface's addresses: the flows it sends and receives.
+    #[serde(default)]
+    pub addrs: Vec<std::net::IpAddr>,
     /// Oldest first, at most [`NIC_INTERVALS`].
     pub intervals: Vec<NicIntervalReport>,
     /// The canonical counters the port has (at its latest report).
@@ -95,6 +98,7 @@ impl NicPortReport {
 struct PortState {
     names: String,
     rdma_device: Option<String>,
+    addrs: Vec<std::net::IpAddr>,
     intervals: VecDeque<NicIntervalReport>,
     available: Vec<String>,
     not_available: BTreeMap<String, String>,
@@ -124,6 +128,16 @@ impl NicTable {
             .as_str()
             .to_owned();
         p.rdma_device = (!d.rdma_device.is_empty()).then(|| d.rdma_device.clone());
+        p.addrs = d
+            .addrs
+            .iter()
+            .take(64)
+            .map(|a| {
+                let v6 = std::net::Ipv6Addr::from(*a);
+                v6.to_ipv4_mapped()
+                    .map_or(std::net::IpAddr::V6(v6), std::net::IpAddr::V4)
+            })
+            .collect();
         let mut deltas = BTreeMap::new();
         let mut available = Vec::with_capacity(d.values.len());
         for v in &d.values {
@@ -169,6 +183,7 @@ impl NicTable {
                 iface: iface.clone(),
                 names: p.names.clone(),
                 rdma_device: p.rdma_device.clone(),
+                addrs: p.addrs.clone(),
                 intervals: p.intervals.iter().cloned().collect(),
                 available: p.available.clone(),
                 not_available: p.not_available.clone(),
@@ -201,6 +216,7 @@ mod tests {
             iface: "eth0".into(),
             driver: Driver::Mlx5 as u8,
             rdma_device: "mlx5_0".into(),
+            addrs: vec![std::net::Ipv4Addr::new(10, 0, 0, 1).to_ipv6_mapped().octets()],
             start_ns: start,
             end_ns: start + 1_000_000_000,
             epoch_changed: false,

@@ -198,6 +198,9 @@ pub struct NicDelta {
     pub driver: u8,
     /// The RDMA device behind it, if any (`mlx5_0`).
     pub rdma_device: String,
+    /// The interface's addresses (IPv4 mapped into IPv6): which flows are its own, so
+    /// its NIC's CNP counters can be set beside the CNPs seen on the wire.
+    pub addrs: Vec<[u8; 16]>,
     /// The interval, Unix nanoseconds by the agent's clock.
     pub start_ns: u64,
     pub end_ns: u64,

@@ -420,3 +420,46 @@ pub fn check_secret_file(f: &std::path::Path, what: &str) -> std::io::Result<()>
     }
     Ok(())
 }
+
+/// An interface's IP addresses in this network namespace (IPv4 mapped into IPv6), from
+/// getifaddrs(3); none when it has none or they cannot be read.
+pub fn iface_addrs(iface: &str) -> Vec<[u8; 16]> {
+    let mut out = Vec::new();
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list we free below.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return out;
+    }
+    let mut p = head;
+    while !p.is_null() {
+        // SAFETY: `p` is a node of the list getifaddrs returned, not yet freed.
+        let ifa = unsafe { &*p };
+        p = ifa.ifa_next;
+        if ifa.ifa_addr.is_null() || ifa.ifa_name.is_null() {
+            continue;
+        }
+        // SAFETY: ifa_name is a NUL-terminated string owned by the list.
+        let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) };
+        if name.to_bytes() != iface.as_bytes() {
+            continue;
+        }
+        // SAFETY: ifa_addr points at a sockaddr whose family says its real type.
+        match unsafe { (*ifa.ifa_addr).sa_family } as i32 {
+            libc::AF_INET => {
+                // SAFETY: an AF_INET address is a sockaddr_in.
+                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+                let v4 = std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+                out.push(v4.to_ipv6_mapped().octets());
+            }
+            libc::AF_INET6 => {
+                // SAFETY: an AF_INET6 address is a sockaddr_in6.
+                let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
+                out.push(sin6.sin6_addr.s6_addr);
+            }
+            _ => {}
+        }
+    }
+    // SAFETY: the list getifaddrs returned, freed once.
+    unsafe { libc::freeifaddrs(head) };
+    out
+}

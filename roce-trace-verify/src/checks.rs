@@ -235,6 +235,29 @@ pub fn judge(policy: &Policy, report: &CollectorReport, load: Load) -> Vec<Check
             out.push(rate_over_time(&data, max.0, s.min_intervals));
         }
     }
+    if let Some(p) = &policy.pfc {
+        if let Some(l) = &p.lossless_priorities {
+            let l: Vec<u8> = l.iter().map(|x| x.0).collect();
+            out.push(crate::nic::lossless(&report.nic, &l));
+        }
+        if let Some(max) = p.max_pause_ratio {
+            out.push(crate::nic::pause_ratio(&report.nic, max.0));
+        }
+        if p.no_storm {
+            out.push(crate::nic::no_storm(&report.nic));
+        }
+    }
+    if let Some(n) = &policy.nic {
+        if let Some(max) = n.max_seq_err_ppm {
+            out.push(crate::nic::seq_err(&report.nic, max));
+        }
+        if let Some(max) = n.max_timeout_per_s {
+            out.push(crate::nic::timeouts(&report.nic, max.0));
+        }
+        if let Some(tol) = n.cnp_consistency {
+            out.push(crate::nic::cnp_consistency(report, tol.0));
+        }
+    }
     out
 }
 

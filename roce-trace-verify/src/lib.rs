@@ -8,6 +8,7 @@
 pub mod baseline;
 pub mod checks;
 pub mod drill;
+pub mod nic;
 pub mod output;
 pub mod policy;
 pub mod window;

@@ -28,6 +28,36 @@ pub struct Policy {
     pub drill: Option<DrillPolicy>,
     #[serde(default)]
     pub baseline: Option<BaselinePolicy>,
+    #[serde(default)]
+    pub pfc: Option<PfcPolicy>,
+    #[serde(default)]
+    pub nic: Option<NicPolicy>,
+}
+
+/// PFC, from the NICs' per-priority pause counters.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PfcPolicy {
+    /// The priorities PFC should pause (the RDMA class): pause on any other fails.
+    pub lossless_priorities: Option<Vec<Pcp>>,
+    /// Largest share of an interval a port may spend paused, per priority and direction.
+    pub max_pause_ratio: Option<Fraction>,
+    /// No pause storm (the NIC's storm events, or a priority paused 95% of two intervals
+    /// in a row).
+    #[serde(default)]
+    pub no_storm: bool,
+}
+
+/// The RDMA NICs' own counters.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NicPolicy {
+    /// PSN sequence errors per million RDMA packets, per port and side.
+    pub max_seq_err_ppm: Option<u64>,
+    /// Local ACK timeouts per second, per port.
+    pub max_timeout_per_s: Option<Rate>,
+    /// The CNPs a NIC sent and handled against those on the wire: the tolerance.
+    pub cnp_consistency: Option<Fraction>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
@@ -213,6 +243,12 @@ ranged!(
     f64,
     |v| (0.0..=1.0).contains(&v),
     "a fraction (0.0..=1.0)"
+);
+ranged!(
+    Rate,
+    f64,
+    |v| v.is_finite() && v >= 0.0,
+    "a rate (0 or more per second)"
 );
 ranged!(
     RoceMtu,

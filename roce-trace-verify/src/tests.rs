@@ -1228,3 +1228,231 @@ fn reply_flows_go_with_their_own_data_flow_when_the_collector_paired_them() {
     assert!(!ack1.peers_exact);
     assert_eq!(ack1.peers.len(), 8);
 }
+
+mod nic_checks {
+    use roce_trace_correlate::{NicIntervalReport, NicPortReport};
+
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+
+    /// A port reporting `available` counters and one interval a second with `deltas`.
+    fn port(node: &str, available: &[&str], intervals: &[&[(&str, u64)]]) -> NicPortReport {
+        NicPortReport {
+            node: node.into(),
+            iface: "eth0".into(),
+            names: "mlx5".into(),
+            rdma_device: Some("mlx5_0".into()),
+            addrs: vec![h(node[1..].parse().unwrap())],
+            intervals: intervals
+                .iter()
+                .enumerate()
+                .map(|(i, d)| NicIntervalReport {
+                    start_ns: i as u64 * S,
+                    end_ns: (i as u64 + 1) * S,
+                    reset: false,
+                    deltas: d.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+                })
+                .collect(),
+            available: available.iter().map(|s| s.to_string()).collect(),
+            not_available: BTreeMap::new(),
+        }
+    }
+
+    fn judged(p: &str, r: &CollectorReport) -> Vec<CheckResult> {
+        judge(&Policy::parse(p).unwrap(), r, Load::Idle)
+    }
+
+    fn with_nic(nic: Vec<NicPortReport>) -> CollectorReport {
+        CollectorReport {
+            nic,
+            ..report(Vec::new())
+        }
+    }
+
+    const PFC3: &[&str] = &[
+        "rx_prio3_pause",
+        "tx_prio3_pause",
+        "rx_prio3_pause_duration",
+        "tx_prio3_pause_duration",
+    ];
+
+    #[test]
+    fn pause_on_a_priority_that_is_not_lossless_fails_naming_host_port_and_priority() {
+        let mut avail = PFC3.to_vec();
+        avail.extend(["tx_prio5_pause", "tx_prio5_pause_duration"]);
+        let ok = port(
+            "h1",
+            PFC3,
+            &[&[("rx_prio3_pause", 50)], &[("rx_prio3_pause", 10)]],
+        );
+        // Paused sending on priority 5 in the second interval only: a fault that comes
+        // and goes, in the transmit direction.
+        let bad = port(
+            "h3",
+            &avail,
+            &[&[], &[("tx_prio5_pause", 7), ("tx_prio5_pause_duration", 900)]],
+        );
+        let no_pfc = port("h2", &["np_cnp_sent"], &[&[]]);
+        let policy = "[pfc]\nlossless_priorities = [3]\n";
+        let r = &judged(policy, &with_nic(vec![ok.clone(), bad, no_pfc.clone()]))[0];
+        assert_eq!(r.status, Status::Fail, "{r:#?}");
+        assert_eq!(r.evidence.len(), 1, "{r:#?}");
+        assert_eq!(r.evidence[0].at, ["h3/eth0 (mlx5_0)", "priority 5"]);
+        assert!(
+            r.evidence[0].detail.contains("7 pause frames sent on priority 5"),
+            "{r:#?}"
+        );
+        assert!(
+            r.summary.contains("h2/eth0 (mlx5_0)"),
+            "the port not judged is named: {}",
+            r.summary
+        );
+        let r = &judged(policy, &with_nic(vec![ok]))[0];
+        assert_eq!(r.status, Status::Pass, "{r:#?}");
+        // No port with per-priority pause counters: no data, never a pass.
+        let r = &judged(policy, &with_nic(vec![no_pfc]))[0];
+        assert_eq!(r.status, Status::NoData, "{r:#?}");
+        let r = &judged(policy, &with_nic(Vec::new()))[0];
+        assert_eq!(r.status, Status::NoData, "{r:#?}");
+    }
+
+    #[test]
+    fn pause_time_over_the_ratio_in_any_interval_fails_either_direction() {
+        let policy = "[pfc]\nmax_pause_ratio = 0.1\n";
+        for (dir, name) in [
+            ("rx", "rx_prio3_pause_duration"),
+            ("tx", "tx_prio3_pause_duration"),
+        ] {
+            // 5% then 25% of a second then nothing: the average (10%) is not over the
+            // limit, one interval is.
+            let p = port("h1", PFC3, &[&[(name, 50_000)], &[(name, 250_000)], &[]]);
+            let r = &judged(policy, &with_nic(vec![p]))[0];
+            assert_eq!(r.status, Status::Fail, "{dir}: {r:#?}");
+            assert!(r.evidence[0].detail.contains("25.0%"), "{r:#?}");
+            assert!(r.evidence[0].at.contains(&"priority 3".to_string()));
+        }
+        let p = port("h1", PFC3, &[&[("rx_prio3_pause_duration", 99_000)]]);
+        assert_eq!(judged(policy, &with_nic(vec![p]))[0].status, Status::Pass);
+    }
+
+    #[test]
+    fn a_storm_is_two_intervals_paused_or_the_nics_own_events() {
+        let policy = "[pfc]\nno_storm = true\n";
+        let d = "tx_prio3_pause_duration";
+        let storm = port("h1", PFC3, &[&[(d, 960_000)], &[(d, 990_000)]]);
+        let r = &judged(policy, &with_nic(vec![storm]))[0];
+        assert_eq!(r.status, Status::Fail, "{r:#?}");
+        // Two long pauses that are not consecutive are not a storm.
+        let gaps = port("h1", PFC3, &[&[(d, 960_000)], &[(d, 100)], &[(d, 990_000)]]);
+        assert_eq!(judged(policy, &with_nic(vec![gaps]))[0].status, Status::Pass);
+        let mut avail = PFC3.to_vec();
+        avail.push("tx_pause_storm_error_events");
+        let events = port("h1", &avail, &[&[("tx_pause_storm_error_events", 1)]]);
+        let r = &judged(policy, &with_nic(vec![events]))[0];
+        assert_eq!(r.status, Status::Fail);
+        assert!(r.evidence[0].detail.contains("tx_pause_storm_error_events"));
+    }
+
+    #[test]
+    fn sequence_errors_and_timeouts_per_port() {
+        let avail = [
+            "packet_seq_err",
+            "out_of_sequence",
+            "tx_vport_rdma_unicast_packets",
+            "rx_vport_rdma_unicast_packets",
+            "local_ack_timeout_err",
+        ];
+        let policy = "[nic]\nmax_seq_err_ppm = 100\nmax_timeout_per_s = 1.0\n";
+        let quiet = port(
+            "h1",
+            &avail,
+            &[&[
+                ("tx_vport_rdma_unicast_packets", 100_000),
+                ("rx_vport_rdma_unicast_packets", 100_000),
+            ]],
+        );
+        // The responder side: out-of-sequence packets over what the port received.
+        let ooo = port(
+            "h3",
+            &avail,
+            &[&[
+                ("tx_vport_rdma_unicast_packets", 100_000),
+                ("rx_vport_rdma_unicast_packets", 100_000),
+                ("out_of_sequence", 50),
+            ]],
+        );
+        let slow = port(
+            "h4",
+            &avail,
+            &[&[("local_ack_timeout_err", 3)], &[("local_ack_timeout_err", 2)]],
+        );
+        let r = judged(policy, &with_nic(vec![quiet.clone(), ooo, slow]));
+        assert_eq!(r[0].status, Status::Fail, "{r:#?}");
+        assert_eq!(r[0].evidence.len(), 1);
+        assert!(
+            r[0].evidence[0]
+                .detail
+                .starts_with("responder: 50 sequence errors"),
+            "{r:#?}"
+        );
+        assert_eq!(r[1].status, Status::Fail, "{r:#?}");
+        assert!(r[1].evidence[0].at[0].starts_with("h4/"), "{r:#?}");
+        assert!(r[1].evidence[0].detail.contains("(2.50/s)"), "{r:#?}");
+        let r = judged(policy, &with_nic(vec![quiet]));
+        assert!(r.iter().all(|c| c.status == Status::Pass), "{r:#?}");
+        // Without RDMA packet counts the sequence errors cannot be judged.
+        let bare = port("h1", &["packet_seq_err"], &[&[("packet_seq_err", 5)]]);
+        assert_eq!(judged(policy, &with_nic(vec![bare]))[0].status, Status::NoData);
+    }
+
+    /// CNPs from h3 to h1: `n` at every point.
+    fn cnps(n: u64) -> FlowReport {
+        let mut f = flow(3, 1, 0, Some(2));
+        for c in f.counters.values_mut() {
+            c.counts.packets = n;
+            c.counts.cnp = n;
+            c.counts.ecn = [0; 4];
+        }
+        f
+    }
+
+    #[test]
+    fn nic_cnps_that_the_wire_does_not_show_fail_naming_the_port() {
+        let policy = "[nic]\ncnp_consistency = 0.1\n";
+        let avail = ["np_cnp_sent", "rp_cnp_handled"];
+        let h3 = |sent: u64| port("h3", &avail, &[&[("np_cnp_sent", sent)]]);
+        let h1 = |got: u64| port("h1", &avail, &[&[("rp_cnp_handled", got)]]);
+        let r = |nic: Vec<NicPortReport>, wire: u64| {
+            let mut rep = with_nic(nic);
+            rep.flows = vec![cnps(wire)];
+            judged(policy, &rep).remove(0)
+        };
+        assert_eq!(r(vec![h3(100), h1(100)], 100).status, Status::Pass);
+        assert_eq!(r(vec![h3(105), h1(96)], 100).status, Status::Pass, "within 10%");
+        // h3's NIC sent 200, the wire saw 100: h3 named, h1 (which handled what came) not.
+        let bad = r(vec![h3(200), h1(100)], 100);
+        assert_eq!(bad.status, Status::Fail, "{bad:#?}");
+        assert_eq!(bad.evidence.len(), 1);
+        assert_eq!(bad.evidence[0].at[0], "h3/eth0 (mlx5_0)");
+        assert!(bad.evidence[0].detail.contains("fewer on the wire"), "{bad:#?}");
+        // The receiving side: h1's NIC handled fewer than the wire delivered.
+        let bad = r(vec![h3(100), h1(40)], 100);
+        assert_eq!(bad.evidence[0].at[0], "h1/eth0 (mlx5_0)");
+        // A NIC without CNP counters (rxe): no data.
+        assert_eq!(
+            r(vec![port("h3", &["out_of_sequence"], &[&[]])], 100).status,
+            Status::NoData
+        );
+    }
+
+    #[test]
+    fn a_window_keeps_only_the_intervals_after_its_start() {
+        let p = port("h1", PFC3, &[&[("rx_prio3_pause", 5)], &[("rx_prio3_pause", 7)]]);
+        let mut start = with_nic(vec![p.clone()]);
+        start.nic[0].intervals.truncate(1);
+        let w = since(&start, with_nic(vec![p]));
+        assert_eq!(w.nic[0].intervals.len(), 1);
+        assert_eq!(w.nic[0].intervals[0].deltas["rx_prio3_pause"], 7);
+    }
+}

@@ -40,6 +40,19 @@ pub fn since(start: &CollectorReport, mut end: CollectorReport) -> CollectorRepo
             );
         }
     }
+    // A port's NIC intervals in the window: those that began after the last one `start`
+    // held for it.
+    for p in &mut end.nic {
+        let seen = start
+            .nic
+            .iter()
+            .find(|q| q.node == p.node && q.iface == p.iface)
+            .and_then(|q| q.intervals.last())
+            .map(|i| i.end_ns);
+        if let Some(t) = seen {
+            p.intervals.retain(|i| i.start_ns >= t);
+        }
+    }
     end.flows.retain_mut(|f| {
         let Some(b) = before.get(f.id.as_str()) else {
             return true;

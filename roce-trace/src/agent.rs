@@ -330,6 +330,7 @@ fn nic_interval(w: &mut crate::nic::NicWatch, shared: &Shared, from_ns: &mut u64
                 iface: t.port.netdev.clone(),
                 driver: t.reading.driver as u8,
                 rdma_device: t.port.rdma.as_ref().map(|r| r.device.clone()).unwrap_or_default(),
+                addrs: crate::sys::iface_addrs(&t.port.netdev),
                 start_ns: *from_ns,
                 end_ns: now,
                 epoch_changed: iv.epoch_changed,

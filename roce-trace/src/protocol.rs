@@ -414,6 +414,10 @@ pub fn encode(f: &Frame, seq: u64) -> Result<Bytes, ProtoError> {
                 put_str(&mut b, &p.iface)?;
                 b.put_u8(p.driver);
                 put_str(&mut b, &p.rdma_device)?;
+                b.put_u16(count16(p.addrs.len(), "more than 65,535 addresses")?);
+                for a in &p.addrs {
+                    b.put_slice(a);
+                }
                 b.put_u64(p.start_ns);
                 b.put_u64(p.end_ns);
                 b.put_u8(p.epoch_changed as u8);
@@ -764,6 +768,15 @@ impl Decoder {
                     need(&b, 1)?;
                     let driver = b.get_u8();
                     let rdma_device = get_str(&mut b)?;
+                    need(&b, 2)?;
+                    let na = b.get_u16() as usize;
+                    need(&b, na * 16)?;
+                    let mut addrs = Vec::with_capacity(na);
+                    for _ in 0..na {
+                        let mut a = [0u8; 16];
+                        b.copy_to_slice(&mut a);
+                        addrs.push(a);
+                    }
                     need(&b, 8 + 8 + 1 + 2)?;
                     let (start_ns, end_ns) = (b.get_u64(), b.get_u64());
                     let epoch_changed = match b.get_u8() {
@@ -808,6 +821,7 @@ impl Decoder {
                         iface,
                         driver,
                         rdma_device,
+                        addrs,
                         start_ns,
                         end_ns,
                         epoch_changed,
