@@ -192,6 +192,83 @@ impl NicTable {
     }
 }
 
+/// What a port's NIC paused over its intervals: per priority and direction, frames and
+/// time; the storm events. None when it did not pause.
+pub fn pause_summary(p: &NicPortReport) -> Option<String> {
+    use roce_trace_common::nic::Kind;
+    let sum = |id: CounterId| -> u64 {
+        let n = id.to_string();
+        p.intervals
+            .iter()
+            .filter_map(|i| i.deltas.get(&n))
+            .fold(0u64, |a, b| a.saturating_add(*b))
+    };
+    let mut parts = Vec::new();
+    for pr in 0..8u8 {
+        for (f, d, way) in [
+            (Kind::RxPause, Kind::RxPauseDuration, "received"),
+            (Kind::TxPause, Kind::TxPauseDuration, "sent"),
+        ] {
+            let (n, us) = (sum(CounterId::prio(f, pr)), sum(CounterId::prio(d, pr)));
+            if n > 0 || us > 0 {
+                parts.push(format!(
+                    "priority {pr}: {n} pause frames {way}, paused {:.1} ms",
+                    us as f64 / 1e3
+                ));
+            }
+        }
+    }
+    for k in [Kind::TxPauseStormWarning, Kind::TxPauseStormError] {
+        let n = sum(CounterId::port(k));
+        if n > 0 {
+            parts.push(format!("{n} {}", CounterId::port(k)));
+        }
+    }
+    if parts.is_empty() {
+        return None;
+    }
+    let (from, to) = (
+        p.intervals.first().map_or(0, |i| i.start_ns),
+        p.intervals.last().map_or(0, |i| i.end_ns),
+    );
+    Some(format!(
+        "{} paused over {:.0} s: {}",
+        p.label(),
+        to.saturating_sub(from) as f64 / 1e9,
+        parts.join("; ")
+    ))
+}
+
+/// A `pfc_pause` anomaly for every flow that crosses a port whose NIC paused: the flows a
+/// pause (or a storm) on that port holds up.
+pub fn pause_anomalies(flows: &[crate::FlowReport], ports: &[NicPortReport]) -> Vec<crate::Anomaly> {
+    let mut out = Vec::new();
+    for p in ports {
+        let Some(detail) = pause_summary(p) else {
+            continue;
+        };
+        for f in flows {
+            let at: Vec<crate::Point> = f
+                .path
+                .iter()
+                .filter(|x| x.node == p.node && x.iface == p.iface)
+                .cloned()
+                .collect();
+            if at.is_empty() {
+                continue;
+            }
+            out.push(crate::Anomaly {
+                kind: crate::AnomalyKind::PfcPause,
+                flow: f.id.clone(),
+                between: at,
+                detail: detail.clone(),
+                packets: 0,
+            });
+        }
+    }
+    out
+}
+
 /// The NIC ports of a window: each port's intervals that began at or after `from_ns`.
 pub fn nic_since(ports: &[NicPortReport], from_ns: u64) -> Vec<NicPortReport> {
     ports

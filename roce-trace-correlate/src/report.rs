@@ -537,6 +537,8 @@ pub enum AnomalyKind {
     Lost,
     /// It took more than one path over the window.
     PathChange,
+    /// It crosses a port whose NIC paused (PFC) over the intervals kept.
+    PfcPause,
 }
 
 impl AnomalyKind {
@@ -546,6 +548,7 @@ impl AnomalyKind {
             Self::Lost => "lost",
             Self::CeOnset => "ce_onset",
             Self::PathChange => "path_change",
+            Self::PfcPause => "pfc_pause",
         }
     }
 }

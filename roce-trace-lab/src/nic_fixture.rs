@@ -260,6 +260,11 @@ impl Fixture {
         Ok(Self { root })
     }
 
+    /// A tree another handle created (a second writer, e.g. on another thread).
+    pub fn open(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+
     pub fn root(&self) -> &Path {
         &self.root
     }

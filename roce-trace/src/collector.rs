@@ -175,6 +175,9 @@ impl Taken {
     /// The report, built without the lock.
     fn report(self) -> CollectorReport {
         let view = self.snapshot.view();
+        let flows = flow_reports(&view, &self.probes);
+        let mut anomalies = view.anomalies();
+        anomalies.extend(roce_trace_correlate::nic::pause_anomalies(&flows, &self.nic));
         CollectorReport {
             kind: "collector_report".into(),
             stats: view.stats,
@@ -182,8 +185,8 @@ impl Taken {
             agents: self.agents,
             points: view.points().to_vec(),
             health: view.health_summary(),
-            flows: flow_reports(&view, &self.probes),
-            anomalies: view.anomalies(),
+            flows,
+            anomalies,
             nic: self.nic,
         }
     }

@@ -395,15 +395,18 @@ impl NicWatch {
     /// `None` when none of `ifaces` has NIC counters worth showing (or they cannot be
     /// found: said once, the capture goes on).
     pub fn open(root: Root, ifaces: &[String]) -> Option<Self> {
-        let ports = match ports(&root, ifaces) {
+        // Every interface the root has, then those observed: one the root does not have
+        // (a fixture naming some ports only) simply has no NIC counters.
+        let ports = match ports(&root, &[]) {
             Ok(p) => p,
             Err(e) => {
-                tracing::warn!("NIC counters: {e}; capturing without them");
+                tracing::warn!("NIC counters: {e}; going on without them");
                 return None;
             }
         };
         let ports: Vec<Port> = ports
             .into_iter()
+            .filter(|p| ifaces.contains(&p.netdev))
             .filter(|p| {
                 p.rdma.is_some() || {
                     let r = read(&root, p);

@@ -999,6 +999,40 @@ mod tests {
                 if_tx_dropped: 6,
                 qdisc_dropped: u64::MAX,
             }]),
+            Frame::Nic(vec![
+                NicDelta {
+                    iface: "eth0".into(),
+                    driver: 0,
+                    rdma_device: "mlx5_0".into(),
+                    addrs: vec![
+                        [0xfd; 16],
+                        std::net::Ipv4Addr::new(10, 0, 0, 1).to_ipv6_mapped().octets(),
+                    ],
+                    start_ns: 1,
+                    end_ns: u64::MAX,
+                    epoch_changed: false,
+                    values: vec![
+                        NicValue {
+                            counter: NicCounter { kind: 0, prio: 3 },
+                            total: u64::MAX,
+                            delta: Some(0),
+                        },
+                        NicValue {
+                            counter: NicCounter {
+                                kind: 22,
+                                prio: NicCounter::NO_PRIO,
+                            },
+                            total: 5,
+                            delta: None,
+                        },
+                    ],
+                    missing: vec![(NicCounter { kind: 0, prio: 0 }, 4)],
+                },
+                NicDelta {
+                    epoch_changed: true,
+                    ..Default::default()
+                },
+            ]),
         ]
     }
 
@@ -1051,6 +1085,52 @@ mod tests {
             }
         }
         assert_eq!(got, frames);
+    }
+
+    /// A NIC frame whose flags are not 0 or 1, or whose counts run past its end, is
+    /// refused, never read as something else.
+    #[test]
+    fn malformed_nic_frames_are_refused() {
+        let f = Frame::Nic(vec![NicDelta {
+            iface: "e".into(),
+            values: vec![NicValue {
+                counter: NicCounter { kind: 0, prio: 1 },
+                total: 1,
+                delta: None,
+            }],
+            ..Default::default()
+        }]);
+        let mut enc = Encoder::default();
+        enc.encode(&Frame::Ack { seq: 0 }).unwrap();
+        let good = enc.encode(&f).unwrap().to_vec();
+        let decode = |bytes: Vec<u8>| {
+            let mut dec = Decoder::default();
+            dec.decode(&mut BytesMut::from(
+                &Encoder::default().encode(&Frame::Ack { seq: 0 }).unwrap()[..],
+            ))
+            .unwrap();
+            dec.decode(&mut BytesMut::from(&bytes[..]))
+        };
+        assert_eq!(decode(good.clone()), Ok(Some(f)));
+        // Header 13, then u16 ports, "e" (2+1), driver, "" (2), no address (2), two times,
+        // the epoch flag.
+        let epoch = 13 + 2 + 3 + 1 + 2 + 2 + 16;
+        let mut bad = good.clone();
+        bad[epoch] = 2;
+        assert!(matches!(decode(bad), Err(ProtoError::Malformed(_))));
+        // The delta flag (after kind, prio, total).
+        let flag = epoch + 1 + 2 + 2 + 8;
+        let mut bad = good.clone();
+        bad[flag] = 7;
+        assert!(matches!(decode(bad), Err(ProtoError::Malformed(_))));
+        // No delta with a value behind it is not "no delta".
+        let mut bad = good.clone();
+        bad[flag + 8] = 1;
+        assert!(matches!(decode(bad), Err(ProtoError::Malformed(_))));
+        // A value count past the end of the frame.
+        let mut bad = good;
+        bad[epoch + 1] = 0x7f;
+        assert!(matches!(decode(bad), Err(ProtoError::Malformed(_))));
     }
 
     #[test]

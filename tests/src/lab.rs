@@ -14,6 +14,17 @@ pub struct Observers {
 impl Observers {
     /// `extra`: more collector arguments (`--http ADDR`, `--trace`).
     pub fn start(lab: &Lab, report: std::path::PathBuf, token: &str, extra: &[&str]) -> Self {
+        Self::start_with(lab, report, token, extra, |_| Vec::new())
+    }
+
+    /// As [`Observers::start`], with more arguments for each node's agent.
+    pub fn start_with(
+        lab: &Lab,
+        report: std::path::PathBuf,
+        token: &str,
+        extra: &[&str],
+        agent_extra: impl Fn(&str) -> Vec<String>,
+    ) -> Self {
         let listen = format!("{MGMT_COLLECTOR}:4792");
         let mut args = vec![
             "collect",
@@ -33,7 +44,8 @@ impl Observers {
         let collector = crate::Daemon::start(&lab.ns("mgmt"), &args, "collecting on");
         let mut agents = Vec::new();
         for n in Lab::nodes() {
-            let a = lab.agent_args(&n, &listen, token, 4).expect("agent arguments");
+            let mut a = lab.agent_args(&n, &listen, token, 4).expect("agent arguments");
+            a.extend(agent_extra(&n));
             let a: Vec<&str> = a.iter().map(String::as_str).collect();
             agents.push(crate::Daemon::start(&lab.ns(&n), &a, "connected to collector"));
         }
