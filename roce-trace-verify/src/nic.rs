@@ -301,7 +301,18 @@ pub fn seq_err(ports: &[NicPortReport], max: u64) -> CheckResult {
         if judged {
             r.checked += 1;
         } else {
-            unjudged.push(why(p, CounterId::port(Kind::TxVportRdmaPackets)));
+            // Name what it lacks: the error counters first, then the packet counts.
+            let lacks = [
+                Kind::PacketSeqErr,
+                Kind::OutOfSequence,
+                Kind::TxVportRdmaPackets,
+                Kind::RxVportRdmaPackets,
+            ]
+            .map(CounterId::port)
+            .into_iter()
+            .find(|id| !p.has(*id))
+            .unwrap_or(CounterId::port(Kind::PacketSeqErr));
+            unjudged.push(why(p, lacks));
         }
     }
     finish(r, "sequence errors with RDMA packet counts", unjudged)
