@@ -1533,6 +1533,71 @@ pub async fn run_pcap(
 
 #[cfg(test)]
 mod tests {
+    /// NIC counters as metrics: the canonical names, the labels a dashboard joins on,
+    /// and what is not available counted by reason (never a 0 series for it).
+    #[test]
+    fn nic_counters_are_metrics_under_their_canonical_names() {
+        use crate::nic::*;
+        let port = Port {
+            netdev: "eth0".into(),
+            ifindex: 2,
+            driver: Some("mlx5_core".into()),
+            rdma: Some(RdmaPort {
+                device: "mlx5_0".into(),
+                port: 1,
+                driver: Some("mlx5_ib".into()),
+            }),
+        };
+        let v = |value: u64, raw: &str| Value {
+            value,
+            raw: raw.into(),
+        };
+        let reading = Reading {
+            at_ns: 0,
+            epoch: Epoch {
+                boot_id: [0; 16],
+                ifindex: 2,
+            },
+            driver: Driver::Mlx5,
+            values: [
+                (CounterId::prio(Kind::RxPause, 3), v(5, "rx_prio3_pause")),
+                (CounterId::prio(Kind::TxPauseDuration, 3), v(7, "tx_prio3_pause_duration")),
+                (CounterId::port(Kind::NpCnpSent), v(11, "np_cnp_sent")),
+            ]
+            .into(),
+            missing: [
+                (
+                    CounterId::prio(Kind::RxPause, 0),
+                    Absent {
+                        why: Missing::PfcNotEnabled,
+                        detail: None,
+                    },
+                ),
+                (
+                    CounterId::prio(Kind::RxPause, 1),
+                    Absent {
+                        why: Missing::PfcNotEnabled,
+                        detail: None,
+                    },
+                ),
+            ]
+            .into(),
+            other: Vec::new(),
+        };
+        let mut m = crate::metrics::Scrape::default();
+        super::nic_metrics(&mut m, &[(port, reading)]);
+        let text = m.render();
+        for line in [
+            r#"roce_trace_nic_pfc_pause_frames_total{interface="eth0",device="eth0",priority="3",direction="rx"} 5"#,
+            r#"roce_trace_nic_pfc_pause_duration_microseconds_total{interface="eth0",device="eth0",priority="3",direction="tx"} 7"#,
+            r#"roce_trace_rdma_np_cnp_sent_total{interface="eth0",device="mlx5_0",port="1",direction="tx"} 11"#,
+            r#"roce_trace_nic_counters_not_available{interface="eth0",reason="pfc_not_enabled"} 2"#,
+        ] {
+            assert!(text.contains(line), "{line} missing in\n{text}");
+        }
+        assert!(!text.contains(r#"priority="0""#), "no series for what is not there");
+    }
+
     use super::*;
 
     /// A reader of an endless capture holds a bounded table: flows idle for
