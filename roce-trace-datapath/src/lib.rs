@@ -9,5 +9,6 @@ pub mod mirror;
 pub mod netstat;
 pub mod nic;
 pub mod pcap;
+pub mod rdma_netlink;
 pub mod record;
 pub mod sys;

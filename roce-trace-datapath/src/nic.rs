@@ -383,6 +383,21 @@ pub fn read(root: &Root, port: &Port) -> Reading {
             }
         }
     }
+    // The optional counters exist only through RDMA netlink, once enabled: read there for
+    // this host's RDMA ports (a fixture has none), and say why not when it cannot be.
+    let mut netlink_why = None;
+    if let (Some(rp), false) = (&port.rdma, root.fixture) {
+        match crate::rdma_netlink::Socket::open().and_then(|s| s.port_counters(&rp.device, rp.port)) {
+            Ok(v) => {
+                let optional: Vec<(String, u64)> = v
+                    .into_iter()
+                    .filter(|(n, _)| CounterId::parse(n).is_some_and(|id| id.spec().optional))
+                    .collect();
+                take(&mut r, driver, Source::Rdma, optional);
+            }
+            Err(e) => netlink_why = Some(crate::rdma_netlink::unavailable(&e)),
+        }
+    }
     let pause_seen: BTreeSet<Kind> = r
         .values
         .keys()
@@ -406,7 +421,10 @@ pub fn read(root: &Root, port: &Port) -> Reading {
             (Source::Rdma, Some(Ok(false))) => absent(Missing::NoHwCounters),
             (Source::Ethtool, None | Some(Ok(false))) => absent(Missing::NoEthtoolStats),
             _ if !driver_names(driver, id.kind) => absent(Missing::NotInDriver),
-            _ if spec.optional => absent(Missing::Optional),
+            _ if spec.optional => Absent {
+                why: Missing::Optional,
+                detail: netlink_why.clone(),
+            },
             _ if id.kind.is_pause() && any_pause => absent(Missing::PfcNotEnabled),
             _ if id.kind.is_pause() => absent(Missing::NoPerPriorityPause),
             _ => absent(Missing::NotExposed),

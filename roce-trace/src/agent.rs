@@ -1561,7 +1561,10 @@ mod tests {
             driver: Driver::Mlx5,
             values: [
                 (CounterId::prio(Kind::RxPause, 3), v(5, "rx_prio3_pause")),
-                (CounterId::prio(Kind::TxPauseDuration, 3), v(7, "tx_prio3_pause_duration")),
+                (
+                    CounterId::prio(Kind::TxPauseDuration, 3),
+                    v(7, "tx_prio3_pause_duration"),
+                ),
                 (CounterId::port(Kind::NpCnpSent), v(11, "np_cnp_sent")),
             ]
             .into(),
@@ -1595,7 +1598,10 @@ mod tests {
         ] {
             assert!(text.contains(line), "{line} missing in\n{text}");
         }
-        assert!(!text.contains(r#"priority="0""#), "no series for what is not there");
+        assert!(
+            !text.contains(r#"priority="0""#),
+            "no series for what is not there"
+        );
     }
 
     use super::*;

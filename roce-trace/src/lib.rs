@@ -22,6 +22,6 @@ pub mod tls;
 pub mod trace;
 
 pub use roce_trace_correlate as correlate;
-pub use roce_trace_datapath::{loader as datapath, netstat, pcap, record, sys};
+pub use roce_trace_datapath::{loader as datapath, netstat, pcap, rdma_netlink, record, sys};
 pub use roce_trace_gen::{frame, traffic};
 pub use roce_trace_verify as verify;

@@ -514,3 +514,43 @@ fn capture_puts_the_nic_counters_beside_what_the_kernel_counted() {
         0
     );
 }
+
+/// Per-QP and optional counters come through RDMA netlink: where the kernel has no RDMA
+/// core (as here) the reader says so; where it has one, asking for a device that does not
+/// exist is a clear error — never an empty success.
+#[test]
+fn rdma_netlink_says_why_it_cannot_be_read() {
+    use roce_trace::rdma_netlink::{Socket, unavailable};
+    match Socket::open() {
+        Err(e) => {
+            assert_eq!(e.raw_os_error(), Some(libc::EPROTONOSUPPORT), "{e}");
+            assert!(
+                unavailable(&e).contains("not in this kernel"),
+                "{}",
+                unavailable(&e)
+            );
+        }
+        Ok(s) => {
+            let e = s.port_counters("no-such-rdma-dev0", 1).unwrap_err();
+            assert!(e.to_string().contains("no RDMA device no-such-rdma-dev0"), "{e}");
+        }
+    }
+    // A fixture port asked for its per-QP counters says why there are none.
+    let dir = TempDir::new("nic-qp");
+    let f = Fixture::create(dir.path("sys")).unwrap();
+    f.add("mlx0", 10, NicDriver::Mlx5, &[3], Some("mlx5_0")).unwrap();
+    let out = nic_cmd(&[
+        "--sysfs-root",
+        dir.path("sys").to_str().unwrap(),
+        "-i",
+        "mlx0",
+        "--qp",
+        "--json",
+    ]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let qp: Value = serde_json::from_str(text.lines().nth(1).expect("a nic_qp record")).unwrap();
+    assert_eq!(qp["type"], "nic_qp");
+    assert_eq!(qp["rdma_device"], "mlx5_0");
+    assert!(qp["not_available"].as_str().unwrap().contains("fixture"), "{qp}");
+}

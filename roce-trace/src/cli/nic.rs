@@ -22,6 +22,10 @@ pub struct NicArgs {
     /// Also the driver's counters no canonical name covers.
     #[arg(long)]
     all: bool,
+    /// Also the per-QP counters of each RDMA port (RDMA netlink; QPs are counted only once
+    /// bound: `rdma statistic qp set link DEV/PORT auto type on` before they are created).
+    #[arg(long)]
+    qp: bool,
     /// Read a fixture tree laid out like /sys instead of this host (ethtool statistics in
     /// DIR/ethtool/IFACE as `ethtool -S` prints them, the boot id in DIR/boot_id).
     #[arg(long, value_name = "DIR")]
@@ -58,8 +62,23 @@ pub(super) fn run_nic(a: NicArgs) -> anyhow::Result<()> {
             } else {
                 nic::render_interval(p, iv.as_ref().expect("not the first"))
             };
+            let qp = if a.qp {
+                per_qp(&root, p, a.json)?
+            } else {
+                String::new()
+            };
             // A closed pipe (`| head`) ends the command quietly.
-            if writeln!(out, "{text}").and_then(|_| out.flush()).is_err() {
+            if writeln!(out, "{text}")
+                .and_then(|_| {
+                    if qp.is_empty() {
+                        Ok(())
+                    } else {
+                        writeln!(out, "{qp}")
+                    }
+                })
+                .and_then(|_| out.flush())
+                .is_err()
+            {
                 std::process::exit(0);
             }
         }
@@ -76,4 +95,78 @@ pub(super) fn run_nic(a: NicArgs) -> anyhow::Result<()> {
         n += 1;
     }
     Ok(())
+}
+
+/// The per-QP counters of a port's RDMA device, or why there are none: text, or `nic_qp`
+/// JSON records (one per bound counter).
+fn per_qp(root: &Root, p: &nic::Port, json: bool) -> anyhow::Result<String> {
+    use roce_trace::nic::{Source, alias};
+    let Some(rp) = &p.rdma else {
+        return Ok(String::new());
+    };
+    let record = |fields: serde_json::Value| -> anyhow::Result<String> {
+        let mut m = serde_json::json!({
+            "type": "nic_qp",
+            "interface": p.netdev,
+            "rdma_device": rp.device,
+            "port": rp.port,
+        });
+        m.as_object_mut()
+            .expect("an object")
+            .extend(fields.as_object().cloned().unwrap_or_default());
+        Ok(serde_json::to_string(&m)?)
+    };
+    let got = if root.is_fixture() {
+        Err("a fixture has no RDMA netlink".to_string())
+    } else {
+        roce_trace::rdma_netlink::Socket::open()
+            .and_then(|s| s.qp_counters(&rp.device, rp.port))
+            .map_err(|e| roce_trace::rdma_netlink::unavailable(&e))
+    };
+    let driver = p.family();
+    match got {
+        Err(why) if json => record(serde_json::json!({ "not_available": why })),
+        Err(why) => Ok(format!("  per-QP counters: not available: {why}")),
+        Ok(v) if v.is_empty() => {
+            let why = format!(
+                "no QP is bound to a counter (`rdma statistic qp set link {}/{} auto type on`, then create the QPs)",
+                rp.device, rp.port
+            );
+            if json {
+                record(serde_json::json!({ "not_available": why }))
+            } else {
+                Ok(format!("  per-QP counters: {why}"))
+            }
+        }
+        Ok(v) => {
+            let mut lines = Vec::new();
+            for c in v {
+                let named: std::collections::BTreeMap<String, u64> = c
+                    .counters
+                    .iter()
+                    .map(|(n, x)| {
+                        let name = alias(driver, Source::Rdma, n).map_or(n.clone(), |id| id.to_string());
+                        (name, *x)
+                    })
+                    .collect();
+                let qps: Vec<String> = c.qps.iter().map(|q| format!("{q:#x}")).collect();
+                lines.push(if json {
+                    record(serde_json::json!({ "counter": c.id, "qps": c.qps, "counters": named }))?
+                } else {
+                    format!(
+                        "  QP counter {} (QPs {}): {}",
+                        c.id,
+                        qps.join(", "),
+                        named
+                            .iter()
+                            .filter(|(_, x)| **x > 0)
+                            .map(|(n, x)| format!("{n} {x}"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                });
+            }
+            Ok(lines.join("\n"))
+        }
+    }
 }
