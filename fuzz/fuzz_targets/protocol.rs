@@ -3,7 +3,7 @@
 //! - Arbitrary bytes, fed to one `Decoder` in arbitrary pieces, never panic; every frame
 //!   it returns encodes again and decodes to itself.
 //! - Frames built from the input (every kind: version 3's WELCOME and ACK, version 4's HEALTH too) encode and
-//!   decode to the same frame — or the encoder refuses them, and then only for what the
+//!   decode to the same frame (version 7's NIC too) — or the encoder refuses them, and then only for what the
 //!   format cannot carry (a count or a string past its u16 field, a frame past 4 MiB, a
 //!   value that is a field's "none" marker, a WELCOME's connection id 0); a refused frame
 //!   takes no sequence number.
@@ -13,7 +13,9 @@ use arbitrary::{Result, Unstructured};
 use bytes::BytesMut;
 use libfuzzer_sys::fuzz_target;
 use roce_trace::{
-    observation::{CounterDelta, Counts, FlowId, Observation, PacketId, PointDecl, PointHealth},
+    observation::{
+        CounterDelta, Counts, FlowId, NicCounter, NicDelta, NicValue, Observation, PacketId, PointDecl, PointHealth,
+    },
     protocol::{Decoder, Encoder, Frame, MAX_FRAME, ProbeHop, ProbeResult, ProtoError},
 };
 
@@ -134,7 +136,7 @@ fn hop(u: &mut Unstructured) -> Result<ProbeHop> {
 }
 
 fn frame(u: &mut Unstructured) -> Result<Frame> {
-    Ok(match u.int_in_range(0..=11)? {
+    Ok(match u.int_in_range(0..=12)? {
         0 => Frame::Hello {
             version: u.arbitrary()?,
             node: string(u)?,
@@ -183,6 +185,31 @@ fn frame(u: &mut Unstructured) -> Result<Frame> {
                 qdisc_dropped: u.arbitrary()?,
             })
         })?),
+        12 => Frame::Nic(some(u, |u| {
+            let counter = |u: &mut Unstructured| -> Result<NicCounter> {
+                Ok(NicCounter {
+                    kind: u.arbitrary()?,
+                    prio: u.arbitrary()?,
+                })
+            };
+            Ok(NicDelta {
+                iface: string(u)?,
+                driver: u.arbitrary()?,
+                rdma_device: string(u)?,
+                addrs: some(u, |u| u.arbitrary())?,
+                start_ns: u.arbitrary()?,
+                end_ns: u.arbitrary()?,
+                epoch_changed: u.arbitrary()?,
+                values: some(u, |u| {
+                    Ok(NicValue {
+                        counter: counter(u)?,
+                        total: u.arbitrary()?,
+                        delta: u.arbitrary()?,
+                    })
+                })?,
+                missing: some(u, |u| Ok((counter(u)?, u.arbitrary()?)))?,
+            })
+        })?),
         _ => Frame::TraceResult(ProbeResult {
             id: u.arbitrary()?,
             flow: flow(u)?,
@@ -200,6 +227,7 @@ fn representable(f: &Frame) -> bool {
         Frame::Hello { node, token, .. } => s(node) && s(token),
         Frame::Points(p) => p.len() <= u16::MAX as usize && p.iter().all(|p| s(&p.node) && s(&p.iface)),
         Frame::Bye { reason } => s(reason),
+        Frame::Nic(v) => v.iter().all(|p| s(&p.iface) && s(&p.rdma_device)),
         // 0 is "none" where WELCOME names the previous connection.
         Frame::Welcome { connection, .. } => *connection != 0,
         Frame::TraceResult(r) => {
@@ -230,6 +258,24 @@ fn wire_len(f: &Frame) -> usize {
         Frame::TraceResult(r) => 4 + FLOW + 4 + 24 * r.hops.len(),
         Frame::Ack { .. } => 8,
         Frame::Health(v) => 4 + 66 * v.len(),
+        Frame::Nic(v) => {
+            2 + v
+                .iter()
+                .map(|p| {
+                    2 + p.iface.len()
+                        + 1
+                        + 2
+                        + p.rdma_device.len()
+                        + 2
+                        + 16 * p.addrs.len()
+                        + 17
+                        + 2
+                        + 19 * p.values.len()
+                        + 2
+                        + 3 * p.missing.len()
+                })
+                .sum::<usize>()
+        }
     }
 }
 

@@ -315,8 +315,33 @@ fn hw_counters(root: &Root, r: &RdmaPort) -> io::Result<Option<Vec<(String, u64)
     let device = counter_dir(&dev.join("hw_counters"))?;
     Ok(match (port, device) {
         (None, None) => None,
-        (p, d) => Some(p.into_iter().chain(d).flatten().collect()),
+        (p, d) => Some(
+            p.into_iter()
+                .chain(d)
+                .flatten()
+                .chain(ib_counters(&dev.join(format!("ports/{}/counters", r.port))))
+                .collect(),
+        ),
     })
+}
+
+/// The IB port counters (`ports/<p>/counters/`: `port_xmit_data` in 4-byte words,
+/// `port_rcv_errors`, `link_downed`, …; no canonical name covers them, `--all` shows
+/// them). Files that do not read as a number are left out: on RoCE some of these answer
+/// reads with an error.
+fn ib_counters(dir: &Path) -> Vec<(String, u64)> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out: Vec<(String, u64)> = rd
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let v = read_trimmed(&e.path()).ok()?.parse().ok()?;
+            Some((format!("counters/{}", e.file_name().to_string_lossy()), v))
+        })
+        .collect();
+    out.sort();
+    out
 }
 
 fn counter_dir(dir: &Path) -> io::Result<Option<Vec<(String, u64)>>> {

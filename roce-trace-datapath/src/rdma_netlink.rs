@@ -218,7 +218,8 @@ pub fn messages<'a>(mut b: &'a [u8], done: &mut bool) -> io::Result<Vec<(u16, &'
             }
             _ => out.push((kind, payload)),
         }
-        b = &b[len.div_ceil(4) * 4..];
+        // The last message need not be padded to 4.
+        b = &b[(len.div_ceil(4) * 4).min(b.len())..];
         if b.len() < NLMSG_HDR {
             break;
         }
@@ -516,6 +517,12 @@ mod tests {
         d[0..4].copy_from_slice(&16u32.to_ne_bytes());
         d[4..6].copy_from_slice(&NLMSG_DONE.to_ne_bytes());
         assert!(messages(&d, &mut done).unwrap().is_empty() && done);
+        // A last message of a length that is not a multiple of 4, unpadded (found by the
+        // fuzzer: the padding must not be skipped past the buffer).
+        let mut odd = vec![0u8; 18];
+        odd[0..4].copy_from_slice(&18u32.to_ne_bytes());
+        odd[4..6].copy_from_slice(&STAT_GET.to_ne_bytes());
+        assert_eq!(messages(&odd, &mut false).unwrap().len(), 1);
         let mut long = d.clone();
         long[0..4].copy_from_slice(&64u32.to_ne_bytes());
         assert!(messages(&long, &mut false).is_err());

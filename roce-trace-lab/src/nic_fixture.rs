@@ -317,6 +317,15 @@ impl Fixture {
                 write_atomic(&hw.join(n), "0\n")?;
             }
             write_atomic(&hw.join("lifespan"), "10\n")?;
+            // The IB port counters beside them (no canonical name covers these).
+            for n in [
+                "port_xmit_data",
+                "port_rcv_data",
+                "port_xmit_discards",
+                "link_downed",
+            ] {
+                write_atomic(&d.join("ports/1/counters").join(n), "0\n")?;
+            }
             // mana keeps its CNP and ECN counters on the device, not the port.
             if driver == NicDriver::Mana {
                 let dev_hw = d.join("hw_counters");

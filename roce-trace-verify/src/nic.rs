@@ -351,20 +351,30 @@ pub fn timeouts(ports: &[NicPortReport], max: f64) -> CheckResult {
     finish(r, "local ACK timeouts", unjudged)
 }
 
-/// CNPs seen on the wire from and to a port's addresses: each CNP flow's count at its
-/// busiest point.
-fn wire_cnps(flows: &[FlowReport], p: &NicPortReport) -> (u64, u64) {
-    let (mut sent, mut got) = (0u64, 0u64);
-    for f in flows.iter().filter(|f| role(f) == Some(Role::Cnp)) {
-        let n = f.counters.values().map(|c| c.counts.cnp).max().unwrap_or(0);
-        if p.addrs.contains(&f.src_ip) {
-            sent = sent.saturating_add(n);
-        }
-        if p.addrs.contains(&f.dst_ip) {
-            got = got.saturating_add(n);
+/// CNPs seen on the wire from and to a port's addresses (each CNP flow's count at its
+/// busiest point), and CE marks on the data arriving at them (each data flow's at its
+/// last point: what the NIC received).
+fn wire_cnps(flows: &[FlowReport], p: &NicPortReport) -> (u64, u64, u64) {
+    let (mut sent, mut got, mut ce) = (0u64, 0u64, 0u64);
+    for f in flows {
+        match role(f) {
+            Some(Role::Cnp) => {
+                let n = f.counters.values().map(|c| c.counts.cnp).max().unwrap_or(0);
+                if p.addrs.contains(&f.src_ip) {
+                    sent = sent.saturating_add(n);
+                }
+                if p.addrs.contains(&f.dst_ip) {
+                    got = got.saturating_add(n);
+                }
+            }
+            Some(Role::Data) if p.addrs.contains(&f.dst_ip) => {
+                let at_end = f.path.last().and_then(|x| f.counters.get(x));
+                ce = ce.saturating_add(at_end.map_or(0, |c| c.counts.ecn[3]));
+            }
+            _ => {}
         }
     }
-    (sent, got)
+    (sent, got, ce)
 }
 
 /// Counts that may differ by this much whatever the tolerance: a NIC's interval and the
@@ -378,7 +388,7 @@ pub fn cnp_consistency(report: &CollectorReport, tol: f64) -> CheckResult {
     let mut r = result(
         "nic_cnp_consistency",
         format!(
-            "the CNPs each NIC sent and handled match those seen on the wire within {:.0}% (± {CNP_SLACK})",
+            "the CNPs each NIC sent and handled, and the CE marks it received, match the wire within {:.0}% (± {CNP_SLACK})",
             tol * 100.0
         ),
     );
@@ -388,11 +398,12 @@ pub fn cnp_consistency(report: &CollectorReport, tol: f64) -> CheckResult {
             unjudged.push(format!("{}: its agent reported no address", p.label()));
             continue;
         }
-        let (wire_sent, wire_got) = wire_cnps(&report.flows, p);
+        let (wire_sent, wire_got, wire_ce) = wire_cnps(&report.flows, p);
         let mut judged = false;
         for (k, wire, what) in [
             (Kind::NpCnpSent, wire_sent, "sent"),
             (Kind::RpCnpHandled, wire_got, "handled"),
+            (Kind::NpEcnMarkedRocePackets, wire_ce, "received CE-marked"),
         ] {
             let Some(nic) = total(p, k) else {
                 continue;
@@ -400,16 +411,22 @@ pub fn cnp_consistency(report: &CollectorReport, tol: f64) -> CheckResult {
             judged = true;
             let diff = nic.abs_diff(wire);
             if diff > CNP_SLACK && diff as f64 > tol * nic.max(wire) as f64 {
-                let hint = if wire < nic {
-                    "fewer on the wire: CNPs lost or in a class not observed"
-                } else {
-                    "more on the wire than the NIC counted"
+                let (unit, hint) = match (k, wire < nic) {
+                    (Kind::NpEcnMarkedRocePackets, true) => (
+                        "packets",
+                        "fewer CE marks on the wire: marked after the last observed point",
+                    ),
+                    (Kind::NpEcnMarkedRocePackets, false) => {
+                        ("packets", "more CE marks on the wire than the NIC counted")
+                    }
+                    (_, true) => ("CNPs", "fewer on the wire: CNPs lost or in a class not observed"),
+                    (_, false) => ("CNPs", "more on the wire than the NIC counted"),
                 };
                 r.evidence.push(ev(
                     p,
                     Vec::new(),
                     format!(
-                        "the NIC {what} {nic} CNPs ({}), the wire shows {wire}: {hint}",
+                        "the NIC {what} {nic} {unit} ({}), the wire shows {wire}: {hint}",
                         CounterId::port(k)
                     ),
                 ));

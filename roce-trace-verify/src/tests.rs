@@ -1446,6 +1446,36 @@ mod nic_checks {
         );
     }
 
+    /// CE marks the NIC says it received against the CE marks on the data arriving at its
+    /// addresses (at the flow's last point).
+    #[test]
+    fn nic_ce_marks_that_the_wire_does_not_show_fail() {
+        let policy = "[nic]\ncnp_consistency = 0.1\n";
+        let mut data = flow(1, 3, 7, Some(1));
+        let last = data.path.last().unwrap().clone();
+        data.counters.get_mut(&last).unwrap().counts.ecn = [0, 0, 950, 50];
+        let h3 = |ce: u64| {
+            port(
+                "h3",
+                &["np_ecn_marked_roce_packets"],
+                &[&[("np_ecn_marked_roce_packets", ce)]],
+            )
+        };
+        let r = |nic| {
+            let mut rep = with_nic(vec![nic]);
+            rep.flows = vec![data.clone()];
+            judged(policy, &rep).remove(0)
+        };
+        assert_eq!(r(h3(50)).status, Status::Pass);
+        let bad = r(h3(500));
+        assert_eq!(bad.status, Status::Fail, "{bad:#?}");
+        assert!(
+            bad.evidence[0].detail.contains("received CE-marked 500 packets"),
+            "{bad:#?}"
+        );
+        assert!(bad.evidence[0].detail.contains("the wire shows 50"), "{bad:#?}");
+    }
+
     #[test]
     fn a_window_keeps_only_the_intervals_after_its_start() {
         let p = port("h1", PFC3, &[&[("rx_prio3_pause", 5)], &[("rx_prio3_pause", 7)]]);

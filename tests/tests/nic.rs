@@ -168,6 +168,30 @@ fn a_counter_a_port_does_not_have_is_not_available_with_its_reason() {
     assert_eq!(a.why, Missing::Unreadable);
     assert!(a.detail.as_deref().unwrap().contains("np_cnp_sent"), "{a:?}");
     assert!(r.values.contains_key(&id("rx_prio3_pause")));
+    // The IB port counters are read beside them, under their own names (a file there that
+    // does not read as a number is left out, not an error).
+    std::fs::write(
+        f.root()
+            .join("class/infiniband/mlx5_1/ports/1/counters/port_xmit_data"),
+        "4096\n",
+    )
+    .unwrap();
+    std::fs::write(
+        f.root()
+            .join("class/infiniband/mlx5_1/ports/1/counters/VL15_dropped"),
+        "N/A\n",
+    )
+    .unwrap();
+    let (_, r) = read_one(&root, "mlx1");
+    assert!(
+        r.other
+            .iter()
+            .any(|(_, n, v)| n == "counters/port_xmit_data" && *v == 4096),
+        "{:?}",
+        r.other
+    );
+    assert!(!r.other.iter().any(|(_, n, _)| n.contains("VL15")));
+    assert!(r.missing.values().all(|a| a.why != Missing::Unreadable));
 }
 
 /// Between reads: deltas over the real elapsed time, a 32-bit counter's wrap counted
