@@ -162,6 +162,9 @@ impl<T> Lane<T> {
     }
 }
 
+/// NIC records held at most (queued and in flight), whatever `--queue` says.
+pub(super) const MAX_NIC_HELD: usize = 4096;
+
 /// Observations and counter deltas for the collector (each kind bounded by `--queue`).
 pub(super) struct Outbox {
     obs: Lane<Observation>,
@@ -184,7 +187,9 @@ impl Outbox {
             obs: Lane::new(cap),
             counters: Lane::new(cap),
             health: Lane::new(cap),
-            nic: Lane::new(cap),
+            // A port's interval is a few kilobytes, not the few dozen bytes of the other
+            // records: ten minutes of a busy host's ports at most.
+            nic: Lane::new(cap.min(MAX_NIC_HELD)),
             connection: 0,
             connections: 0,
             ringbuf_drops: 0,
@@ -389,6 +394,26 @@ mod tests {
         assert_eq!(
             ob.obs.held,
             ob.obs.in_flight.iter().map(|f| f.records.len()).sum::<usize>()
+        );
+    }
+
+    /// NIC records are kilobytes each: their lane holds at most MAX_NIC_HELD whatever the
+    /// queue allows, the oldest dropped first.
+    #[test]
+    fn nic_records_are_bounded_apart_from_the_queue() {
+        let mut ob = Outbox::new(100_000);
+        for i in 0..(MAX_NIC_HELD as u64 + 500) {
+            ob.push_nic(NicDelta {
+                start_ns: i,
+                ..Default::default()
+            });
+        }
+        assert_eq!(ob.nic.queued.len(), MAX_NIC_HELD);
+        assert_eq!(ob.nic.stats.dropped, 500);
+        assert_eq!(
+            ob.nic.queued.front().map(|d| d.start_ns),
+            Some(500),
+            "the oldest went first"
         );
     }
 
