@@ -14,7 +14,8 @@ use bytes::BytesMut;
 use libfuzzer_sys::fuzz_target;
 use roce_trace::{
     observation::{
-        CounterDelta, Counts, FlowId, NicCounter, NicDelta, NicValue, Observation, PacketId, PointDecl, PointHealth,
+        CounterDelta, Counts, FlowId, NicCounter, NicDelta, NicValue, Observation, PacketId, PointDecl,
+        PointHealth,
     },
     protocol::{Decoder, Encoder, Frame, MAX_FRAME, ProbeHop, ProbeResult, ProtoError},
 };
