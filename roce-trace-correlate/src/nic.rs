@@ -174,6 +174,30 @@ impl NicTable {
         });
     }
 
+    /// Ports reporting NIC counters.
+    pub fn ports(&self) -> usize {
+        self.ports.len()
+    }
+
+    /// Ports whose NIC paused (per-priority pause frames or time, or storm events) in the
+    /// intervals kept — without building their reports.
+    pub fn paused_ports(&self) -> usize {
+        let pause = |name: &str| {
+            CounterId::parse(name).is_some_and(|id| {
+                id.kind.is_pause()
+                    || matches!(
+                        id.kind,
+                        roce_trace_common::nic::Kind::TxPauseStormWarning
+                            | roce_trace_common::nic::Kind::TxPauseStormError
+                    )
+            })
+        };
+        self.ports
+            .values()
+            .filter(|p| p.intervals.iter().any(|i| i.deltas.keys().any(|k| pause(k))))
+            .count()
+    }
+
     /// Every port, by node and interface.
     pub fn report(&self) -> Vec<NicPortReport> {
         self.ports

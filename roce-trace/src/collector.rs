@@ -1366,6 +1366,11 @@ struct MetricValues {
     agents: BTreeMap<String, bool>,
     /// Anomalies of the tracked flows by kind name.
     anomalies: BTreeMap<String, u64>,
+    /// NIC ports: reporting, paused in the intervals kept, refused past the table's bound,
+    /// and counters of kinds this collector does not know (every member hears every
+    /// node's NIC frames: merged, the most).
+    #[serde(default)]
+    nic: [u64; 4],
 }
 
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize, PartialEq)]
@@ -1396,6 +1401,12 @@ impl MetricValues {
                 .into_iter()
                 .map(|(k, v)| (k.name().to_owned(), v))
                 .collect(),
+            nic: [
+                s.nic.ports() as u64,
+                s.nic.paused_ports() as u64,
+                s.nic.refused,
+                s.nic.unknown_counters,
+            ],
         }
     }
 
@@ -1419,6 +1430,9 @@ impl MetricValues {
         }
         for (k, v) in &o.anomalies {
             *self.anomalies.entry(k.clone()).or_default() += v;
+        }
+        for (a, b) in self.nic.iter_mut().zip(o.nic) {
+            *a = (*a).max(b);
         }
     }
 
@@ -1519,6 +1533,26 @@ impl MetricValues {
             self.agents
                 .iter()
                 .map(|(node, c)| (labels(&[("node", node)]), u64::from(*c))),
+        );
+        m.gauge1(
+            "roce_trace_collector_nic_ports",
+            "Ports whose agents report NIC and PFC counters.",
+            self.nic[0],
+        );
+        m.gauge1(
+            "roce_trace_collector_nic_paused_ports",
+            "NIC ports that paused (PFC) in the last five minutes; their flows carry pfc_pause anomalies.",
+            self.nic[1],
+        );
+        m.counter1(
+            "roce_trace_collector_nic_ports_refused_total",
+            "NIC reports of ports past the 4,096 kept, refused.",
+            self.nic[2],
+        );
+        m.counter1(
+            "roce_trace_collector_nic_unknown_counters_total",
+            "NIC counters of kinds this collector does not know (a newer agent), skipped.",
+            self.nic[3],
         );
         m.gauge(
             "roce_trace_collector_anomalies",

@@ -492,6 +492,22 @@ pub fn exec_in(ns: &str, args: &[&str]) -> String {
     sh(&full)
 }
 
+/// Runs `f` on a thread that has entered the named network namespace (one a test did not
+/// create, such as a lab node's, is left as it is).
+pub fn in_netns<T: Send + 'static>(name: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let path = format!("/var/run/netns/{name}");
+    std::thread::spawn(move || {
+        let fd = std::fs::File::open(&path).unwrap();
+        use std::os::fd::AsRawFd;
+        // SAFETY: fd is an open netns file; setns affects only this thread.
+        let r = unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+        f()
+    })
+    .join()
+    .unwrap()
+}
+
 /// A network namespace this test created; deleted (with its veths) on drop.
 pub struct Netns {
     pub name: String,
@@ -514,17 +530,7 @@ impl Netns {
     /// Runs `f` on a thread that has entered this namespace (sockets opened there stay
     /// in it).
     pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let path = format!("/var/run/netns/{}", self.name);
-        std::thread::spawn(move || {
-            let fd = std::fs::File::open(&path).unwrap();
-            use std::os::fd::AsRawFd;
-            // SAFETY: fd is an open netns file; setns affects only this thread.
-            let r = unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
-            f()
-        })
-        .join()
-        .unwrap()
+        in_netns(&self.name, f)
     }
 }
 

@@ -2,8 +2,9 @@
 //! the NICs (there is no RDMA NIC here) on real lab ports, while real traffic crosses
 //! them. A pause storm on l2's port to spine 1 shows on exactly the flows that cross that
 //! port and fails `pfc.no_storm` naming it; h3's NIC claiming far more CNPs than the wire
-//! carries from h3 fails `nic.cnp_consistency` naming h3's port, while the CNPs h3 really
-//! sends (CE marks on l2's port to h3) are on the wire.
+//! carries from h3, and counting none of the CE marks the wire delivers to it, fails
+//! `nic.cnp_consistency` naming h3's port twice, while the CNPs h3 really sends (CE marks
+//! on l2's port to h3) are on the wire.
 
 use std::time::Duration;
 
@@ -173,8 +174,21 @@ fn a_pause_storm_and_nic_cnps_the_wire_does_not_show_are_told_with_the_flows() {
     let cnp = check("nic_cnp_consistency");
     assert_eq!(cnp["status"], "fail", "{cnp:#}");
     let ev = cnp["evidence"].as_array().unwrap();
-    assert_eq!(ev.len(), 1, "{cnp:#}");
-    assert_eq!(ev[0]["at"][0], format!("h3/{h3_if} (mlx5_0)").as_str());
+    // Two disagreements, both at h3's port: the CNPs its NIC claims, and the CE marks it
+    // did not count (the fixture's np_ecn_marked_roce_packets stays 0 while CE-marked data
+    // arrives).
+    assert_eq!(ev.len(), 2, "{cnp:#}");
+    assert!(
+        ev.iter()
+            .all(|e| e["at"][0] == format!("h3/{h3_if} (mlx5_0)").as_str()),
+        "{cnp:#}"
+    );
+    let ce_detail = ev[1]["detail"].as_str().unwrap();
+    assert!(
+        ce_detail.starts_with("the NIC received CE-marked 0 packets")
+            && ce_detail.contains("more CE marks on the wire"),
+        "{ce_detail}"
+    );
     let detail = ev[0]["detail"].as_str().unwrap();
     assert!(detail.contains("fewer on the wire"), "{detail}");
     // The wire did carry CNPs from h3: the NIC's claim is what disagrees, not silence.
@@ -186,6 +200,22 @@ fn a_pause_storm_and_nic_cnps_the_wire_does_not_show_are_told_with_the_flows() {
         .unwrap_or_else(|| panic!("{detail}"));
     assert!(wire > 0, "{detail}");
 
+    // The collector's metrics: two NIC ports, one of them paused.
+    let metrics = in_netns(&lab.0.ns("mgmt"), || {
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(HTTP).unwrap();
+        c.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut s = String::new();
+        c.read_to_string(&mut s).unwrap();
+        s
+    });
+    for line in [
+        "roce_trace_collector_nic_ports 2\n",
+        "roce_trace_collector_nic_paused_ports 1\n",
+    ] {
+        assert!(metrics.contains(line), "{line} in {metrics}");
+    }
     gen_report(sender);
     interrupt(resp);
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
