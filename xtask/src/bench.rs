@@ -177,8 +177,17 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
             1000,
         ),
     ];
-    println!("== datapath: BPF_PROG_TEST_RUN, {repeat} iterations per row (mean ns per packet)");
-    println!("{:<46} {:>8} {:>8}", "frame", "XDP ns", "TC ns");
+    println!(
+        "== datapath: BPF_PROG_TEST_RUN, {repeat} iterations per row, median of {RUNS} runs (mean ns per packet)"
+    );
+    println!(
+        "{:<46} {:>9} {:>7} {:>6} {:>9} {:>7} {:>6}",
+        "frame", "empty XDP", "XDP ns", "over", "empty TC", "TC ns", "over"
+    );
+    // The floor: a program of two instructions of each type, loaded by the bench itself,
+    // timed on the same frame in the same run — what any program costs under test run.
+    let empty_xdp = EmptyProg::load(BPF_PROG_TYPE_XDP, 2)?; // XDP_PASS
+    let empty_tc = EmptyProg::load(BPF_PROG_TYPE_SCHED_CLS, 0)?; // TC_ACT_OK
     for (name, frame, rate) in kinds {
         let mut t = ProgTest::new(&DatapathOptions {
             sample_rate: rate,
@@ -193,10 +202,16 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
         } else {
             repeat
         };
-        let xdp = t.time_xdp(&frame, n);
-        let _ = t.samples();
-        let tc = t.time_tc(&frame, n);
-        let _ = t.samples();
+        let (mut xs, mut ts, mut exs, mut ets) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..RUNS {
+            exs.push(empty_xdp.time(&frame, n)?);
+            xs.push(t.time_xdp(&frame, n).as_nanos() as u64);
+            let _ = t.samples();
+            ets.push(empty_tc.time(&frame, n)?);
+            ts.push(t.time_tc(&frame, n).as_nanos() as u64);
+            let _ = t.samples();
+        }
+        let (xdp, tc, exdp, etc) = (median(xs), median(ts), median(exs), median(ets));
         let drops = t
             .globals()
             .total(roce_trace_common::datapath::GlobalCounter::RingbufFull);
@@ -204,7 +219,16 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
             drops == 0,
             "{name}: {drops} ring-buffer drops would skew the figure"
         );
-        println!("{:<46} {:>8} {:>8}", name, xdp.as_nanos(), tc.as_nanos());
+        println!(
+            "{:<46} {:>9} {:>7} {:>+6} {:>9} {:>7} {:>+6}",
+            name,
+            exdp,
+            xdp,
+            xdp as i64 - exdp as i64,
+            etc,
+            tc,
+            tc as i64 - etc as i64
+        );
     }
     println!(
         "(each row repeats one frame: the request rows repeat a PSN after the first run, a\n \
@@ -212,6 +236,142 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
          rows are responses, in sequence: the fast path)"
     );
     Ok(())
+}
+
+/// Runs per row; the median is printed.
+const RUNS: usize = 3;
+
+fn median(mut v: Vec<u64>) -> u64 {
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+const BPF_PROG_LOAD: i64 = 5;
+const BPF_PROG_TEST_RUN: i64 = 10;
+const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+const BPF_PROG_TYPE_XDP: u32 = 6;
+
+/// `union bpf_attr` for BPF_PROG_LOAD, up to `expected_attach_type` (the kernel zeroes
+/// the rest).
+#[repr(C)]
+#[derive(Default)]
+struct ProgLoadAttr {
+    prog_type: u32,
+    insn_cnt: u32,
+    insns: u64,
+    license: u64,
+    log_level: u32,
+    log_size: u32,
+    log_buf: u64,
+    kern_version: u32,
+    prog_flags: u32,
+    prog_name: [u8; 16],
+    prog_ifindex: u32,
+    expected_attach_type: u32,
+}
+
+/// `union bpf_attr` for BPF_PROG_TEST_RUN.
+#[repr(C)]
+#[derive(Default)]
+struct TestRunAttr {
+    prog_fd: u32,
+    retval: u32,
+    data_size_in: u32,
+    data_size_out: u32,
+    data_in: u64,
+    data_out: u64,
+    repeat: u32,
+    duration: u32,
+    ctx_size_in: u32,
+    ctx_size_out: u32,
+    ctx_in: u64,
+    ctx_out: u64,
+    flags: u32,
+    cpu: u32,
+    batch_size: u32,
+    _pad: u32,
+}
+
+/// `r0 = ret; exit`: the cheapest program of a type.
+struct EmptyProg {
+    fd: std::os::fd::OwnedFd,
+    ret: i32,
+}
+
+impl EmptyProg {
+    fn load(prog_type: u32, ret: i32) -> anyhow::Result<Self> {
+        use std::os::fd::FromRawFd;
+        let mut insns = [0u8; 16];
+        insns[0] = 0xb7; // BPF_ALU64 | BPF_MOV | BPF_K, dst r0
+        insns[4..8].copy_from_slice(&ret.to_ne_bytes());
+        insns[8] = 0x95; // BPF_JMP | BPF_EXIT
+        let license = b"GPL\0";
+        let mut name = [0u8; 16];
+        name[..5].copy_from_slice(b"empty");
+        let attr = ProgLoadAttr {
+            prog_type,
+            insn_cnt: 2,
+            insns: insns.as_ptr() as u64,
+            license: license.as_ptr() as u64,
+            prog_name: name,
+            ..Default::default()
+        };
+        // SAFETY: bpf(2) reads `attr` (and the instructions and license it points at, all
+        // alive for the call) and returns a new descriptor or -1.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_PROG_LOAD,
+                &attr as *const ProgLoadAttr,
+                std::mem::size_of::<ProgLoadAttr>(),
+            )
+        };
+        ensure!(
+            fd >= 0,
+            "loading the empty program: {}",
+            std::io::Error::last_os_error()
+        );
+        // SAFETY: a descriptor bpf(2) just returned, owned by nothing else.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+        Ok(Self { fd, ret })
+    }
+
+    /// Mean ns per run over `repeat` runs on `frame`; checks the program said `ret`.
+    fn time(&self, frame: &[u8], repeat: u32) -> anyhow::Result<u64> {
+        use std::os::fd::AsRawFd;
+        let mut out = vec![0u8; frame.len() + 512];
+        let mut attr = TestRunAttr {
+            prog_fd: self.fd.as_raw_fd() as u32,
+            data_size_in: frame.len() as u32,
+            data_size_out: out.len() as u32,
+            data_in: frame.as_ptr() as u64,
+            data_out: out.as_mut_ptr() as u64,
+            repeat,
+            ..Default::default()
+        };
+        // SAFETY: bpf(2) reads and writes `attr`, reads `frame` and writes at most
+        // `data_size_out` bytes of `out`, all alive for the call.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_PROG_TEST_RUN,
+                &mut attr as *mut TestRunAttr,
+                std::mem::size_of::<TestRunAttr>(),
+            )
+        };
+        ensure!(
+            r == 0,
+            "test run of the empty program: {}",
+            std::io::Error::last_os_error()
+        );
+        ensure!(
+            attr.retval as i32 == self.ret,
+            "the empty program returned {} instead of {}",
+            attr.retval,
+            self.ret
+        );
+        Ok(attr.duration as u64)
+    }
 }
 
 fn gen_json(ns: &str, bin: &Path, args: &[&str]) -> anyhow::Result<Value> {
