@@ -11,7 +11,7 @@ use std::{
 use anyhow::{Context as _, bail, ensure};
 use roce_trace_common::{datapath::PROGRAMS, roce::op};
 use roce_trace_datapath::loader::DatapathOptions;
-use roce_trace_gen::frame::{RoceFrame, ext};
+use roce_trace_gen::frame::{RoceFrame, ethernet, ext};
 use roce_trace_lab::Lab;
 use roce_trace_tests::{ProgTest, VethPair};
 use serde_json::Value;
@@ -101,6 +101,9 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
         opcode,
         ..Default::default()
     };
+    // TCP: a RoCE-sized IPv4 frame whose protocol says TCP.
+    let mut tcp = f(op::SEND_ONLY).build();
+    tcp[14 + 9] = 6;
     let kinds: Vec<(&str, Vec<u8>, u32)> = vec![
         (
             "RC WRITE MIDDLE 1 KiB, not sampled",
@@ -172,6 +175,50 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
             RoceFrame {
                 udp_dport: 5000,
                 ..f(op::SEND_ONLY)
+            }
+            .build(),
+            1000,
+        ),
+        ("TCP (non-RoCE)", tcp, 1000),
+        (
+            "IPv6 UDP to another port (non-RoCE)",
+            RoceFrame {
+                src: "fd00::1".parse()?,
+                dst: "fd00::2".parse()?,
+                udp_dport: 5000,
+                ..f(op::SEND_ONLY)
+            }
+            .build(),
+            1000,
+        ),
+        (
+            "ARP (non-RoCE)",
+            ethernet(
+                [0xff; 6],
+                [2, 0, 0, 0, 0, 1],
+                &[],
+                0x0806,
+                &[0, 1, 8, 0, 6, 4, 0, 1],
+            ),
+            1000,
+        ),
+        (
+            "RC ACK, IPv6",
+            RoceFrame {
+                src: "fd00::1".parse()?,
+                dst: "fd00::2".parse()?,
+                ext: ext::aeth(0x1f, 1),
+                ..f(op::ACKNOWLEDGE)
+            }
+            .build(),
+            1000,
+        ),
+        (
+            "RC ACK, 802.1Q tagged (PCP 3)",
+            RoceFrame {
+                vlans: vec![(0x8100, 3 << 13 | 100)],
+                ext: ext::aeth(0x1f, 1),
+                ..f(op::ACKNOWLEDGE)
             }
             .build(),
             1000,
