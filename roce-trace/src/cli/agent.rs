@@ -175,14 +175,7 @@ pub(super) async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
             from: a.mirror_from,
             max_sessions: a.max_mirror_sessions,
         },
-        nic: match (a.no_nic, a.sysfs_root) {
-            (true, _) => None,
-            (false, Some(d)) => {
-                anyhow::ensure!(d.is_dir(), "--sysfs-root {}: not a directory", d.display());
-                Some(roce_trace::nic::Root::fixture(d))
-            }
-            (false, None) => Some(roce_trace::nic::Root::system()),
-        },
+        nic: nic_root(a.no_nic, a.sysfs_root)?,
     };
     let node = opts.node.clone();
     let collector = opts.collector.clone();

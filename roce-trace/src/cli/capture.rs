@@ -88,14 +88,7 @@ pub(super) fn run_capture(a: CaptureArgs, rt: &tokio::runtime::Runtime) -> anyho
         json_stdout: a.json,
         write: a.write,
         interval: a.interval,
-        nic: match (a.no_nic, a.sysfs_root) {
-            (true, _) => None,
-            (false, Some(d)) => {
-                anyhow::ensure!(d.is_dir(), "--sysfs-root {}: not a directory", d.display());
-                Some(roce_trace::nic::Root::fixture(d))
-            }
-            (false, None) => Some(roce_trace::nic::Root::system()),
-        },
+        nic: nic_root(a.no_nic, a.sysfs_root)?,
     };
     if let Some(path) = &a.read {
         capture_lib::run_offline(&opts, path)?;

@@ -253,6 +253,19 @@ pub fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
     verify::run_verify(a)
 }
 
+/// Where `capture` and `agent` read NIC counters: nowhere with `--no-nic`, a fixture tree
+/// with `--sysfs-root` (which must be a directory), else this host.
+fn nic_root(no_nic: bool, sysfs_root: Option<PathBuf>) -> anyhow::Result<Option<roce_trace::nic::Root>> {
+    Ok(match (no_nic, sysfs_root) {
+        (true, _) => None,
+        (false, Some(d)) => {
+            anyhow::ensure!(d.is_dir(), "--sysfs-root {}: not a directory", d.display());
+            Some(roce_trace::nic::Root::fixture(d))
+        }
+        (false, None) => Some(roce_trace::nic::Root::system()),
+    })
+}
+
 /// Ctrl-C or SIGTERM.
 async fn shutdown_signal() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
