@@ -20,7 +20,11 @@ use roce_trace::{
     datapath::{DatapathOptions, GlobalTotals},
     pcap::{CapturedFrame, Offline},
 };
-use roce_trace_common::datapath::*;
+use roce_trace_common::{
+    datapath::*,
+    parse::{SlicePacket, parse, surely_not_roce},
+    wire::ROCEV2_UDP_PORT,
+};
 use roce_trace_tests::{ProgTest, TC_ACT_UNSPEC, XDP_PASS};
 
 /// BPF_PROG_TEST_RUN takes at least an Ethernet header and at most about a page (less
@@ -134,10 +138,13 @@ fn host(frame: &[u8]) -> Outcome {
         },
         |s| samples.push(seen(s)),
     );
-    Outcome {
-        counters: moved(&GlobalTotals::default(), &off.globals, DIR_INGRESS),
-        samples,
-    }
+    // The kernel counts no non-RoCE frame (the interface's counters have them); the host
+    // pipeline does, and the target checks that apart (`fuzz_target!` below).
+    let counters = moved(&GlobalTotals::default(), &off.globals, DIR_INGRESS)
+        .into_iter()
+        .filter(|(c, _)| *c != GlobalCounter::NonRoce.name())
+        .collect();
+    Outcome { counters, samples }
 }
 
 fn kernel(k: &mut Kernel, frame: &[u8], hook: usize) -> Outcome {
@@ -203,6 +210,16 @@ fuzz_target!(|data: &[u8]| {
         return;
     }
     let want = host(&f);
+    // The kernel's first test lets by only what the parser calls non-RoCE: never a
+    // RoCEv2 packet, a mirrored copy or a frame whose failure is counted.
+    if surely_not_roce(&SlicePacket::new(&f), ROCEV2_UDP_PORT) {
+        assert_eq!(
+            parse(&SlicePacket::new(&f), ROCEV2_UDP_PORT),
+            Err(GlobalCounter::NonRoce),
+            "surely_not_roce let by a frame the parser does not call non-RoCE"
+        );
+        assert!(want.counters.is_empty() && want.samples.is_empty(), "{want:?}");
+    }
     KERNEL.with_borrow_mut(|k| {
         let k = k.get_or_insert_with(|| {
             let mut t = ProgTest::new(&options());

@@ -6,7 +6,7 @@ use crate::{
     datapath::*,
     parse::Parsed,
     roce::{self, AckKind, OP_CNP},
-    sampling::{identity_hash, identity_hash_v4},
+    sampling::{identity_finish, identity_flow_state, identity_flow_state_v4},
 };
 
 /// The flow key of a parsed packet at an observation point.
@@ -35,12 +35,13 @@ fn request_flags(opcode: u8) -> u8 {
         }
 }
 
-/// The state of a flow first seen with `p`.
+/// The state of a flow first seen with `p`, under `cfg`'s sampling.
 #[inline(always)]
-pub fn new_state(p: &Parsed) -> FlowState {
+pub fn new_state(p: &Parsed, cfg: &DatapathConfig) -> FlowState {
     let opcode = p.bth.opcode;
     FlowState {
         next_psn: (p.bth.psn() + 1) & roce::PSN_MASK,
+        sample_state: sample_state(p, cfg),
         first_dscp: p.dscp,
         flags: STATE_INIT
             | if roce::is_request(opcode) {
@@ -130,9 +131,32 @@ pub fn count(fc: &mut FlowCounters, p: &Parsed, frame_len: u32, now: u64, u: &St
     fc.last_ttl = p.ttl;
 }
 
-/// Why `p` must be reported (`REASON_*` bits; 0: it need not be).
+/// The identity hash's state for `p`'s flow (`FlowState::sample_state`): the rounds of
+/// the fields all its packets share. 0 when hash sampling is off.
 #[inline(always)]
-pub fn reasons(p: &Parsed, cfg: &DatapathConfig) -> u32 {
+pub fn sample_state(p: &Parsed, cfg: &DatapathConfig) -> u32 {
+    if cfg.sample_enabled == 0 {
+        return 0;
+    }
+    let qp = p.bth.dest_qp();
+    if p.ip_version == 4 {
+        identity_flow_state_v4(
+            cfg.v4_prefix_state,
+            words_of_addr(p.src)[3],
+            words_of_addr(p.dst)[3],
+            p.udp_sport,
+            p.udp_dport,
+            qp,
+        )
+    } else {
+        identity_flow_state(cfg.seed, &p.src, &p.dst, p.udp_sport, p.udp_dport, qp)
+    }
+}
+
+/// Why `p` must be reported (`REASON_*` bits; 0: it need not be). `flow_state`: the
+/// [`sample_state`] of `p`'s flow, as the flow's state keeps it.
+#[inline(always)]
+pub fn reasons(p: &Parsed, cfg: &DatapathConfig, flow_state: u32) -> u32 {
     let opcode = p.bth.opcode;
     let mut r = 0u32;
     if opcode == OP_CNP {
@@ -151,30 +175,7 @@ pub fn reasons(p: &Parsed, cfg: &DatapathConfig) -> u32 {
         r |= REASON_UNEXPECTED_DSCP;
     }
     if cfg.sample_enabled != 0 {
-        let (qp, psn) = (p.bth.dest_qp(), p.bth.psn());
-        let h = if p.ip_version == 4 {
-            identity_hash_v4(
-                cfg.v4_prefix_state,
-                words_of_addr(p.src)[3],
-                words_of_addr(p.dst)[3],
-                p.udp_sport,
-                p.udp_dport,
-                qp,
-                psn,
-                opcode,
-            )
-        } else {
-            identity_hash(
-                cfg.seed,
-                &p.src,
-                &p.dst,
-                p.udp_sport,
-                p.udp_dport,
-                qp,
-                psn,
-                opcode,
-            )
-        };
+        let h = identity_finish(flow_state, p.bth.psn(), opcode);
         if h <= cfg.sample_threshold {
             r |= REASON_HASH;
         }

@@ -241,6 +241,77 @@ pub fn parse_into<P: Packet>(
     parse_roce(p, off, l4_len, udp_port, 0, out)
 }
 
+/// Whether `p` is surely neither RoCEv2 nor a mirrored copy, judged from its first
+/// headers with loads and compares alone: the datapath's first test on every frame, before
+/// it touches a map. True exactly of frames [`parse_into`] gives up on as
+/// [`Skip::NonRoce`] at their first look: an EtherType that is neither IP, a tag nor
+/// RoCEv1 (after up to [`MAX_VLAN_DEPTH`] tags); IPv4 without options or IPv6 without
+/// extension headers carrying neither UDP nor GRE; UDP to another port. Everything else —
+/// options, extension headers, fragments, short or malformed headers — is left to the
+/// parser, which counts what it finds. The kernel counts none of the frames this is true
+/// of (the interface's own counters have them).
+#[inline(always)]
+pub fn surely_not_roce<P: Packet>(p: &P, udp_port: u16) -> bool {
+    let Some(eth) = p.header::<EthHdr>(0) else {
+        return false;
+    };
+    let mut ether_type = eth.ether_type();
+    let mut off = EthHdr::LEN;
+    for _ in 0..MAX_VLAN_DEPTH {
+        if ether_type != ETH_P_8021Q && ether_type != ETH_P_8021AD {
+            break;
+        }
+        let Some(tag) = p.header::<VlanHdr>(off) else {
+            return false;
+        };
+        ether_type = tag.ether_type();
+        off += VlanHdr::LEN;
+    }
+    let udp_off = match ether_type {
+        ETH_P_IPV4 => {
+            let Some(ip) = p.header::<Ipv4Hdr>(off) else {
+                return false;
+            };
+            // Version 4 without options, a total length that holds the header: else the
+            // parser has a failure to count.
+            if ip.version_ihl != 0x45 || (ip.tot_len() as usize) < Ipv4Hdr::LEN {
+                return false;
+            }
+            if ip.protocol != IPPROTO_UDP {
+                return ip.protocol != IPPROTO_GRE;
+            }
+            if ip.is_fragment() {
+                return false;
+            }
+            off + Ipv4Hdr::LEN
+        }
+        ETH_P_IPV6 => {
+            let Some(ip) = p.header::<Ipv6Hdr>(off) else {
+                return false;
+            };
+            if ip.version() != 6 {
+                return false;
+            }
+            match ip.next_hdr {
+                IPPROTO_UDP => off + Ipv6Hdr::LEN,
+                IPPROTO_GRE
+                | IPV6_EXT_HOP_BY_HOP
+                | IPV6_EXT_ROUTING
+                | IPV6_EXT_FRAGMENT
+                | IPV6_EXT_AUTH
+                | IPV6_EXT_DEST_OPTS => return false,
+                _ => return true,
+            }
+        }
+        ETH_P_8021Q | ETH_P_8021AD | ETH_P_ROCEV1 => return false,
+        _ => return true,
+    };
+    match p.header::<UdpHdr>(udp_off) {
+        Some(udp) => udp.dst_port() != udp_port,
+        None => false,
+    }
+}
+
 /// UDP(`udp_port`) at `off` of an IP payload of `l4_len` bytes, the BTH and extended
 /// headers. `base`: where `p` starts in the frame (a mirrored copy's inner frame), so the
 /// ICRC offset is the frame's.

@@ -5,14 +5,17 @@
 
 use std::{collections::HashMap, io};
 
-/// One interface's drop counters (running totals since it came up).
+/// One interface's packet and drop counters (running totals since it came up).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct IfDrops {
+    pub rx_packets: u64,
+    pub tx_packets: u64,
     pub rx_dropped: u64,
     pub tx_dropped: u64,
 }
 
-/// Parses `/proc/net/dev`: per interface name, the receive and transmit `drop` columns.
+/// Parses `/proc/net/dev`: per interface name, the receive and transmit `packets` and
+/// `drop` columns.
 /// Lines that do not parse are skipped (the two header lines among them).
 pub fn parse_proc_net_dev(text: &str) -> HashMap<String, IfDrops> {
     let mut m = HashMap::new();
@@ -32,6 +35,8 @@ pub fn parse_proc_net_dev(text: &str) -> HashMap<String, IfDrops> {
         m.insert(
             name.trim().to_owned(),
             IfDrops {
+                rx_packets: v[1],
+                tx_packets: v[9],
                 rx_dropped: v[3],
                 tx_dropped: v[11],
             },
@@ -156,11 +161,20 @@ mod tests {
         assert_eq!(
             m["s1"],
             IfDrops {
+                rx_packets: 432,
+                tx_packets: 789,
                 rx_dropped: 7,
                 tx_dropped: 3
             }
         );
-        assert_eq!(m["lo"], IfDrops::default());
+        assert_eq!(
+            m["lo"],
+            IfDrops {
+                rx_packets: 10,
+                tx_packets: 10,
+                ..Default::default()
+            }
+        );
     }
 
     /// One RTM_NEWQDISC message: interface, parent, and a TCA_STATS with `drops`.

@@ -352,7 +352,7 @@ impl Offline {
         let (state, counters) = self
             .flows
             .entry(key)
-            .or_insert_with(|| (account::new_state(&p), FlowCounters::default()));
+            .or_insert_with(|| (account::new_state(&p, &cfg), FlowCounters::default()));
         let update = if counters.counts.packets == 0 {
             account::StateUpdate::default()
         } else {
@@ -361,6 +361,7 @@ impl Offline {
         if update.psn_regression {
             g[GlobalCounter::PsnRegressions.index(dir) as usize] += 1;
         }
+        let flow_sample_state = state.sample_state;
         account::count(
             counters,
             &p,
@@ -375,7 +376,7 @@ impl Offline {
         if !icrc_ok {
             *e += 1;
         }
-        let reasons = account::reasons(&p, &cfg);
+        let reasons = account::reasons(&p, &cfg, flow_sample_state);
         if reasons != 0 {
             g[GlobalCounter::SamplesEmitted.index(dir) as usize] += 1;
             let mut s = Sample::default();

@@ -320,4 +320,10 @@ pub struct SummaryRecord {
     pub parse_failures: std::collections::BTreeMap<String, u64>,
     /// Every global counter, per direction.
     pub counters: std::collections::BTreeMap<String, std::collections::BTreeMap<String, u64>>,
+    /// Where a live capture's `frames_seen` and `non_roce` come from: `interface
+    /// counters` (the kernel counts no non-RoCE frame; these are the hooked interfaces'
+    /// packet counters over the capture, less the frames the datapath counted). Absent
+    /// when they are the parser's own counts (pcap input, exact).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frames_from: Option<String>,
 }

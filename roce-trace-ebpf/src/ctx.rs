@@ -126,30 +126,34 @@ pub struct TcPacket<'a> {
 const TC_PULL_LEN: u32 = 256;
 
 impl<'a> TcPacket<'a> {
-    /// The packet as TC sees it. Its headers are pulled into the linear area (a write:
-    /// `bpf_skb_pull_data` may copy the skb's head) only when they are not all there and
-    /// the packet may be ours: UDP to `udp_port`, GRE, or headers the linear area does not
-    /// hold far enough to tell. TCP and every other packet whose headers are linear (all
-    /// a host sends) are read as they are.
+    /// The packet as TC sees it: its linear area, read as it is.
     #[inline(always)]
-    pub fn new(ctx: &'a TcContext, udp_port: impl FnOnce() -> u16) -> Self {
-        let len = ctx.len();
-        let want = if len < TC_PULL_LEN { len } else { TC_PULL_LEN };
-        let mut p = Self {
+    pub fn new(ctx: &'a TcContext) -> Self {
+        Self {
             ctx,
             start: ctx.data(),
             end: ctx.data_end(),
             pulled: false,
-        };
-        if ((p.end - p.start) as u32) < want && p.may_be_ours(udp_port()) {
+        }
+    }
+
+    /// Pulls the headers into the linear area (a write: `bpf_skb_pull_data` may copy the
+    /// skb's head) only when they are not all there and the packet may be ours: UDP to
+    /// `udp_port`, GRE, or headers the linear area does not hold far enough to tell. TCP
+    /// and every other packet whose headers are linear (all a host sends) are read as
+    /// they are.
+    #[inline(always)]
+    pub fn pull_if_candidate(&mut self, udp_port: u16) {
+        let len = self.ctx.len();
+        let want = if len < TC_PULL_LEN { len } else { TC_PULL_LEN };
+        if ((self.end - self.start) as u32) < want && self.may_be_ours(udp_port) {
             // Linearises the headers without changing a byte. Whether it succeeds or not,
             // it invalidates packet pointers, so they are read after it.
-            let _ = ctx.pull_data(want);
-            p.start = ctx.data();
-            p.end = ctx.data_end();
-            p.pulled = true;
+            let _ = self.ctx.pull_data(want);
+            self.start = self.ctx.data();
+            self.end = self.ctx.data_end();
+            self.pulled = true;
         }
-        p
     }
 
     /// Whether the parser could take this packet for RoCEv2 or a mirrored copy, judged

@@ -24,7 +24,7 @@ use aya_ebpf::{
 use roce_trace_common::{
     account,
     datapath::*,
-    parse::{Packet, Parsed, load_icrc, parse_into},
+    parse::{Packet, Parsed, load_icrc, parse_into, surely_not_roce},
     scratch::Work,
 };
 
@@ -36,15 +36,17 @@ use crate::{
 #[xdp]
 pub fn roce_xdp(ctx: XdpContext) -> u32 {
     let pkt = XdpPacket::new(&ctx);
-    observe(&pkt, DIR_INGRESS, pkt.ifindex(), pkt.frame_len());
+    // Most frames are not RoCE: told from their first headers, before any map is
+    // touched, and not counted (the interface's own counters have them).
+    if !surely_not_roce(&pkt, CONFIG.field(|c| &c.udp_port)) {
+        observe(&pkt, DIR_INGRESS, pkt.ifindex(), pkt.frame_len());
+    }
     XDP_PASS
 }
 
 #[classifier]
 pub fn roce_tc(ctx: TcContext) -> i32 {
-    let pkt = TcPacket::new(&ctx, || CONFIG.load().udp_port);
-    observe(&pkt, DIR_EGRESS, pkt.ifindex(), pkt.frame_len());
-    count_pull(&pkt, DIR_EGRESS);
+    tc(&ctx, DIR_EGRESS);
     // UNSPEC: continue with the next program / the default action (tcx and clsact alike).
     TC_ACT_UNSPEC
 }
@@ -53,10 +55,22 @@ pub fn roce_tc(ctx: TcContext) -> i32 {
 /// XDP) or where the driver has no native XDP.
 #[classifier]
 pub fn roce_tc_in(ctx: TcContext) -> i32 {
-    let pkt = TcPacket::new(&ctx, || CONFIG.load().udp_port);
-    observe(&pkt, DIR_INGRESS, pkt.ifindex(), pkt.frame_len());
-    count_pull(&pkt, DIR_INGRESS);
+    tc(&ctx, DIR_INGRESS);
     TC_ACT_UNSPEC
+}
+
+/// Both TC hooks: a frame surely not RoCE goes by untouched (no pull, no map); any other
+/// has its headers pulled when they are not linear, and is observed.
+#[inline(always)]
+fn tc(ctx: &TcContext, dir: u8) {
+    let mut pkt = TcPacket::new(ctx);
+    let udp_port = CONFIG.field(|c| &c.udp_port);
+    if surely_not_roce(&pkt, udp_port) {
+        return;
+    }
+    pkt.pull_if_candidate(udp_port);
+    observe(&pkt, dir, pkt.ifindex(), pkt.frame_len());
+    count_pull(&pkt, dir);
 }
 
 /// Counts a packet whose headers TC had to pull into the skb's linear area (rare: only
@@ -89,6 +103,7 @@ static ZERO_COUNTERS: FlowCounters = FlowCounters {
     last_ns: 0,
     state: FlowState {
         next_psn: 0,
+        sample_state: 0,
         first_dscp: 0,
         flags: 0,
         _pad: [0; 2],
@@ -96,7 +111,7 @@ static ZERO_COUNTERS: FlowCounters = FlowCounters {
     last_dscp: 0,
     last_pcp: 0,
     last_ttl: 0,
-    _pad: [0; 5],
+    _pad: [0; 1],
 };
 
 /// This CPU's global counters (`CpuGlobals::counters`), passed down from `observe`.
@@ -167,6 +182,9 @@ fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
                 );
             }
         }
+        // Not counted, like the frames `surely_not_roce` let by (those the parser reaches
+        // only through tags, options or extension headers it had to walk).
+        Err(GlobalCounter::NonRoce) => {}
         Err(reason) => bump(&mut g.counters, reason, dir),
     }
 }
@@ -228,20 +246,24 @@ fn account(
         Some(slot) => slot_or_flows(unsafe { &mut *slot }, key, counters, cfg, dir, now),
         None => flows_entry(key, counters, dir),
     };
-    if let Some(c) = flow {
+    let flow_state = if let Some(c) = flow {
         // SAFETY: per-CPU map value: only this CPU writes this copy.
         let c = unsafe { &mut *c };
         let update = if account::in_sequence(&c.state, p) {
             account::update_state(&mut c.state, p)
         } else {
-            catch_up(&mut c.state, key, cfg.slot_bits, p)
+            catch_up(&mut c.state, key, cfg, p)
         };
         if update.psn_regression {
             bump(counters, GlobalCounter::PsnRegressions, dir);
         }
         account::count(c, p, frame_len, now, &update);
-    }
-    account::reasons(p, cfg)
+        c.state.sample_state
+    } else {
+        // No room for the flow: its hash state is computed for this packet alone.
+        account::sample_state(p, cfg)
+    };
+    account::reasons(p, cfg, flow_state)
 }
 
 /// A flow without its slot on this CPU: the slot is handed to it when free or idle for
@@ -329,7 +351,7 @@ fn flows_entry(key: &FlowKey, counters: &mut Counters, dir: u8) -> Option<*mut F
 /// last; when that is another CPU, its copy of the state is the flow's latest, so it is
 /// taken over before `p` is judged. The flow's first DSCP lives there too.
 #[inline(always)]
-fn catch_up(st: &mut FlowState, key: &FlowKey, slot_bits: u32, p: &Parsed) -> account::StateUpdate {
+fn catch_up(st: &mut FlowState, key: &FlowKey, cfg: &DatapathConfig, p: &Parsed) -> account::StateUpdate {
     // SAFETY: no preconditions.
     let cpu = unsafe { bpf_get_smp_processor_id() };
     let first_dscp = match FLOW_OWNER.get_ptr_mut(key) {
@@ -358,14 +380,14 @@ fn catch_up(st: &mut FlowState, key: &FlowKey, slot_bits: u32, p: &Parsed) -> ac
             if owner.cpu != cpu {
                 let left = owner.cpu;
                 owner.cpu = cpu;
-                take_over(st, key, slot_bits, left);
+                take_over(st, key, cfg.slot_bits, left);
                 st.first_dscp = owner.first_dscp;
             }
             owner.first_dscp
         }
     };
     if st.flags & STATE_INIT == 0 {
-        *st = account::new_state(p);
+        *st = account::new_state(p, cfg);
         st.first_dscp = first_dscp;
         return account::StateUpdate {
             dscp_changed: p.dscp != first_dscp,

@@ -1,7 +1,6 @@
 //! Every map and global of the datapath, each with its purpose.
 
 use aya_ebpf::{
-    Global,
     macros::map,
     maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
 };
@@ -9,7 +8,29 @@ use roce_trace_common::{datapath::*, scratch::Work};
 
 /// Load-time configuration (port, sampling, expected DSCPs), overridden by the loader.
 #[unsafe(no_mangle)]
-pub static CONFIG: Global<DatapathConfig> = Global::new(DatapathConfig::DEFAULT);
+pub static CONFIG: LoadTime<DatapathConfig> = LoadTime(DatapathConfig::DEFAULT);
+
+/// A global the loader overrides (`EbpfLoader::set_global`, in `.rodata`, frozen), read
+/// with volatile loads: a plain read of an immutable static would be folded to its
+/// initial value at compile time. One field at a time where one is all a packet needs
+/// (a whole `DatapathConfig` is eleven loads and as many stack stores).
+#[repr(transparent)]
+pub struct LoadTime<T>(T);
+
+impl<T: Copy> LoadTime<T> {
+    #[inline(always)]
+    pub fn load(&self) -> T {
+        // SAFETY: a valid, aligned static.
+        unsafe { core::ptr::read_volatile(&self.0) }
+    }
+
+    /// One field, chosen by `f` (`|c| &c.udp_port`).
+    #[inline(always)]
+    pub fn field<F: Copy>(&self, f: impl FnOnce(&T) -> &F) -> F {
+        // SAFETY: a reference to a field of a valid, aligned static.
+        unsafe { core::ptr::read_volatile(f(&self.0)) }
+    }
+}
 
 /// The flow table every packet looks in first: per CPU, direct-mapped by
 /// [`FlowKey::slot`], so a lookup is an index and six word compares. A flow finds its slot

@@ -170,6 +170,9 @@ pub async fn run(
     crate::sys::warn_kernel_bypass(&opts.ifaces);
     let mut dp = Datapath::load(&opts.datapath)?;
     let hooks = dp.attach_all(&opts.ifaces, opts.ingress, opts.egress)?;
+    // The kernel does not count non-RoCE frames: the summary takes every frame from the
+    // interfaces' own counters, read now and at the end.
+    let if_before = crate::netstat::read_if_drops();
     let names: HashMap<u32, String> = hooks.iter().map(|h| (h.ifindex, h.iface.clone())).collect();
     let name_of = |idx: u32| names.get(&idx).cloned().unwrap_or_else(|| idx.to_string());
 
@@ -279,10 +282,18 @@ pub async fn run(
         Some(w) => nic_tick(w, &flows, &prev, &mut out)?,
         None => Vec::new(),
     };
+    let if_frames = match (if_before, crate::netstat::read_if_drops()) {
+        (Ok(was), Ok(now)) => Some(interface_frames(&hooks, &was, &now)),
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::warn!("reading /proc/net/dev: {e}; the summary leaves non-RoCE frames out");
+            None
+        }
+    };
     let summary = summarize(
         &hooks,
         &recs,
         &globals,
+        if_frames,
         samples_received,
         started.elapsed(),
         stopped_by,
@@ -359,10 +370,39 @@ fn snapshot(
         .collect()
 }
 
+/// Frames the hooked interfaces counted between two reads of their counters, by
+/// direction (`[ingress, egress]`): received on the ingress hooks' interfaces, sent on the
+/// egress hooks'.
+fn interface_frames(
+    hooks: &[Attachment],
+    was: &HashMap<String, crate::netstat::IfDrops>,
+    now: &HashMap<String, crate::netstat::IfDrops>,
+) -> [u64; 2] {
+    let mut v = [0u64; 2];
+    for h in hooks {
+        let (Some(a), Some(b)) = (was.get(&h.iface), now.get(&h.iface)) else {
+            continue;
+        };
+        let (d, n) = if h.direction == DIR_EGRESS {
+            (1, b.tx_packets.saturating_sub(a.tx_packets))
+        } else {
+            (0, b.rx_packets.saturating_sub(a.rx_packets))
+        };
+        v[d] = v[d].saturating_add(n);
+    }
+    v
+}
+
+/// The summary record. `if_frames`: a live capture's frames by direction from the
+/// interfaces' counters (the kernel counts no non-RoCE frame); `frames_seen` is then that
+/// and `non_roce` what it holds beyond the frames the datapath counted. `None` (pcap
+/// input): both as the parser counted them, exact.
+#[expect(clippy::too_many_arguments, reason = "one record from the capture's parts")]
 pub(crate) fn summarize(
     hooks: &[Attachment],
     recs: &[FlowRecord],
     g: &GlobalTotals,
+    if_frames: Option<[u64; 2]>,
     samples_received: u64,
     elapsed: Duration,
     stopped_by: &str,
@@ -374,6 +414,15 @@ pub(crate) fn summarize(
         let mut m = BTreeMap::new();
         for c in GlobalCounter::ALL {
             m.insert(c.name().to_owned(), g.get(c, dir));
+        }
+        if let Some(f) = if_frames {
+            let frames = f[dir as usize];
+            let counted = g.get(GlobalCounter::FramesSeen, dir);
+            m.insert(GlobalCounter::FramesSeen.name().to_owned(), frames.max(counted));
+            m.insert(
+                GlobalCounter::NonRoce.name().to_owned(),
+                frames.saturating_sub(counted),
+            );
         }
         counters.insert(name.to_owned(), m);
     }
@@ -400,6 +449,7 @@ pub(crate) fn summarize(
         ringbuf_drops: g.total(GlobalCounter::RingbufFull),
         parse_failures,
         counters,
+        frames_from: if_frames.map(|_| "interface counters".to_owned()),
     }
 }
 
@@ -576,6 +626,11 @@ pub(crate) fn print_summary(s: &SummaryRecord) {
             m[GlobalCounter::NonRoce.name()]
         ));
     }
+    if let Some(from) = &s.frames_from {
+        out.push_str(&format!(
+            "  (frames and non-roce from the {from}: the datapath counts no non-RoCE frame)\n"
+        ));
+    }
     print!("{out}");
 }
 
@@ -683,6 +738,7 @@ pub fn run_offline(opts: &CaptureOptions, path: &std::path::Path) -> anyhow::Res
         &hooks,
         &recs,
         &off.globals,
+        None,
         samples,
         started.elapsed(),
         "end of input",

@@ -441,3 +441,114 @@ mod mirrored {
         assert_eq!(p(&nested), Err(Skip::NonRoce));
     }
 }
+
+/// The kernel's first test on every frame lets by only what the parser calls non-RoCE,
+/// and lets by the plain non-RoCE frames: checked on frames of every shape (tags, IPv6,
+/// options, mirrors, other protocols and ports) and on each of them with bytes changed
+/// and cut short — a RoCEv2 packet or a counted failure let by would vanish from every
+/// count.
+#[test]
+fn the_first_test_lets_by_only_what_the_parser_calls_non_roce() {
+    use roce_trace::frame::Mirror;
+    use roce_trace_common::parse::surely_not_roce;
+    let v6 = |mut s: RoceFrame| {
+        s.src = "fd00::1".parse().unwrap();
+        s.dst = "fd00::2".parse().unwrap();
+        s
+    };
+    let send = RoceFrame {
+        opcode: op::SEND_ONLY,
+        payload: vec![7; 64],
+        ..Default::default()
+    };
+    let mut shapes: Vec<Vec<u8>> = vec![
+        send.build(),
+        v6(send.clone()).build(),
+        RoceFrame {
+            vlans: vec![(ETH_P_8021Q, 3 << 13 | 100)],
+            ..send.clone()
+        }
+        .build(),
+        RoceFrame {
+            vlans: vec![(ETH_P_8021AD, 10), (ETH_P_8021Q, 100)],
+            ..v6(send.clone())
+        }
+        .build(),
+        RoceFrame {
+            ipv4_options: vec![1, 1, 1, 1],
+            ..send.clone()
+        }
+        .build(),
+        RoceFrame {
+            udp_dport: 53,
+            ..send.clone()
+        }
+        .build(),
+        RoceFrame {
+            udp_dport: 53,
+            ..v6(send.clone())
+        }
+        .build(),
+        Mirror::ErspanII {
+            session: 1,
+            seq: 1,
+            index: 1,
+        }
+        .encapsulate(
+            "198.51.100.7".parse().unwrap(),
+            "198.51.100.1".parse().unwrap(),
+            &send.build(),
+        ),
+        ethernet([0xff; 6], [2; 6], &[], 0x0806, &[0, 1, 8, 0, 6, 4, 0, 1]),
+    ];
+    for proto in [6u8, 1, 47, 17] {
+        let mut f = send.build();
+        f[14 + 9] = proto;
+        shapes.push(f);
+        let mut f = v6(send.clone()).build();
+        f[14 + 6] = proto;
+        shapes.push(f);
+    }
+    let mut x = 0x2545_f491u32;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        x
+    };
+    let (mut let_by, mut checked) = (0, 0);
+    let mut check = |f: &[u8]| {
+        checked += 1;
+        if surely_not_roce(&SlicePacket::new(f), ROCEV2_UDP_PORT) {
+            let_by += 1;
+            assert_eq!(p(f).err(), Some(Skip::NonRoce), "let by: {f:02x?}");
+        }
+    };
+    for s in &shapes {
+        check(s);
+        for _ in 0..3000 {
+            let mut f = s.clone();
+            // Change one to three bytes among the first 80 (every header the test reads).
+            for _ in 0..1 + next() % 3 {
+                let at = next() as usize % f.len().min(80);
+                f[at] = next() as u8;
+            }
+            if next() % 4 == 0 {
+                f.truncate(next() as usize % f.len());
+            }
+            check(&f);
+        }
+    }
+    // The plain non-RoCE shapes are let by (the point of the test: they cost nothing).
+    for (i, f) in shapes.iter().enumerate() {
+        let plain = p(f).err() == Some(Skip::NonRoce)
+            && !matches!(u16::from_be_bytes([f[12], f[13]]), ETH_P_8021Q | ETH_P_8021AD)
+            && !(f[12] == 8 && f[13] == 0 && f[14] != 0x45);
+        assert_eq!(
+            surely_not_roce(&SlicePacket::new(f), ROCEV2_UDP_PORT),
+            plain,
+            "shape {i}: {f:02x?}"
+        );
+    }
+    assert!(let_by > 1000 && checked > 40_000, "{let_by} of {checked} let by");
+}

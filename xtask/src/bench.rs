@@ -94,104 +94,122 @@ pub fn run(which: &str, repeat: u32) -> anyhow::Result<()> {
     }
 }
 
-/// Datapath cost per packet: the real object under BPF_PROG_TEST_RUN with `repeat`, so
-/// the kernel times only the program (no syscall per packet).
+/// The path a bench row's frames must take through the datapath, checked from the global
+/// counters, the flow table and the samples after the row: a figure is printed only for
+/// the path it claims to time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Taken {
+    /// Let by as not RoCE: no counter moves, no flow, no sample.
+    NotRoce,
+    /// RoCEv2 in sequence (a response, or requests with increasing PSNs): no PSN
+    /// regression or gap; exactly the samples the identity hash selects.
+    InSequence,
+    /// One request PSN repeated: every packet after the first a regression (the
+    /// retransmission path).
+    Retransmission,
+    /// Every packet reported (CNPs, rate 1).
+    EveryPacketReported,
+    /// A mirrored copy (ERSPAN), counted as RoCEv2 and as mirrored.
+    Mirrored,
+}
+
+/// One row: a frame repeated in the kernel (`repeat`), or a stream of frames with
+/// increasing PSNs, one test run each.
+struct Row {
+    name: &'static str,
+    frames: Vec<Vec<u8>>,
+    /// What the frames are as RoCE (for the expected samples); `None` when not RoCE.
+    specs: Vec<RoceFrame>,
+    rate: u32,
+    path: Taken,
+}
+
+/// Datapath cost per packet: the real object under BPF_PROG_TEST_RUN, beside an empty
+/// program of each type on the same frames in the same run.
 fn datapath(repeat: u32) -> anyhow::Result<()> {
     let f = |opcode| RoceFrame {
         opcode,
         ..Default::default()
     };
+    let write = || RoceFrame {
+        payload: vec![0; 1024],
+        ..f(op::WRITE_MIDDLE)
+    };
+    let ack = || RoceFrame {
+        ext: ext::aeth(0x1f, 1),
+        ..f(op::ACKNOWLEDGE)
+    };
+    let v6 = |r: RoceFrame| RoceFrame {
+        src: "fd00::1".parse().unwrap(),
+        dst: "fd00::2".parse().unwrap(),
+        ..r
+    };
+    let one = |name, spec: RoceFrame, rate, path| Row {
+        name,
+        frames: vec![spec.build()],
+        specs: vec![spec],
+        rate,
+        path,
+    };
+    let raw = |name, frame: Vec<u8>| Row {
+        name,
+        frames: vec![frame],
+        specs: Vec::new(),
+        rate: 1000,
+        path: Taken::NotRoce,
+    };
+    // A stream: `STREAM` requests of one QP with increasing PSNs.
+    let stream = |name, spec: RoceFrame, rate| {
+        let specs: Vec<RoceFrame> = (0..STREAM)
+            .map(|i| RoceFrame {
+                psn: i,
+                ..spec.clone()
+            })
+            .collect();
+        Row {
+            name,
+            frames: specs.iter().map(RoceFrame::build).collect(),
+            specs,
+            rate,
+            path: Taken::InSequence,
+        }
+    };
     // TCP: a RoCE-sized IPv4 frame whose protocol says TCP.
     let mut tcp = f(op::SEND_ONLY).build();
     tcp[14 + 9] = 6;
-    let kinds: Vec<(&str, Vec<u8>, u32)> = vec![
-        (
-            "RC WRITE MIDDLE 1 KiB, not sampled",
-            RoceFrame {
-                payload: vec![0; 1024],
-                ..f(op::WRITE_MIDDLE)
-            }
-            .build(),
-            0,
-        ),
-        (
-            "RC WRITE MIDDLE 1 KiB, 1 in 1000",
-            RoceFrame {
-                payload: vec![0; 1024],
-                ..f(op::WRITE_MIDDLE)
-            }
-            .build(),
-            1000,
-        ),
-        (
-            "RC WRITE MIDDLE 1 KiB, every packet sampled",
-            RoceFrame {
-                payload: vec![0; 1024],
-                ..f(op::WRITE_MIDDLE)
-            }
-            .build(),
-            1,
-        ),
-        (
-            "RC ACK (AETH)",
-            RoceFrame {
-                ext: ext::aeth(0x1f, 1),
-                ..f(op::ACKNOWLEDGE)
-            }
-            .build(),
-            1000,
-        ),
-        (
-            "CNP (always reported)",
-            RoceFrame {
-                opcode: 0x81,
-                dscp: 48,
-                ext: ext::cnp(),
-                ..Default::default()
-            }
-            .build(),
-            1000,
-        ),
-        (
-            "ERSPAN II mirrored WRITE MIDDLE, 1 in 1000",
-            roce_trace_gen::frame::Mirror::ErspanII {
-                session: 1,
-                seq: 1,
-                index: 1,
-            }
-            .encapsulate(
-                "198.51.100.7".parse()?,
-                "198.51.100.1".parse()?,
-                &RoceFrame {
-                    payload: vec![0; 1024],
-                    ..f(op::WRITE_MIDDLE)
-                }
-                .build(),
-            ),
-            1000,
-        ),
-        (
+    let mut tagged_tcp = RoceFrame {
+        vlans: vec![(0x8100, 3 << 13 | 100)],
+        ..f(op::SEND_ONLY)
+    }
+    .build();
+    tagged_tcp[18 + 9] = 6;
+    let mirrored = roce_trace_gen::frame::Mirror::ErspanII {
+        session: 1,
+        seq: 1,
+        index: 1,
+    }
+    .encapsulate("198.51.100.7".parse()?, "198.51.100.1".parse()?, &write().build());
+    let rows = vec![
+        raw("TCP (non-RoCE)", tcp),
+        one(
             "UDP to another port (non-RoCE)",
             RoceFrame {
                 udp_dport: 5000,
                 ..f(op::SEND_ONLY)
-            }
-            .build(),
+            },
             1000,
+            Taken::NotRoce,
         ),
-        ("TCP (non-RoCE)", tcp, 1000),
-        (
+        one(
             "IPv6 UDP to another port (non-RoCE)",
-            RoceFrame {
-                src: "fd00::1".parse()?,
-                dst: "fd00::2".parse()?,
+            v6(RoceFrame {
                 udp_dport: 5000,
                 ..f(op::SEND_ONLY)
-            }
-            .build(),
+            }),
             1000,
+            Taken::NotRoce,
         ),
-        (
+        raw(
             "ARP (non-RoCE)",
             ethernet(
                 [0xff; 6],
@@ -200,88 +218,327 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
                 0x0806,
                 &[0, 1, 8, 0, 6, 4, 0, 1],
             ),
-            1000,
         ),
-        (
-            "RC ACK, IPv6",
-            RoceFrame {
-                src: "fd00::1".parse()?,
-                dst: "fd00::2".parse()?,
-                ext: ext::aeth(0x1f, 1),
-                ..f(op::ACKNOWLEDGE)
-            }
-            .build(),
-            1000,
-        ),
-        (
+        raw("TCP, 802.1Q tagged (non-RoCE)", tagged_tcp),
+        one("RC ACK (AETH)", ack(), 1000, Taken::InSequence),
+        one("RC ACK, IPv6", v6(ack()), 1000, Taken::InSequence),
+        one(
             "RC ACK, 802.1Q tagged (PCP 3)",
             RoceFrame {
                 vlans: vec![(0x8100, 3 << 13 | 100)],
-                ext: ext::aeth(0x1f, 1),
-                ..f(op::ACKNOWLEDGE)
-            }
-            .build(),
+                ..ack()
+            },
             1000,
+            Taken::InSequence,
         ),
+        one(
+            "CNP (always reported)",
+            RoceFrame {
+                opcode: 0x81,
+                dscp: 48,
+                ext: ext::cnp(),
+                ..Default::default()
+            },
+            1000,
+            Taken::EveryPacketReported,
+        ),
+        one(
+            "RC WRITE MIDDLE 1 KiB, every packet sampled",
+            write(),
+            1,
+            Taken::EveryPacketReported,
+        ),
+        one(
+            "RC WRITE MIDDLE 1 KiB, one PSN repeated",
+            write(),
+            0,
+            Taken::Retransmission,
+        ),
+        Row {
+            name: "ERSPAN II mirrored WRITE MIDDLE, 1 in 1000",
+            frames: vec![mirrored],
+            specs: vec![write()],
+            rate: 1000,
+            path: Taken::Mirrored,
+        },
     ];
+    let streams = vec![
+        raw("TCP (non-RoCE)", f(op::SEND_ONLY).build()).tcp(),
+        one("RC ACK (AETH)", ack(), 1000, Taken::InSequence),
+        stream("RC WRITE MIDDLE 1 KiB, in sequence, not sampled", write(), 0),
+        stream("RC WRITE MIDDLE 1 KiB, in sequence, 1 in 1000", write(), 1000),
+        stream("RC WRITE MIDDLE 1 KiB, IPv6, in sequence, 1 in 1000", v6(write()), 1000),
+    ];
+    // The floor: a program of two instructions of each type, loaded by the bench itself,
+    // timed on the same frames in the same run — what any program costs under test run.
+    let empty_xdp = EmptyProg::load(BPF_PROG_TYPE_XDP, 2)?; // XDP_PASS
+    let empty_tc = EmptyProg::load(BPF_PROG_TYPE_SCHED_CLS, 0)?; // TC_ACT_OK
     println!(
         "== datapath: BPF_PROG_TEST_RUN, {repeat} iterations per row, median of {RUNS} runs (mean ns per packet)"
     );
-    println!(
-        "{:<46} {:>9} {:>7} {:>6} {:>9} {:>7} {:>6}",
-        "frame", "empty XDP", "XDP ns", "over", "empty TC", "TC ns", "over"
-    );
-    // The floor: a program of two instructions of each type, loaded by the bench itself,
-    // timed on the same frame in the same run — what any program costs under test run.
-    let empty_xdp = EmptyProg::load(BPF_PROG_TYPE_XDP, 2)?; // XDP_PASS
-    let empty_tc = EmptyProg::load(BPF_PROG_TYPE_SCHED_CLS, 0)?; // TC_ACT_OK
-    for (name, frame, rate) in kinds {
+    print_header();
+    for r in &rows {
         let mut t = ProgTest::new(&DatapathOptions {
-            sample_rate: rate,
+            sample_rate: r.rate,
             ..Default::default()
         });
         // A full ring is cheaper than a real sample and would flatter the numbers: when
         // every packet is emitted, run few enough that the 4 MiB ring of 264-byte samples
         // never fills.
-        let every_packet_emitted = rate == 1 || name.contains("always reported");
-        let n = if every_packet_emitted {
+        let n = if r.path == Taken::EveryPacketReported {
             repeat.min(12_000)
         } else {
             repeat
         };
+        let frame = &r.frames[0];
         let (mut xs, mut ts, mut exs, mut ets) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut sampled = 0u64;
         for _ in 0..RUNS {
-            exs.push(empty_xdp.time(&frame, n)?);
-            xs.push(t.time_xdp(&frame, n).as_nanos() as u64);
-            let _ = t.samples();
-            ets.push(empty_tc.time(&frame, n)?);
-            ts.push(t.time_tc(&frame, n).as_nanos() as u64);
-            let _ = t.samples();
+            exs.push(empty_xdp.time(frame, n)?);
+            xs.push(t.time_xdp(frame, n).as_nanos() as u64);
+            sampled += t.samples().len() as u64;
+            ets.push(empty_tc.time(frame, n)?);
+            ts.push(t.time_tc(frame, n).as_nanos() as u64);
+            sampled += t.samples().len() as u64;
         }
-        let (xdp, tc, exdp, etc) = (median(xs), median(ts), median(exs), median(ets));
-        let drops = t
-            .globals()
-            .total(roce_trace_common::datapath::GlobalCounter::RingbufFull);
-        ensure!(
-            drops == 0,
-            "{name}: {drops} ring-buffer drops would skew the figure"
-        );
-        println!(
-            "{:<46} {:>9} {:>7} {:>+6} {:>9} {:>7} {:>+6}",
-            name,
-            exdp,
-            xdp,
-            xdp as i64 - exdp as i64,
-            etc,
-            tc,
-            tc as i64 - etc as i64
-        );
+        // Each run counts the frame `n` times (plus one untimed warm-up run the kernel
+        // does not make: BPF_PROG_TEST_RUN runs exactly `repeat` times).
+        check_path(&t, r, u64::from(n) * RUNS as u64, sampled)?;
+        print_row(r.name, [median(exs), median(xs), median(ets), median(ts)]);
     }
     println!(
-        "(each row repeats one frame: the request rows repeat a PSN after the first run, a\n \
-         retransmission, so they time the path off the in-sequence fast path; ACK and CNP\n \
-         rows are responses, in sequence: the fast path)"
+        "== streams: one BPF_PROG_TEST_RUN per packet ({STREAM} packets, increasing PSNs),\n   \
+         median of {RUNS} runs; each figure includes one clock read the repeated rows share\n   \
+         over a million runs, so compare a row with its own empty program, and the ACK and\n   \
+         TCP rows with theirs above"
     );
+    print_header();
+    for r in &streams {
+        let mut t = ProgTest::new(&DatapathOptions {
+            sample_rate: r.rate,
+            ..Default::default()
+        });
+        let (mut xs, mut ts, mut exs, mut ets) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut sampled = 0u64;
+        let frames: Vec<&Vec<u8>> = if r.frames.len() == 1 {
+            std::iter::repeat_n(&r.frames[0], STREAM as usize).collect()
+        } else {
+            r.frames.iter().collect()
+        };
+        for run in 0..RUNS {
+            // Each run continues the sequence: the next run's PSNs follow on (a stream
+            // row's frames are rebuilt with PSNs shifted by the run).
+            let shifted: Vec<Vec<u8>> = if r.frames.len() > 1 {
+                r.specs
+                    .iter()
+                    .map(|s| {
+                        RoceFrame {
+                            psn: s.psn + run as u32 * STREAM,
+                            ..s.clone()
+                        }
+                        .build()
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let frames: Vec<&Vec<u8>> = if shifted.is_empty() {
+                frames.clone()
+            } else {
+                shifted.iter().collect()
+            };
+            let (mut x, mut tc, mut ex, mut etc) = (0u64, 0u64, 0u64, 0u64);
+            for fr in &frames {
+                ex += empty_xdp.time(fr, 1)?;
+                x += t.time_xdp(fr, 1).as_nanos() as u64;
+                etc += empty_tc.time(fr, 1)?;
+                tc += t.time_tc(fr, 1).as_nanos() as u64;
+            }
+            sampled += t.samples().len() as u64;
+            let k = frames.len() as u64;
+            exs.push(ex / k);
+            xs.push(x / k);
+            ets.push(etc / k);
+            ts.push(tc / k);
+        }
+        let all = Row {
+            name: r.name,
+            frames: Vec::new(),
+            specs: (0..RUNS as u32)
+                .flat_map(|run| {
+                    r.specs.iter().map(move |s| RoceFrame {
+                        psn: if r.frames.len() > 1 {
+                            s.psn + run * STREAM
+                        } else {
+                            s.psn
+                        },
+                        ..s.clone()
+                    })
+                })
+                .collect(),
+            rate: r.rate,
+            path: r.path,
+        };
+        check_path(&t, &all, STREAM as u64 * RUNS as u64, sampled)?;
+        print_row(r.name, [median(exs), median(xs), median(ets), median(ts)]);
+    }
+    println!(
+        "(repeated rows: one frame run `repeat` times in the kernel, cache-hot; the RC WRITE\n \
+         row that repeats one PSN times the retransmission path. Every row checked the path\n \
+         it took: not-RoCE rows moved no counter, in-sequence rows no PSN regression or gap\n \
+         and exactly the samples the identity hash selects, and so on.)"
+    );
+    verifier_stats()
+}
+
+/// Packets in a stream row.
+const STREAM: u32 = 100_000;
+
+impl Row {
+    /// This row's frame as TCP (protocol 6 in its IPv4 header).
+    fn tcp(mut self) -> Self {
+        self.frames[0][14 + 9] = 6;
+        self
+    }
+}
+
+fn print_header() {
+    println!(
+        "{:<52} {:>9} {:>7} {:>6} {:>9} {:>7} {:>6}",
+        "frame", "empty XDP", "XDP ns", "over", "empty TC", "TC ns", "over"
+    );
+}
+
+/// `[empty XDP, XDP, empty TC, TC]`.
+fn print_row(name: &str, [exdp, xdp, etc, tc]: [u64; 4]) {
+    println!(
+        "{:<52} {:>9} {:>7} {:>+6} {:>9} {:>7} {:>+6}",
+        name,
+        exdp,
+        xdp,
+        xdp as i64 - exdp as i64,
+        etc,
+        tc,
+        tc as i64 - etc as i64
+    );
+}
+
+/// Checks that a row's `per_hook` packets on each of XDP (ingress) and TC (egress) took
+/// the path the row claims; `sampled`: the samples read after it (both hooks).
+fn check_path(t: &ProgTest, r: &Row, per_hook: u64, sampled: u64) -> anyhow::Result<()> {
+    use roce_trace_common::datapath::{DIR_EGRESS, DIR_INGRESS, GlobalCounter as G};
+    let g = t.globals();
+    let flows = t.flows();
+    let name = r.name;
+    ensure!(g.total(G::RingbufFull) == 0, "{name}: ring-buffer drops would skew the figure");
+    let both = 2 * per_hook;
+    match r.path {
+        Taken::NotRoce => {
+            ensure!(
+                g.total(G::FramesSeen) == 0 && flows.is_empty() && sampled == 0,
+                "{name}: a non-RoCE frame moved a counter or made a flow ({} frames counted, {} flows)",
+                g.total(G::FramesSeen),
+                flows.len()
+            );
+            return Ok(());
+        }
+        Taken::Mirrored => ensure!(
+            g.total(G::Mirrored) == both,
+            "{name}: {} of {both} counted mirrored",
+            g.total(G::Mirrored)
+        ),
+        _ => {}
+    }
+    ensure!(
+        g.total(G::RoceV2) == both,
+        "{name}: {} of {both} counted RoCEv2",
+        g.total(G::RoceV2)
+    );
+    for dir in [DIR_INGRESS, DIR_EGRESS] {
+        let regressions = g.get(G::PsnRegressions, dir);
+        let gaps: u64 = flows
+            .iter()
+            .filter(|(k, _)| k.direction == dir)
+            .map(|(_, c)| c.counts.psn_gaps)
+            .sum();
+        // One request frame run over and over: every packet after the first goes back.
+        let repeated_request = r.frames.len() == 1
+            && r.specs.first().is_some_and(|s| roce_trace_common::roce::is_request(s.opcode));
+        ensure!(
+            repeated_request || r.path != Taken::Retransmission,
+            "{name}: a retransmission row must repeat one request"
+        );
+        let want = if repeated_request { per_hook - 1 } else { 0 };
+        ensure!(
+            regressions == want && gaps == 0,
+            "{name}: {regressions} PSN regressions (want {want}) and {gaps} gaps: not the path it claims"
+        );
+    }
+    let expected = match r.path {
+        Taken::EveryPacketReported => both,
+        _ => {
+            let th = roce_trace_common::sampling::threshold_for_rate(r.rate);
+            let cfg = DatapathOptions {
+                sample_rate: r.rate,
+                ..Default::default()
+            }
+            .config()?;
+            // Each hook sees every spec `per_hook / specs` times.
+            let per_spec = per_hook / r.specs.len() as u64;
+            2 * per_spec
+                * r.specs
+                    .iter()
+                    .filter(|s| th.is_some_and(|th| identity(cfg.seed, s) <= th))
+                    .count() as u64
+        }
+    };
+    ensure!(
+        sampled == expected && g.total(G::SamplesEmitted) == expected,
+        "{name}: {sampled} samples, {} emitted; the identity hash selects {expected}",
+        g.total(G::SamplesEmitted)
+    );
+    Ok(())
+}
+
+/// The identity hash of a frame as built from `s`, computed apart from the datapath.
+fn identity(seed: u32, s: &RoceFrame) -> u32 {
+    let m = |a: std::net::IpAddr| match a {
+        std::net::IpAddr::V4(a) => a.to_ipv6_mapped().octets(),
+        std::net::IpAddr::V6(a) => a.octets(),
+    };
+    roce_trace_common::sampling::identity_hash(
+        seed,
+        &m(s.src),
+        &m(s.dst),
+        s.udp_sport,
+        s.udp_dport,
+        s.dest_qp,
+        s.psn,
+        s.opcode,
+    )
+}
+
+/// The verifier's figures for each program: instructions it processed (every path it
+/// walked) and the program's size after its rewrites and after the JIT.
+fn verifier_stats() -> anyhow::Result<()> {
+    let mut t = ProgTest::new(&DatapathOptions::default());
+    println!("== verifier: instructions processed / translated / JIT bytes");
+    for (name, info) in [
+        ("XDP", t.dp.xdp()?.info()?),
+        ("TC egress", t.dp.tc(roce_trace_common::datapath::PROG_TC)?.info()?),
+        (
+            "TC ingress",
+            t.dp.tc(roce_trace_common::datapath::PROG_TC_INGRESS)?.info()?,
+        ),
+    ] {
+        println!(
+            "{:<12} {:>8} processed {:>6} insns {:>7} JIT bytes",
+            name,
+            info.verified_instruction_count().unwrap_or(0),
+            info.size_translated().unwrap_or(0) / 8,
+            info.size_jitted()
+        );
+    }
     Ok(())
 }
 
