@@ -39,7 +39,11 @@ fn main() -> Result<(), String> {
     println!("cargo:rerun-if-changed={}", root.display());
     let target_dir = out.join("ebpf-target");
     let mut flags = OsString::from("--cfg=bpf_target_arch=\"x86_64\"");
-    for f in ["-Cdebuginfo=2", "-Clink-arg=--btf"] {
+    for f in [
+        "-Cdebuginfo=2",
+        "-Clink-arg=--btf",
+        "-Ctarget-feature=+allows-misaligned-mem-access",
+    ] {
         flags.push("\x1f");
         flags.push(f);
     }

@@ -294,11 +294,7 @@ pub fn surely_not_roce<P: Packet>(p: &P, udp_port: u16) -> bool {
             }
             match ip.next_hdr {
                 IPPROTO_UDP => off + Ipv6Hdr::LEN,
-                IPPROTO_GRE
-                | IPV6_EXT_HOP_BY_HOP
-                | IPV6_EXT_ROUTING
-                | IPV6_EXT_FRAGMENT
-                | IPV6_EXT_AUTH
+                IPPROTO_GRE | IPV6_EXT_HOP_BY_HOP | IPV6_EXT_ROUTING | IPV6_EXT_FRAGMENT | IPV6_EXT_AUTH
                 | IPV6_EXT_DEST_OPTS => return false,
                 _ => return true,
             }

@@ -36,7 +36,14 @@ const fn ports_qp(h: u32, sport: u16, dport: u16, dest_qp: u32) -> u32 {
 /// two rounds and the finaliser. The kernel keeps it with the flow (`FlowState`), so a
 /// packet pays for what changes from packet to packet only.
 #[inline(always)]
-pub fn identity_flow_state(seed: u32, src: &[u8; 16], dst: &[u8; 16], sport: u16, dport: u16, dest_qp: u32) -> u32 {
+pub fn identity_flow_state(
+    seed: u32,
+    src: &[u8; 16],
+    dst: &[u8; 16],
+    sport: u16,
+    dport: u16,
+    dest_qp: u32,
+) -> u32 {
     let mut h = seed ^ 0x9e37_79b9;
     let mut i = 0;
     while i < 16 {
@@ -56,7 +63,14 @@ pub fn identity_flow_state(seed: u32, src: &[u8; 16], dst: &[u8; 16], sport: u16
 /// [`identity_flow_state`] of an IPv4 flow from [`v4_prefix_state`] and the addresses'
 /// last words (as [`identity_hash_v4`] takes them).
 #[inline(always)]
-pub const fn identity_flow_state_v4(prefix_state: u32, src: u32, dst: u32, sport: u16, dport: u16, dest_qp: u32) -> u32 {
+pub const fn identity_flow_state_v4(
+    prefix_state: u32,
+    src: u32,
+    dst: u32,
+    sport: u16,
+    dport: u16,
+    dest_qp: u32,
+) -> u32 {
     ports_qp(mix(mix(prefix_state, src), dst), sport, dport, dest_qp)
 }
 
@@ -213,7 +227,16 @@ mod tests {
     /// uses (flow state, then the packet's fields): the two must agree bit for bit, or
     /// points running them would sample different packets.
     #[expect(clippy::too_many_arguments, reason = "the identity fields")]
-    fn reference(seed: u32, src: &[u8; 16], dst: &[u8; 16], sport: u16, dport: u16, qp: u32, psn: u32, op: u8) -> u32 {
+    fn reference(
+        seed: u32,
+        src: &[u8; 16],
+        dst: &[u8; 16],
+        sport: u16,
+        dport: u16,
+        qp: u32,
+        psn: u32,
+        op: u8,
+    ) -> u32 {
         let w = |a: &[u8; 16], i: usize| u32::from_ne_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
         let mut h = seed ^ 0x9e37_79b9;
         for i in (0..16).step_by(4) {
@@ -253,7 +276,10 @@ mod tests {
             b[..12].copy_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff]);
             let w = |m: &[u8; 16]| u32::from_ne_bytes([m[12], m[13], m[14], m[15]]);
             let st4 = identity_flow_state_v4(v4_prefix_state(seed), w(&a), w(&b), sport, dport, qp);
-            assert_eq!(identity_finish(st4, psn, op), reference(seed, &a, &b, sport, dport, qp, psn, op));
+            assert_eq!(
+                identity_finish(st4, psn, op),
+                reference(seed, &a, &b, sport, dport, qp, psn, op)
+            );
         }
         // And the value itself does not drift between versions (agents of two releases in
         // one fabric must sample the same packets): computed apart, by a Python murmur3.

@@ -127,7 +127,7 @@ fn bump(counters: &mut Counters, counter: GlobalCounter, dir: u8) {
 
 #[inline(always)]
 fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
-    let cfg = CONFIG.load();
+    let cfg = CONFIG.get();
     let Some(g) = GLOBALS.get_ptr_mut(0) else {
         return;
     };
@@ -160,15 +160,7 @@ fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
                 g.coarse_ns = unsafe { bpf_ktime_get_coarse_ns() };
             }
             let coarse = g.coarse_ns;
-            let reasons = account(
-                &mut g.work,
-                &mut g.counters,
-                &cfg,
-                dir,
-                ifindex,
-                frame_len,
-                coarse,
-            );
+            let reasons = account(&mut g.work, &mut g.counters, cfg, dir, ifindex, frame_len, coarse);
             if reasons != 0 {
                 load_icrc(pkt, &mut g.work.parsed);
                 emit(

@@ -301,8 +301,18 @@ fn capture_reports_exact_per_flow_counts_on_xdp_and_tc_both_ways() {
         assert_eq!(summary["packets"], t.roce_packets);
         assert_eq!(summary["ringbuf_drops"], 0);
         let non_roce = summary["counters"][dir]["non_roce"].as_u64().unwrap();
-        // The kernel may add its own frames (IPv6 neighbour discovery) to our noise.
+        // The kernel counts no non-RoCE frame: these are the interface's counters, less
+        // what the datapath counted; the kernel may add its own frames (IPv6 neighbour
+        // discovery) to our noise.
+        assert_eq!(summary["frames_from"], "interface counters", "{side}");
         assert!(non_roce >= t.noise, "{side}: non-RoCE {non_roce} < {}", t.noise);
+        let frames = summary["counters"][dir]["frames_seen"].as_u64().unwrap();
+        assert!(
+            frames >= t.roce_packets + t.noise,
+            "{side}: {frames} frames seen, fewer than the {} RoCE and {} other frames sent",
+            t.roce_packets,
+            t.noise
+        );
         // Samples carry the class: the DSCP 0 flow's are flagged unexpected.
         let flagged = recs
             .iter()

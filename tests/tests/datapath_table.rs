@@ -698,7 +698,11 @@ fn table() -> Vec<Row> {
     }
     .build();
     tagged_tcp[18 + 9] = 6;
-    rows.push(raw("TCP behind an 802.1Q tag", vec![tagged_tcp], GlobalCounter::NonRoce));
+    rows.push(raw(
+        "TCP behind an 802.1Q tag",
+        vec![tagged_tcp],
+        GlobalCounter::NonRoce,
+    ));
     let mut v6_tcp = v6(f(op::SEND_ONLY)).build();
     v6_tcp[14 + 6] = 6;
     rows.push(raw("IPv6 TCP", vec![v6_tcp], GlobalCounter::NonRoce));
@@ -707,7 +711,11 @@ fn table() -> Vec<Row> {
         ..f(op::SEND_ONLY)
     })
     .build();
-    rows.push(raw("IPv6 UDP to another port", vec![v6_udp], GlobalCounter::NonRoce));
+    rows.push(raw(
+        "IPv6 UDP to another port",
+        vec![v6_udp],
+        GlobalCounter::NonRoce,
+    ));
     // IPv4 with 4 bytes of options (IHL 6) carrying TCP.
     let mut opts = f(op::SEND_ONLY).build();
     opts.splice(34..34, [1, 1, 1, 0]);
@@ -715,7 +723,11 @@ fn table() -> Vec<Row> {
     let tot = u16::from_be_bytes([opts[16], opts[17]]) + 4;
     opts[16..18].copy_from_slice(&tot.to_be_bytes());
     opts[14 + 9] = 6;
-    rows.push(raw("IPv4 with options carrying TCP", vec![opts], GlobalCounter::NonRoce));
+    rows.push(raw(
+        "IPv4 with options carrying TCP",
+        vec![opts],
+        GlobalCounter::NonRoce,
+    ));
     rows
 }
 
@@ -774,12 +786,7 @@ fn check_row(t: &mut ProgTest, r: &Row, hook: Hook) {
         .collect();
     match &r.want {
         Want::Skip(reason) => {
-            assert_eq!(
-                g.get(*reason, dir),
-                counted,
-                "{ctx}: {} counter",
-                reason.name()
-            );
+            assert_eq!(g.get(*reason, dir), counted, "{ctx}: {} counter", reason.name());
             assert_eq!(g.get(GlobalCounter::RoceV2, dir), 0, "{ctx}: not RoCEv2");
             assert!(flows.is_empty(), "{ctx}: no flow expected, got {flows:?}");
             assert!(t.mirrors().is_empty(), "{ctx}: no mirror session recorded");

@@ -124,6 +124,8 @@ fn the_huawei_capture_yields_what_tshark_decodes_with_every_icrc_valid() {
     let summary = recs.iter().find(|r| r["type"] == "summary").unwrap();
     assert_eq!(summary["counters"]["ingress"]["frames_seen"], 123);
     assert_eq!(summary["counters"]["ingress"]["non_roce"], 18);
+    // The parser's own counts, exact: not the interface's.
+    assert!(summary.get("frames_from").is_none(), "{summary}");
 }
 
 #[test]

@@ -3,6 +3,7 @@
 
 use std::{
     io::{BufRead, BufReader},
+    os::fd::{AsFd as _, AsRawFd as _},
     path::Path,
     process::{Child, Command, Stdio},
     time::Duration,
@@ -122,6 +123,8 @@ struct Row {
     specs: Vec<RoceFrame>,
     rate: u32,
     path: Taken,
+    /// A stream: the frame's PSN advanced before every packet (see [`Stepper`]).
+    stepped: bool,
 }
 
 /// Datapath cost per packet: the real object under BPF_PROG_TEST_RUN, beside an empty
@@ -150,6 +153,7 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
         specs: vec![spec],
         rate,
         path,
+        stepped: false,
     };
     let raw = |name, frame: Vec<u8>| Row {
         name,
@@ -157,22 +161,17 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
         specs: Vec::new(),
         rate: 1000,
         path: Taken::NotRoce,
+        stepped: false,
     };
-    // A stream: `STREAM` requests of one QP with increasing PSNs.
-    let stream = |name, spec: RoceFrame, rate| {
-        let specs: Vec<RoceFrame> = (0..STREAM)
-            .map(|i| RoceFrame {
-                psn: i,
-                ..spec.clone()
-            })
-            .collect();
-        Row {
-            name,
-            frames: specs.iter().map(RoceFrame::build).collect(),
-            specs,
-            rate,
-            path: Taken::InSequence,
-        }
+    // A stream: one request frame whose PSN the stepper program advances before every
+    // run of the program timed, so each packet is the one its flow expects next.
+    let stream = |name, spec: RoceFrame, rate| Row {
+        name,
+        frames: vec![spec.build()],
+        specs: vec![spec],
+        rate,
+        path: Taken::InSequence,
+        stepped: true,
     };
     // TCP: a RoCE-sized IPv4 frame whose protocol says TCP.
     let mut tcp = f(op::SEND_ONLY).build();
@@ -260,15 +259,38 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
             specs: vec![write()],
             rate: 1000,
             path: Taken::Mirrored,
+            stepped: false,
         },
-    ];
-    let streams = vec![
-        raw("TCP (non-RoCE)", f(op::SEND_ONLY).build()).tcp(),
-        one("RC ACK (AETH)", ack(), 1000, Taken::InSequence),
         stream("RC WRITE MIDDLE 1 KiB, in sequence, not sampled", write(), 0),
         stream("RC WRITE MIDDLE 1 KiB, in sequence, 1 in 1000", write(), 1000),
-        stream("RC WRITE MIDDLE 1 KiB, IPv6, in sequence, 1 in 1000", v6(write()), 1000),
+        stream(
+            "RC WRITE MIDDLE 1 KiB, IPv6, in sequence, 1 in 1000",
+            v6(write()),
+            1000,
+        ),
+        stream(
+            "RC SEND ONLY 64 B, in sequence, 1 in 1000",
+            RoceFrame {
+                payload: vec![0; 64],
+                ..f(op::SEND_ONLY)
+            },
+            1000,
+        ),
     ];
+    // One CPU for the whole run: BPF_PROG_TEST_RUN runs where the caller runs, and a
+    // move between an empty program's figure and the datapath's would compare two caches.
+    // SAFETY: a zeroed cpu_set_t with one bit set, for this thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        let cpu = libc::sched_getcpu().max(0) as usize;
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            bail!(
+                "pinning the bench to CPU {cpu}: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
     // The floor: a program of two instructions of each type, loaded by the bench itself,
     // timed on the same frames in the same run — what any program costs under test run.
     let empty_xdp = EmptyProg::load(BPF_PROG_TYPE_XDP, 2)?; // XDP_PASS
@@ -290,96 +312,70 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
         } else {
             repeat
         };
-        let frame = &r.frames[0];
         let (mut xs, mut ts, mut exs, mut ets) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut sampled = 0u64;
-        for _ in 0..RUNS {
-            exs.push(empty_xdp.time(frame, n)?);
-            xs.push(t.time_xdp(frame, n).as_nanos() as u64);
-            sampled += t.samples().len() as u64;
-            ets.push(empty_tc.time(frame, n)?);
-            ts.push(t.time_tc(frame, n).as_nanos() as u64);
-            sampled += t.samples().len() as u64;
-        }
-        // Each run counts the frame `n` times (plus one untimed warm-up run the kernel
-        // does not make: BPF_PROG_TEST_RUN runs exactly `repeat` times).
-        check_path(&t, r, u64::from(n) * RUNS as u64, sampled)?;
-        print_row(r.name, [median(exs), median(xs), median(ets), median(ts)]);
-    }
-    println!(
-        "== streams: one BPF_PROG_TEST_RUN per packet ({STREAM} packets, increasing PSNs),\n   \
-         median of {RUNS} runs; each figure includes one clock read the repeated rows share\n   \
-         over a million runs, so compare a row with its own empty program, and the ACK and\n   \
-         TCP rows with theirs above"
-    );
-    print_header();
-    for r in &streams {
-        let mut t = ProgTest::new(&DatapathOptions {
-            sample_rate: r.rate,
-            ..Default::default()
-        });
-        let (mut xs, mut ts, mut exs, mut ets) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut sampled = 0u64;
-        let frames: Vec<&Vec<u8>> = if r.frames.len() == 1 {
-            std::iter::repeat_n(&r.frames[0], STREAM as usize).collect()
-        } else {
-            r.frames.iter().collect()
-        };
-        for run in 0..RUNS {
-            // Each run continues the sequence: the next run's PSNs follow on (a stream
-            // row's frames are rebuilt with PSNs shifted by the run).
-            let shifted: Vec<Vec<u8>> = if r.frames.len() > 1 {
-                r.specs
-                    .iter()
-                    .map(|s| {
-                        RoceFrame {
-                            psn: s.psn + run as u32 * STREAM,
-                            ..s.clone()
-                        }
-                        .build()
-                    })
-                    .collect()
-            } else {
-                Vec::new()
-            };
-            let frames: Vec<&Vec<u8>> = if shifted.is_empty() {
-                frames.clone()
-            } else {
-                shifted.iter().collect()
-            };
-            let (mut x, mut tc, mut ex, mut etc) = (0u64, 0u64, 0u64, 0u64);
-            for fr in &frames {
-                ex += empty_xdp.time(fr, 1)?;
-                x += t.time_xdp(fr, 1).as_nanos() as u64;
-                etc += empty_tc.time(fr, 1)?;
-                tc += t.time_tc(fr, 1).as_nanos() as u64;
+        if r.stepped {
+            // Both programs behind the same stepper: it advances the PSN in place and
+            // tail-calls the program timed, so its own cost is in both figures.
+            let spec = &r.specs[0];
+            let psn_off = psn_offset(&r.frames[0])?;
+            let sx = Stepper::load(BPF_PROG_TYPE_XDP, psn_off, 1)?; // XDP_DROP: never what a target returns
+            let st = Stepper::load(BPF_PROG_TYPE_SCHED_CLS, psn_off, 2)?; // TC_ACT_SHOT, likewise
+            let (xdp_fd, tc_fd) = (t.dp.xdp()?.fd()?.as_fd().as_raw_fd(), {
+                use roce_trace_common::datapath::PROG_TC;
+                t.dp.tc(PROG_TC)?.fd()?.as_fd().as_raw_fd()
+            });
+            for run in 0..RUNS as u32 {
+                // Run `run` starts where the last left off: its first packet is PSN
+                // run * n + 1.
+                let frame = RoceFrame {
+                    psn: spec.psn + run * n,
+                    ..spec.clone()
+                }
+                .build();
+                sx.target(empty_xdp.fd.as_raw_fd())?;
+                exs.push(sx.time(&frame, n)?);
+                sx.target(xdp_fd)?;
+                xs.push(sx.time(&frame, n)?);
+                sampled += t.samples().len() as u64;
+                st.target(empty_tc.fd.as_raw_fd())?;
+                ets.push(st.time(&frame, n)?);
+                st.target(tc_fd)?;
+                ts.push(st.time(&frame, n)?);
+                sampled += t.samples().len() as u64;
             }
-            sampled += t.samples().len() as u64;
-            let k = frames.len() as u64;
-            exs.push(ex / k);
-            xs.push(x / k);
-            ets.push(etc / k);
-            ts.push(tc / k);
+        } else {
+            let frame = &r.frames[0];
+            for _ in 0..RUNS {
+                exs.push(empty_xdp.time(frame, n)?);
+                xs.push(t.time_xdp(frame, n).as_nanos() as u64);
+                sampled += t.samples().len() as u64;
+                ets.push(empty_tc.time(frame, n)?);
+                ts.push(t.time_tc(frame, n).as_nanos() as u64);
+                sampled += t.samples().len() as u64;
+            }
         }
-        let all = Row {
-            name: r.name,
-            frames: Vec::new(),
-            specs: (0..RUNS as u32)
-                .flat_map(|run| {
-                    r.specs.iter().map(move |s| RoceFrame {
-                        psn: if r.frames.len() > 1 {
-                            s.psn + run * STREAM
-                        } else {
-                            s.psn
-                        },
-                        ..s.clone()
-                    })
-                })
-                .collect(),
-            rate: r.rate,
-            path: r.path,
+        let per_hook = u64::from(n) * RUNS as u64;
+        // The samples the identity hash selects, computed apart from the datapath: for a
+        // stream every PSN from 1 on, else the one frame's every time.
+        let expected = match (r.path, r.specs.first()) {
+            (Taken::NotRoce, _) | (_, None) => 0,
+            (Taken::EveryPacketReported, _) => 2 * per_hook,
+            (_, Some(s)) => match roce_trace_common::sampling::threshold_for_rate(r.rate) {
+                None => 0,
+                Some(th) => {
+                    let seed = DatapathOptions::default().config()?.seed;
+                    let psns: Vec<u32> = if r.stepped {
+                        (1..=per_hook as u32).map(|i| (s.psn + i) & 0xff_ffff).collect()
+                    } else {
+                        vec![s.psn; 1]
+                    };
+                    let hits = psns.iter().filter(|&&psn| identity(seed, s, psn) <= th).count() as u64;
+                    2 * hits * if r.stepped { 1 } else { per_hook }
+                }
+            },
         };
-        check_path(&t, &all, STREAM as u64 * RUNS as u64, sampled)?;
+        check_path(&t, r, per_hook, sampled, expected)?;
         print_row(r.name, [median(exs), median(xs), median(ets), median(ts)]);
     }
     println!(
@@ -391,15 +387,14 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
     verifier_stats()
 }
 
-/// Packets in a stream row.
-const STREAM: u32 = 100_000;
-
-impl Row {
-    /// This row's frame as TCP (protocol 6 in its IPv4 header).
-    fn tcp(mut self) -> Self {
-        self.frames[0][14 + 9] = 6;
-        self
-    }
+/// Where a RoCEv2 frame's 24-bit PSN is: the BTH's last three bytes, found by the
+/// shared parser.
+fn psn_offset(frame: &[u8]) -> anyhow::Result<usize> {
+    use roce_trace_common::parse::{SlicePacket, parse};
+    let p = parse(&SlicePacket::new(frame), roce_trace_common::wire::ROCEV2_UDP_PORT)
+        .map_err(|e| anyhow::anyhow!("a stream row's frame is not RoCEv2: {}", e.name()))?;
+    // The BTH follows the UDP header; the ICRC ends the UDP datagram.
+    Ok(p.icrc_off as usize + 4 - p.udp_len as usize + 8 + 9)
 }
 
 fn print_header() {
@@ -425,12 +420,15 @@ fn print_row(name: &str, [exdp, xdp, etc, tc]: [u64; 4]) {
 
 /// Checks that a row's `per_hook` packets on each of XDP (ingress) and TC (egress) took
 /// the path the row claims; `sampled`: the samples read after it (both hooks).
-fn check_path(t: &ProgTest, r: &Row, per_hook: u64, sampled: u64) -> anyhow::Result<()> {
+fn check_path(t: &ProgTest, r: &Row, per_hook: u64, sampled: u64, expected: u64) -> anyhow::Result<()> {
     use roce_trace_common::datapath::{DIR_EGRESS, DIR_INGRESS, GlobalCounter as G};
     let g = t.globals();
     let flows = t.flows();
     let name = r.name;
-    ensure!(g.total(G::RingbufFull) == 0, "{name}: ring-buffer drops would skew the figure");
+    ensure!(
+        g.total(G::RingbufFull) == 0,
+        "{name}: ring-buffer drops would skew the figure"
+    );
     let both = 2 * per_hook;
     match r.path {
         Taken::NotRoce => {
@@ -462,8 +460,10 @@ fn check_path(t: &ProgTest, r: &Row, per_hook: u64, sampled: u64) -> anyhow::Res
             .map(|(_, c)| c.counts.psn_gaps)
             .sum();
         // One request frame run over and over: every packet after the first goes back.
-        let repeated_request = r.frames.len() == 1
-            && r.specs.first().is_some_and(|s| roce_trace_common::roce::is_request(s.opcode));
+        let repeated_request = !r.stepped
+            && r.specs
+                .first()
+                .is_some_and(|s| roce_trace_common::roce::is_request(s.opcode));
         ensure!(
             repeated_request || r.path != Taken::Retransmission,
             "{name}: a retransmission row must repeat one request"
@@ -474,24 +474,6 @@ fn check_path(t: &ProgTest, r: &Row, per_hook: u64, sampled: u64) -> anyhow::Res
             "{name}: {regressions} PSN regressions (want {want}) and {gaps} gaps: not the path it claims"
         );
     }
-    let expected = match r.path {
-        Taken::EveryPacketReported => both,
-        _ => {
-            let th = roce_trace_common::sampling::threshold_for_rate(r.rate);
-            let cfg = DatapathOptions {
-                sample_rate: r.rate,
-                ..Default::default()
-            }
-            .config()?;
-            // Each hook sees every spec `per_hook / specs` times.
-            let per_spec = per_hook / r.specs.len() as u64;
-            2 * per_spec
-                * r.specs
-                    .iter()
-                    .filter(|s| th.is_some_and(|th| identity(cfg.seed, s) <= th))
-                    .count() as u64
-        }
-    };
     ensure!(
         sampled == expected && g.total(G::SamplesEmitted) == expected,
         "{name}: {sampled} samples, {} emitted; the identity hash selects {expected}",
@@ -500,8 +482,9 @@ fn check_path(t: &ProgTest, r: &Row, per_hook: u64, sampled: u64) -> anyhow::Res
     Ok(())
 }
 
-/// The identity hash of a frame as built from `s`, computed apart from the datapath.
-fn identity(seed: u32, s: &RoceFrame) -> u32 {
+/// The identity hash of a frame as built from `s` with PSN `psn`, computed apart from the
+/// datapath.
+fn identity(seed: u32, s: &RoceFrame, psn: u32) -> u32 {
     let m = |a: std::net::IpAddr| match a {
         std::net::IpAddr::V4(a) => a.to_ipv6_mapped().octets(),
         std::net::IpAddr::V6(a) => a.octets(),
@@ -513,7 +496,7 @@ fn identity(seed: u32, s: &RoceFrame) -> u32 {
         s.udp_sport,
         s.udp_dport,
         s.dest_qp,
-        s.psn,
+        psn,
         s.opcode,
     )
 }
@@ -525,7 +508,10 @@ fn verifier_stats() -> anyhow::Result<()> {
     println!("== verifier: instructions processed / translated / JIT bytes");
     for (name, info) in [
         ("XDP", t.dp.xdp()?.info()?),
-        ("TC egress", t.dp.tc(roce_trace_common::datapath::PROG_TC)?.info()?),
+        (
+            "TC egress",
+            t.dp.tc(roce_trace_common::datapath::PROG_TC)?.info()?,
+        ),
         (
             "TC ingress",
             t.dp.tc(roce_trace_common::datapath::PROG_TC_INGRESS)?.info()?,
@@ -543,7 +529,7 @@ fn verifier_stats() -> anyhow::Result<()> {
 }
 
 /// Runs per row; the median is printed.
-const RUNS: usize = 3;
+const RUNS: usize = 5;
 
 fn median(mut v: Vec<u64>) -> u64 {
     v.sort_unstable();
@@ -554,6 +540,8 @@ const BPF_PROG_LOAD: i64 = 5;
 const BPF_PROG_TEST_RUN: i64 = 10;
 const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
 const BPF_PROG_TYPE_XDP: u32 = 6;
+/// `enum bpf_attach_type`'s BPF_XDP.
+const BPF_XDP: u32 = 37;
 
 /// `union bpf_attr` for BPF_PROG_LOAD, up to `expected_attach_type` (the kernel zeroes
 /// the rest).
@@ -604,78 +592,250 @@ struct EmptyProg {
 
 impl EmptyProg {
     fn load(prog_type: u32, ret: i32) -> anyhow::Result<Self> {
-        use std::os::fd::FromRawFd;
-        let mut insns = [0u8; 16];
-        insns[0] = 0xb7; // BPF_ALU64 | BPF_MOV | BPF_K, dst r0
-        insns[4..8].copy_from_slice(&ret.to_ne_bytes());
-        insns[8] = 0x95; // BPF_JMP | BPF_EXIT
-        let license = b"GPL\0";
-        let mut name = [0u8; 16];
-        name[..5].copy_from_slice(b"empty");
-        let attr = ProgLoadAttr {
-            prog_type,
-            insn_cnt: 2,
-            insns: insns.as_ptr() as u64,
-            license: license.as_ptr() as u64,
-            prog_name: name,
-            ..Default::default()
-        };
-        // SAFETY: bpf(2) reads `attr` (and the instructions and license it points at, all
-        // alive for the call) and returns a new descriptor or -1.
-        let fd = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_PROG_LOAD,
-                &attr as *const ProgLoadAttr,
-                std::mem::size_of::<ProgLoadAttr>(),
-            )
-        };
-        ensure!(
-            fd >= 0,
-            "loading the empty program: {}",
-            std::io::Error::last_os_error()
-        );
-        // SAFETY: a descriptor bpf(2) just returned, owned by nothing else.
-        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
-        Ok(Self { fd, ret })
+        let insns = [
+            insn(0xb7, 0, 0, 0, ret), // r0 = ret
+            insn(0x95, 0, 0, 0, 0),   // exit
+        ];
+        Ok(Self {
+            fd: prog_load(prog_type, &insns, "empty")?,
+            ret,
+        })
     }
 
     /// Mean ns per run over `repeat` runs on `frame`; checks the program said `ret`.
     fn time(&self, frame: &[u8], repeat: u32) -> anyhow::Result<u64> {
-        use std::os::fd::AsRawFd;
-        let mut out = vec![0u8; frame.len() + 512];
-        let mut attr = TestRunAttr {
-            prog_fd: self.fd.as_raw_fd() as u32,
-            data_size_in: frame.len() as u32,
-            data_size_out: out.len() as u32,
-            data_in: frame.as_ptr() as u64,
-            data_out: out.as_mut_ptr() as u64,
-            repeat,
+        let (ns, ret) = test_run(&self.fd, frame, repeat)?;
+        ensure!(
+            ret as i32 == self.ret,
+            "the empty program returned {ret} instead of {}",
+            self.ret
+        );
+        Ok(ns)
+    }
+}
+
+/// A program that adds one to the 24-bit PSN at `psn_off` of the frame, in place, then
+/// tail-calls the program in slot 0 of its own program array: under BPF_PROG_TEST_RUN
+/// with `repeat`, the program behind it sees a stream of requests each the one its flow
+/// expects next, the frame staying in cache as in every other row. The empty program is
+/// timed behind it too, so its cost (a few loads and stores and a tail call) is in both
+/// figures and out of the difference.
+struct Stepper {
+    prog: std::os::fd::OwnedFd,
+    map: std::os::fd::OwnedFd,
+    /// What the stepper returns when the tail call fails (it must not: checked).
+    fallback: i32,
+}
+
+impl Stepper {
+    fn load(prog_type: u32, psn_off: usize, fallback: i32) -> anyhow::Result<Self> {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        #[repr(C)]
+        #[derive(Default)]
+        struct MapCreateAttr {
+            map_type: u32,
+            key_size: u32,
+            value_size: u32,
+            max_entries: u32,
+            map_flags: u32,
+        }
+        const BPF_MAP_CREATE: i64 = 0;
+        const BPF_MAP_TYPE_PROG_ARRAY: u32 = 3;
+        let attr = MapCreateAttr {
+            map_type: BPF_MAP_TYPE_PROG_ARRAY,
+            key_size: 4,
+            value_size: 4,
+            max_entries: 1,
             ..Default::default()
         };
-        // SAFETY: bpf(2) reads and writes `attr`, reads `frame` and writes at most
-        // `data_size_out` bytes of `out`, all alive for the call.
+        // SAFETY: bpf(2) reads `attr`, alive for the call, and returns a descriptor or -1.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_CREATE,
+                &attr as *const MapCreateAttr,
+                std::mem::size_of::<MapCreateAttr>(),
+            )
+        };
+        ensure!(
+            fd >= 0,
+            "creating the stepper's program array: {}",
+            std::io::Error::last_os_error()
+        );
+        // SAFETY: a descriptor bpf(2) just returned, owned by nothing else.
+        let map = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+        // The context's packet pointers: xdp_md.data/data_end, __sk_buff.data/data_end.
+        let (data, data_end) = if prog_type == BPF_PROG_TYPE_XDP {
+            (0, 4)
+        } else {
+            (76, 80)
+        };
+        let off = i16::try_from(psn_off).context("PSN offset")?;
+        let insns = [
+            insn(0xbf, 6, 1, 0, 0),               // r6 = r1 (ctx)
+            insn(0x61, 2, 6, data, 0),            // r2 = ctx->data
+            insn(0x61, 3, 6, data_end, 0),        // r3 = ctx->data_end
+            insn(0xbf, 4, 2, 0, 0),               // r4 = r2
+            insn(0x07, 4, 0, 0, off as i32 + 3),  // r4 += psn_off + 3
+            insn(0x2d, 4, 3, 13, 0),              // if r4 > r3 goto tail
+            insn(0x71, 5, 2, off, 0),             // r5 = psn[0]
+            insn(0x67, 5, 0, 0, 16),              // r5 <<= 16
+            insn(0x71, 7, 2, off + 1, 0),         // r7 = psn[1]
+            insn(0x67, 7, 0, 0, 8),               // r7 <<= 8
+            insn(0x4f, 5, 7, 0, 0),               // r5 |= r7
+            insn(0x71, 7, 2, off + 2, 0),         // r7 = psn[2]
+            insn(0x4f, 5, 7, 0, 0),               // r5 |= r7
+            insn(0x07, 5, 0, 0, 1),               // r5 += 1
+            insn(0x73, 2, 5, off + 2, 0),         // psn[2] = r5
+            insn(0x77, 5, 0, 0, 8),               // r5 >>= 8
+            insn(0x73, 2, 5, off + 1, 0),         // psn[1] = r5
+            insn(0x77, 5, 0, 0, 8),               // r5 >>= 8
+            insn(0x73, 2, 5, off, 0),             // psn[0] = r5
+            insn(0xbf, 1, 6, 0, 0),               // tail: r1 = ctx
+            insn(0x18, 2, 1, 0, map.as_raw_fd()), // r2 = the program array (ld_imm64, map fd)
+            insn(0, 0, 0, 0, 0),
+            insn(0xb7, 3, 0, 0, 0),        // r3 = 0
+            insn(0x85, 0, 0, 0, 12),       // call bpf_tail_call
+            insn(0xb7, 0, 0, 0, fallback), // r0 = fallback
+            insn(0x95, 0, 0, 0, 0),        // exit
+        ];
+        let prog = prog_load(prog_type, &insns, "psn_stepper")?;
+        Ok(Self { prog, map, fallback })
+    }
+
+    /// Puts the program `fd` in slot 0: the program the stepper runs next.
+    fn target(&self, fd: std::os::fd::RawFd) -> anyhow::Result<()> {
+        use std::os::fd::AsRawFd;
+        #[repr(C)]
+        struct ElemAttr {
+            map_fd: u32,
+            _pad: u32,
+            key: u64,
+            value: u64,
+            flags: u64,
+        }
+        const BPF_MAP_UPDATE_ELEM: i64 = 2;
+        let (key, value) = (0u32, fd as u32);
+        let attr = ElemAttr {
+            map_fd: self.map.as_raw_fd() as u32,
+            _pad: 0,
+            key: &key as *const u32 as u64,
+            value: &value as *const u32 as u64,
+            flags: 0,
+        };
+        // SAFETY: bpf(2) reads `attr` and the key and value it points at, all alive.
         let r = unsafe {
             libc::syscall(
                 libc::SYS_bpf,
-                BPF_PROG_TEST_RUN,
-                &mut attr as *mut TestRunAttr,
-                std::mem::size_of::<TestRunAttr>(),
+                BPF_MAP_UPDATE_ELEM,
+                &attr as *const ElemAttr,
+                std::mem::size_of::<ElemAttr>(),
             )
         };
         ensure!(
             r == 0,
-            "test run of the empty program: {}",
+            "putting a program behind the stepper: {}",
             std::io::Error::last_os_error()
         );
-        ensure!(
-            attr.retval as i32 == self.ret,
-            "the empty program returned {} instead of {}",
-            attr.retval,
-            self.ret
-        );
-        Ok(attr.duration as u64)
+        Ok(())
     }
+
+    /// Mean ns per run over `repeat` runs on `frame`; checks the tail call happened (the
+    /// programs behind it return something other than the fallback).
+    fn time(&self, frame: &[u8], repeat: u32) -> anyhow::Result<u64> {
+        let (ns, ret) = test_run(&self.prog, frame, repeat)?;
+        ensure!(
+            ret as i32 != self.fallback,
+            "the stepper's tail call failed (it returned its fallback {ret})"
+        );
+        Ok(ns)
+    }
+}
+
+/// One BPF instruction: opcode, registers, offset, immediate.
+fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> [u8; 8] {
+    let mut b = [0u8; 8];
+    b[0] = code;
+    b[1] = (src << 4) | (dst & 0xf);
+    b[2..4].copy_from_slice(&off.to_ne_bytes());
+    b[4..8].copy_from_slice(&imm.to_ne_bytes());
+    b
+}
+
+/// Loads a program of `prog_type` from its instructions; on refusal, the verifier's log.
+fn prog_load(prog_type: u32, insns: &[[u8; 8]], name: &str) -> anyhow::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    let code: Vec<u8> = insns.concat();
+    let license = b"GPL\0";
+    let mut prog_name = [0u8; 16];
+    prog_name[..name.len().min(15)].copy_from_slice(&name.as_bytes()[..name.len().min(15)]);
+    let mut log = vec![0u8; 64 * 1024];
+    let attr = ProgLoadAttr {
+        prog_type,
+        // As aya loads the datapath's XDP program: the kernel lets a program array hold
+        // only programs of the type and expected attach type of its first.
+        expected_attach_type: if prog_type == BPF_PROG_TYPE_XDP {
+            BPF_XDP
+        } else {
+            0
+        },
+        insn_cnt: insns.len() as u32,
+        insns: code.as_ptr() as u64,
+        license: license.as_ptr() as u64,
+        log_level: 1,
+        log_size: log.len() as u32,
+        log_buf: log.as_mut_ptr() as u64,
+        prog_name,
+        ..Default::default()
+    };
+    // SAFETY: bpf(2) reads `attr` (and the instructions and license it points at) and
+    // writes at most `log_size` bytes of `log`, all alive for the call; it returns a new
+    // descriptor or -1.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_PROG_LOAD,
+            &attr as *const ProgLoadAttr,
+            std::mem::size_of::<ProgLoadAttr>(),
+        )
+    };
+    if fd < 0 {
+        let err = std::io::Error::last_os_error();
+        let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
+        bail!(
+            "loading the {name} program: {err}\n{}",
+            String::from_utf8_lossy(&log[..end])
+        );
+    }
+    // SAFETY: a descriptor bpf(2) just returned, owned by nothing else.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// BPF_PROG_TEST_RUN of `fd` on `frame`, `repeat` times: mean ns per run and the return.
+fn test_run(fd: &std::os::fd::OwnedFd, frame: &[u8], repeat: u32) -> anyhow::Result<(u64, u32)> {
+    use std::os::fd::AsRawFd;
+    let mut out = vec![0u8; frame.len() + 512];
+    let mut attr = TestRunAttr {
+        prog_fd: fd.as_raw_fd() as u32,
+        data_size_in: frame.len() as u32,
+        data_size_out: out.len() as u32,
+        data_in: frame.as_ptr() as u64,
+        data_out: out.as_mut_ptr() as u64,
+        repeat,
+        ..Default::default()
+    };
+    // SAFETY: bpf(2) reads and writes `attr`, reads `frame` and writes at most
+    // `data_size_out` bytes of `out`, all alive for the call.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_PROG_TEST_RUN,
+            &mut attr as *mut TestRunAttr,
+            std::mem::size_of::<TestRunAttr>(),
+        )
+    };
+    ensure!(r == 0, "test run: {}", std::io::Error::last_os_error());
+    Ok((attr.duration as u64, attr.retval))
 }
 
 fn gen_json(ns: &str, bin: &Path, args: &[&str]) -> anyhow::Result<Value> {
