@@ -142,8 +142,8 @@ pub fn sample_state(p: &Parsed, cfg: &DatapathConfig) -> u32 {
     if p.ip_version == 4 {
         identity_flow_state_v4(
             cfg.v4_prefix_state,
-            words_of_addr(p.src)[3],
-            words_of_addr(p.dst)[3],
+            p.src_words()[3],
+            p.dst_words()[3],
             p.udp_sport,
             p.udp_dport,
             qp,

@@ -5,7 +5,7 @@
 
 use crate::datapath::{
     FlowKey, GlobalCounter, HAS_AETH, HAS_DETH, HAS_ICRC, HAS_MIRROR, HAS_PCP, HAS_RETH, MIRROR_ERSPAN_I,
-    MIRROR_ERSPAN_II, MIRROR_ERSPAN_III, MIRROR_GRE, MirrorInfo, SAMPLE_HEAD_LEN, Sample, words_of_addr,
+    MIRROR_ERSPAN_II, MIRROR_ERSPAN_III, MIRROR_GRE, MirrorInfo, SAMPLE_HEAD_LEN, Sample,
 };
 use crate::roce::{self, ext_layout};
 use crate::wire::*;
@@ -155,6 +155,33 @@ impl Parsed {
     }
 }
 
+impl Parsed {
+    /// The source address as words in memory order, read back as words: the kernel build
+    /// then loads four words where it would take sixteen bytes apart and put them back
+    /// together (and spill the pieces).
+    #[inline(always)]
+    pub fn src_words(&self) -> [u32; 4] {
+        // SAFETY: `src` is at offset 0 of a repr(C) struct aligned to at least 4 (asserted
+        // below): a valid, aligned `[u32; 4]` place; any bytes are valid `u32`s.
+        unsafe { core::ptr::from_ref(&self.src).cast::<[u32; 4]>().read() }
+    }
+
+    /// The destination address, likewise.
+    #[inline(always)]
+    pub fn dst_words(&self) -> [u32; 4] {
+        // SAFETY: `dst` is at offset 16, as above.
+        unsafe { core::ptr::from_ref(&self.dst).cast::<[u32; 4]>().read() }
+    }
+}
+
+/// 16 address bytes of a header as four words in memory order, loaded as words (the
+/// bytes may sit at any alignment in a packet).
+#[inline(always)]
+fn addr_words(a: &[u8; 16]) -> [u32; 4] {
+    // SAFETY: 16 readable bytes; an unaligned read of plain integers.
+    unsafe { core::ptr::read_unaligned(a.as_ptr().cast::<[u32; 4]>()) }
+}
+
 const _: () = {
     assert!(core::mem::offset_of!(Parsed, src) == 0);
     assert!(core::mem::offset_of!(Parsed, dst) == 16);
@@ -214,7 +241,7 @@ pub fn parse_into<P: Packet>(
     let (ether_type, off) = parse_l2(p, 0, out)?;
     let (proto, off, l4_len) = parse_ip(p, ether_type, off, out)?;
     if proto == IPPROTO_GRE {
-        out.mirror_info.src = words_of_addr(out.src);
+        out.mirror_info.src = out.src_words();
         out.mirror_info._pad = [0; 3];
         let (inner_type, inner_off) = parse_mirror(p, off, l4_len, out)?;
         out.mirror_id = out.mirror_info.id();
@@ -448,7 +475,7 @@ fn parse_ip<P: Packet>(
                 return Err(Skip::BadIpHeader);
             }
             out.ip_version = 6;
-            out.set_addrs(words_of_addr(ip.src), words_of_addr(ip.dst));
+            out.set_addrs(addr_words(&ip.src), addr_words(&ip.dst));
             tos = ip.traffic_class();
             out.ttl = ip.hop_limit;
             let mut next = ip.next_hdr;

@@ -188,6 +188,12 @@ pub struct Datapath {
 impl Datapath {
     /// Loads (verifies) the programs with `opts` baked in. Needs CAP_BPF.
     pub fn load(opts: &DatapathOptions) -> Result<Self, DatapathError> {
+        Self::load_object(opts, EBPF_OBJECT)
+    }
+
+    /// [`Self::load`] from another build's object (`cargo xtask bench datapath
+    /// --baseline` times two builds side by side); its maps must be named as this build's.
+    pub fn load_object(opts: &DatapathOptions, object: &[u8]) -> Result<Self, DatapathError> {
         sys::check_kernel()?;
         sys::check_privileges()?;
         let cpus = aya::util::nr_cpus().map_err(|(path, source)| {
@@ -207,7 +213,7 @@ impl Datapath {
                 opts.max_flows.saturating_add(slots.saturating_mul(cpus as u32)),
             )
             .map_max_entries(MAP_FLOW_SLOTS, slots.div_ceil(SLOTS_PER_CHUNK))
-            .load(EBPF_OBJECT)
+            .load(object)
             .map_err(DatapathError::Load)?;
         if !opts.mirror_from.is_empty() {
             let map = ebpf

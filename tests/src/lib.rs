@@ -145,7 +145,15 @@ pub const TC_ACT_UNSPEC: u32 = u32::MAX;
 
 impl ProgTest {
     pub fn new(opts: &DatapathOptions) -> Self {
-        let mut dp = Datapath::load(opts).expect("load datapath");
+        Self::with(Datapath::load(opts).expect("load datapath"))
+    }
+
+    /// Another build's object (a benchmark's baseline).
+    pub fn with_object(opts: &DatapathOptions, object: &[u8]) -> Self {
+        Self::with(Datapath::load_object(opts, object).expect("load the baseline datapath"))
+    }
+
+    fn with(mut dp: Datapath) -> Self {
         dp.xdp().expect("xdp verifies");
         dp.tc(PROG_TC).expect("tc egress verifies");
         dp.tc(PROG_TC_INGRESS).expect("tc ingress verifies");
@@ -271,6 +279,16 @@ impl ProgTest {
             ..TestRunOptions::new()
         };
         prog.test_run(opts).expect("tc test run").duration
+    }
+
+    /// Reads the samples waiting and drops them; how many (whatever their size: another
+    /// build's).
+    pub fn drain_samples(&mut self) -> usize {
+        let mut n = 0;
+        while self.ring.next().is_some() {
+            n += 1;
+        }
+        n
     }
 
     pub fn samples(&mut self) -> Vec<Sample> {

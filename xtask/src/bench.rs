@@ -54,10 +54,10 @@ fn live_bytes() -> i64 {
     LIVE.load(std::sync::atomic::Ordering::Relaxed) as i64
 }
 
-pub fn run(which: &str, repeat: u32) -> anyhow::Result<()> {
+pub fn run(which: &str, repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
     let bin = Path::new("target/release/roce-trace");
     match which {
-        "datapath" => datapath(repeat),
+        "datapath" => datapath(repeat, baseline),
         "gen" => generator(bin),
         "capture" => capture(bin),
         "collector" => collector(),
@@ -83,7 +83,7 @@ pub fn run(which: &str, repeat: u32) -> anyhow::Result<()> {
         }
         "pcap" => pcap_ingest(bin),
         "all" => {
-            datapath(repeat)?;
+            datapath(repeat, baseline)?;
             generator(bin)?;
             capture(bin)?;
             pcap_ingest(bin)?;
@@ -129,7 +129,7 @@ struct Row {
 
 /// Datapath cost per packet: the real object under BPF_PROG_TEST_RUN, beside an empty
 /// program of each type on the same frames in the same run.
-fn datapath(repeat: u32) -> anyhow::Result<()> {
+fn datapath(repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
     let f = |opcode| RoceFrame {
         opcode,
         ..Default::default()
@@ -295,15 +295,28 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
     // timed on the same frames in the same run — what any program costs under test run.
     let empty_xdp = EmptyProg::load(BPF_PROG_TYPE_XDP, 2)?; // XDP_PASS
     let empty_tc = EmptyProg::load(BPF_PROG_TYPE_SCHED_CLS, 0)?; // TC_ACT_OK
+    let baseline = match baseline {
+        Some(p) => {
+            Some(std::fs::read(p).with_context(|| format!("reading the baseline object {}", p.display()))?)
+        }
+        None => None,
+    };
     println!(
-        "== datapath: BPF_PROG_TEST_RUN, {repeat} iterations per row, median of {RUNS} runs (mean ns per packet)"
+        "== datapath: BPF_PROG_TEST_RUN, {repeat} iterations a run, median of {RUNS} runs (mean ns per packet){}",
+        if baseline.is_some() {
+            "; base: the baseline object, new: this build"
+        } else {
+            ""
+        }
     );
-    print_header();
+    print_header(baseline.is_some());
     for r in &rows {
-        let mut t = ProgTest::new(&DatapathOptions {
+        let opts = DatapathOptions {
             sample_rate: r.rate,
             ..Default::default()
-        });
+        };
+        let mut t = ProgTest::new(&opts);
+        let mut base = baseline.as_ref().map(|obj| ProgTest::with_object(&opts, obj));
         // A full ring is cheaper than a real sample and would flatter the numbers: when
         // every packet is emitted, run few enough that the 4 MiB ring of 264-byte samples
         // never fills.
@@ -312,19 +325,29 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
         } else {
             repeat
         };
-        let (mut xs, mut ts, mut exs, mut ets) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        // [empty, base, new] for XDP and for TC.
+        let mut xs: [Vec<u64>; 3] = Default::default();
+        let mut ts: [Vec<u64>; 3] = Default::default();
         let mut sampled = 0u64;
         if r.stepped {
-            // Both programs behind the same stepper: it advances the PSN in place and
-            // tail-calls the program timed, so its own cost is in both figures.
+            // Every program behind the same stepper: it advances the PSN in place and
+            // tail-calls the program timed, so its own cost is in every figure.
             let spec = &r.specs[0];
             let psn_off = psn_offset(&r.frames[0])?;
             let sx = Stepper::load(BPF_PROG_TYPE_XDP, psn_off, 1)?; // XDP_DROP: never what a target returns
             let st = Stepper::load(BPF_PROG_TYPE_SCHED_CLS, psn_off, 2)?; // TC_ACT_SHOT, likewise
-            let (xdp_fd, tc_fd) = (t.dp.xdp()?.fd()?.as_fd().as_raw_fd(), {
+            let fds = |t: &mut ProgTest| -> anyhow::Result<(i32, i32)> {
                 use roce_trace_common::datapath::PROG_TC;
-                t.dp.tc(PROG_TC)?.fd()?.as_fd().as_raw_fd()
-            });
+                Ok((
+                    t.dp.xdp()?.fd()?.as_fd().as_raw_fd(),
+                    t.dp.tc(PROG_TC)?.fd()?.as_fd().as_raw_fd(),
+                ))
+            };
+            let new_fds = fds(&mut t)?;
+            let base_fds = match &mut base {
+                Some(b) => Some(fds(b)?),
+                None => None,
+            };
             for run in 0..RUNS as u32 {
                 // Run `run` starts where the last left off: its first packet is PSN
                 // run * n + 1.
@@ -333,25 +356,39 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
                     ..spec.clone()
                 }
                 .build();
-                sx.target(empty_xdp.fd.as_raw_fd())?;
-                exs.push(sx.time(&frame, n)?);
-                sx.target(xdp_fd)?;
-                xs.push(sx.time(&frame, n)?);
-                sampled += t.samples().len() as u64;
-                st.target(empty_tc.fd.as_raw_fd())?;
-                ets.push(st.time(&frame, n)?);
-                st.target(tc_fd)?;
-                ts.push(st.time(&frame, n)?);
-                sampled += t.samples().len() as u64;
+                for (stepper, empty, out, pick) in [
+                    (&sx, &empty_xdp, &mut xs, 0usize),
+                    (&st, &empty_tc, &mut ts, 1usize),
+                ] {
+                    let pick = |f: (i32, i32)| if pick == 0 { f.0 } else { f.1 };
+                    stepper.target(empty.fd.as_raw_fd())?;
+                    out[0].push(stepper.time(&frame, n)?);
+                    if let (Some(b), Some(f)) = (&mut base, base_fds) {
+                        stepper.target(pick(f))?;
+                        out[1].push(stepper.time(&frame, n)?);
+                        b.drain_samples();
+                    }
+                    stepper.target(pick(new_fds))?;
+                    out[2].push(stepper.time(&frame, n)?);
+                    sampled += t.samples().len() as u64;
+                }
             }
         } else {
             let frame = &r.frames[0];
             for _ in 0..RUNS {
-                exs.push(empty_xdp.time(frame, n)?);
-                xs.push(t.time_xdp(frame, n).as_nanos() as u64);
+                xs[0].push(empty_xdp.time(frame, n)?);
+                if let Some(b) = &mut base {
+                    xs[1].push(b.time_xdp(frame, n).as_nanos() as u64);
+                    b.drain_samples();
+                }
+                xs[2].push(t.time_xdp(frame, n).as_nanos() as u64);
                 sampled += t.samples().len() as u64;
-                ets.push(empty_tc.time(frame, n)?);
-                ts.push(t.time_tc(frame, n).as_nanos() as u64);
+                ts[0].push(empty_tc.time(frame, n)?);
+                if let Some(b) = &mut base {
+                    ts[1].push(b.time_tc(frame, n).as_nanos() as u64);
+                    b.drain_samples();
+                }
+                ts[2].push(t.time_tc(frame, n).as_nanos() as u64);
                 sampled += t.samples().len() as u64;
             }
         }
@@ -376,7 +413,16 @@ fn datapath(repeat: u32) -> anyhow::Result<()> {
             },
         };
         check_path(&t, r, per_hook, sampled, expected)?;
-        print_row(r.name, [median(exs), median(xs), median(ets), median(ts)]);
+        let m = |v: &mut [Vec<u64>; 3]| {
+            v.each_mut().map(|v| {
+                if v.is_empty() {
+                    None
+                } else {
+                    Some(median(std::mem::take(v)))
+                }
+            })
+        };
+        print_row(r.name, m(&mut xs), m(&mut ts));
     }
     println!(
         "(repeated rows: one frame run `repeat` times in the kernel, cache-hot; the RC WRITE\n \
@@ -397,25 +443,44 @@ fn psn_offset(frame: &[u8]) -> anyhow::Result<usize> {
     Ok(p.icrc_off as usize + 4 - p.udp_len as usize + 8 + 9)
 }
 
-fn print_header() {
-    println!(
-        "{:<52} {:>9} {:>7} {:>6} {:>9} {:>7} {:>6}",
-        "frame", "empty XDP", "XDP ns", "over", "empty TC", "TC ns", "over"
-    );
+fn print_header(baseline: bool) {
+    if baseline {
+        println!(
+            "{:<52} {:>6} {:>5} {:>5} {:>5} {:>5} {:>6} {:>5} {:>5} {:>5} {:>5}",
+            "frame", "empty", "base", "over", "new", "over", "empty", "base", "over", "new", "over"
+        );
+        println!("{:<52} {:^29} {:^30}", "", "XDP (ns)", "TC (ns)");
+    } else {
+        println!(
+            "{:<52} {:>9} {:>7} {:>6} {:>9} {:>7} {:>6}",
+            "frame", "empty XDP", "XDP ns", "over", "empty TC", "TC ns", "over"
+        );
+    }
 }
 
-/// `[empty XDP, XDP, empty TC, TC]`.
-fn print_row(name: &str, [exdp, xdp, etc, tc]: [u64; 4]) {
-    println!(
-        "{:<52} {:>9} {:>7} {:>+6} {:>9} {:>7} {:>+6}",
-        name,
-        exdp,
-        xdp,
-        xdp as i64 - exdp as i64,
-        etc,
-        tc,
-        tc as i64 - etc as i64
-    );
+/// `[empty, baseline, this build]` medians for XDP and for TC.
+fn print_row(name: &str, x: [Option<u64>; 3], t: [Option<u64>; 3]) {
+    let over = |v: Option<u64>, e: Option<u64>| v.unwrap_or(0) as i64 - e.unwrap_or(0) as i64;
+    let mut line = format!("{name:<52}");
+    for [e, b, n] in [x, t] {
+        match b {
+            Some(b) => line.push_str(&format!(
+                " {:>6} {:>5} {:>+5} {:>5} {:>+5}",
+                e.unwrap_or(0),
+                b,
+                over(Some(b), e),
+                n.unwrap_or(0),
+                over(n, e)
+            )),
+            None => line.push_str(&format!(
+                " {:>9} {:>7} {:>+6}",
+                e.unwrap_or(0),
+                n.unwrap_or(0),
+                over(n, e)
+            )),
+        }
+    }
+    println!("{line}");
 }
 
 /// Checks that a row's `per_hook` packets on each of XDP (ingress) and TC (egress) took
@@ -528,8 +593,10 @@ fn verifier_stats() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs per row; the median is printed.
-const RUNS: usize = 5;
+/// Runs per row, each program's alternating with the empty program's on the same CPU;
+/// the median is printed. Short runs, many of them: this VM's speed drifts over seconds,
+/// and alternating keeps a figure and its floor in the same moment.
+const RUNS: usize = 15;
 
 fn median(mut v: Vec<u64>) -> u64 {
     v.sort_unstable();

@@ -29,9 +29,15 @@ enum Cmd {
         /// datapath, gen, capture, or all.
         #[arg(default_value = "all")]
         which: String,
-        /// Iterations per frame kind (datapath).
-        #[arg(long, default_value_t = 1_000_000)]
+        /// Iterations per run of a row (datapath; each row is run 15 times, the empty
+        /// program between, and the median printed).
+        #[arg(long, default_value_t = 200_000)]
         repeat: u32,
+        /// Another build's eBPF object, timed beside this build's in the same runs
+        /// (datapath): e.g. target/release/build/roce-trace-datapath-*/out/roce-trace of
+        /// a checkout of an older commit.
+        #[arg(long)]
+        baseline: Option<std::path::PathBuf>,
     },
     /// The virtual leaf-spine fabric: up, down, status, faults.
     Lab(lab::LabArgs),
@@ -74,7 +80,11 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Lint => lint(),
-        Cmd::Bench { which, repeat } => bench::run(&which, repeat),
+        Cmd::Bench {
+            which,
+            repeat,
+            baseline,
+        } => bench::run(&which, repeat, baseline.as_deref()),
         Cmd::Demo { seconds, nats } => demo::run(seconds, nats),
         Cmd::Lab(a) => lab::run(a),
     }
