@@ -12,17 +12,32 @@ use crate::{
 /// The flow key of a parsed packet at an observation point.
 #[inline(always)]
 pub fn flow_key(p: &Parsed, ifindex: u32, direction: u8) -> FlowKey {
-    FlowKey {
-        src: p.src,
-        dst: p.dst,
-        ifindex,
-        dest_qp: p.bth.dest_qp(),
-        udp_sport: p.udp_sport,
-        direction,
-        ip_version: p.ip_version,
-        // Zero unless mirrored (the parser clears it), so one key per mirror session.
-        mirror: p.mirror_id,
+    let mut k = FlowKey::default();
+    set_flow_key(&mut k, p, ifindex, direction);
+    k
+}
+
+/// [`flow_key`] written in place (the kernel's scratch slot): the addresses go over as
+/// words, with no copy of the key on the stack between.
+#[inline(always)]
+pub fn set_flow_key(k: &mut FlowKey, p: &Parsed, ifindex: u32, direction: u8) {
+    // SAFETY: `FlowKey` is repr(C, align(8)) with `src` and `dst` at offsets 0 and 16:
+    // valid, aligned `[u32; 4]` places; any bytes are valid `u8`s.
+    unsafe {
+        core::ptr::from_mut(&mut k.src)
+            .cast::<[u32; 4]>()
+            .write(p.src_words());
+        core::ptr::from_mut(&mut k.dst)
+            .cast::<[u32; 4]>()
+            .write(p.dst_words());
     }
+    k.ifindex = ifindex;
+    k.dest_qp = p.bth.dest_qp();
+    k.udp_sport = p.udp_sport;
+    k.direction = direction;
+    k.ip_version = p.ip_version;
+    // Zero unless mirrored (the parser clears it), so one key per mirror session.
+    k.mirror = p.mirror_id;
 }
 
 #[inline(always)]

@@ -61,9 +61,9 @@ pub struct ExtLayout {
     pub min_len: u8,
 }
 
-/// The extended headers that follow the BTH for `opcode`.
-#[inline(always)]
-pub const fn ext_layout(opcode: u8) -> ExtLayout {
+/// The extended headers that follow the BTH for `opcode`: the rule, as the
+/// specification gives it ([`ext_layout`] reads it from [`OPCODES`]).
+const fn layout_rule(opcode: u8) -> ExtLayout {
     let t = transport(opcode);
     let o = operation(opcode);
     let none = ExtLayout {
@@ -123,6 +123,70 @@ pub const fn ext_layout(opcode: u8) -> ExtLayout {
     }
 }
 
+/// The extended headers that follow the BTH for `opcode`.
+#[inline(always)]
+pub const fn ext_layout(opcode: u8) -> ExtLayout {
+    let f = facts(opcode);
+    ExtLayout {
+        reth: unpack_offset(f),
+        aeth: unpack_offset(f >> 8),
+        deth: unpack_offset(f >> 16),
+        min_len: (f >> 24) as u8,
+    }
+}
+
+/// What the datapath asks of each opcode — its extended headers' offsets (each plus one,
+/// 0 for none) and their length in the low four bytes, whether it is a request, a READ
+/// REQUEST, an acknowledgement above — computed at compile time from the rules: one load
+/// where every packet walked chains of compares.
+pub static OPCODES: [u64; 256] = {
+    let mut t = [0u64; 256];
+    let mut i = 0;
+    while i < 256 {
+        t[i] = pack(i as u8);
+        i += 1;
+    }
+    t
+};
+const FACT_REQUEST: u64 = 1 << 32;
+const FACT_READ_REQUEST: u64 = 1 << 33;
+const FACT_ACK: u64 = 1 << 34;
+
+#[inline(always)]
+const fn facts(opcode: u8) -> u64 {
+    OPCODES[opcode as usize]
+}
+
+const fn pack(opcode: u8) -> u64 {
+    let l = layout_rule(opcode);
+    pack_offset(l.reth)
+        | pack_offset(l.aeth) << 8
+        | pack_offset(l.deth) << 16
+        | (l.min_len as u64) << 24
+        | if request_rule(opcode) { FACT_REQUEST } else { 0 }
+        | if read_request_rule(opcode) {
+            FACT_READ_REQUEST
+        } else {
+            0
+        }
+        | if ack_rule(opcode) { FACT_ACK } else { 0 }
+}
+
+const fn pack_offset(o: Option<u8>) -> u64 {
+    match o {
+        Some(v) => v as u64 + 1,
+        None => 0,
+    }
+}
+
+#[inline(always)]
+const fn unpack_offset(f: u64) -> Option<u8> {
+    match (f & 0xff) as u8 {
+        0 => None,
+        v => Some(v - 1),
+    }
+}
+
 #[inline(always)]
 const fn is_request_op(o: u8) -> bool {
     o <= op::READ_REQUEST
@@ -136,6 +200,11 @@ const fn is_request_op(o: u8) -> bool {
 /// A request packet: consumes requester PSNs (SEND, WRITE, READ REQUEST, atomics, UD SEND).
 #[inline(always)]
 pub const fn is_request(opcode: u8) -> bool {
+    facts(opcode) & FACT_REQUEST != 0
+}
+
+/// The rule behind [`is_request`].
+const fn request_rule(opcode: u8) -> bool {
     match transport(opcode) {
         TRANSPORT_RC | TRANSPORT_UC | TRANSPORT_XRC => is_request_op(operation(opcode)),
         TRANSPORT_UD => {
@@ -150,6 +219,10 @@ pub const fn is_request(opcode: u8) -> bool {
 /// the wire does not say (the path MTU is not in the packet).
 #[inline(always)]
 pub const fn is_read_request(opcode: u8) -> bool {
+    facts(opcode) & FACT_READ_REQUEST != 0
+}
+
+const fn read_request_rule(opcode: u8) -> bool {
     let t = transport(opcode);
     (t == TRANSPORT_RC || t == TRANSPORT_XRC) && operation(opcode) == op::READ_REQUEST
 }
@@ -157,6 +230,10 @@ pub const fn is_read_request(opcode: u8) -> bool {
 /// An acknowledgement carrying an AETH that answers requests (not a read response).
 #[inline(always)]
 pub const fn is_ack_opcode(opcode: u8) -> bool {
+    facts(opcode) & FACT_ACK != 0
+}
+
+const fn ack_rule(opcode: u8) -> bool {
     let t = transport(opcode);
     (t == TRANSPORT_RC || t == TRANSPORT_XRC)
         && (operation(opcode) == op::ACKNOWLEDGE || operation(opcode) == op::ATOMIC_ACKNOWLEDGE)
@@ -296,5 +373,30 @@ mod tests {
         assert_eq!(opcode_name(0x81), "CNP");
         assert_eq!(opcode_name(0x0a), "WRITE ONLY");
         assert_eq!(opcode_name(0x64), "UD SEND ONLY");
+    }
+}
+
+#[cfg(test)]
+mod opcode_table_tests {
+    use super::*;
+
+    /// The table says what the rules say, for every opcode (the packing and unpacking
+    /// lose nothing).
+    #[test]
+    fn the_table_is_the_rules() {
+        for op in 0..=255u8 {
+            assert_eq!(ext_layout(op), layout_rule(op), "opcode {op:#04x}");
+            assert_eq!(is_request(op), request_rule(op), "opcode {op:#04x}");
+            assert_eq!(is_read_request(op), read_request_rule(op), "opcode {op:#04x}");
+            assert_eq!(is_ack_opcode(op), ack_rule(op), "opcode {op:#04x}");
+        }
+        // And the rules themselves on a few opcodes, so a rule broken in both is caught.
+        assert_eq!(ext_layout(op::ACKNOWLEDGE).aeth, Some(0));
+        assert_eq!(ext_layout(op::WRITE_FIRST).reth, Some(0));
+        assert_eq!(ext_layout(0x64).deth, Some(0)); // UD SEND ONLY
+        assert_eq!(ext_layout(0xa6).reth, Some(4)); // XRC WRITE FIRST: after the XRCETH
+        assert_eq!(ext_layout(OP_CNP).min_len, 16);
+        assert!(is_request(op::WRITE_MIDDLE) && !is_request(op::ACKNOWLEDGE));
+        assert!(is_read_request(op::READ_REQUEST) && is_ack_opcode(op::ACKNOWLEDGE));
     }
 }

@@ -225,7 +225,7 @@ fn account(
     now: u64,
 ) -> u32 {
     let p = &work.parsed;
-    work.key = account::flow_key(p, ifindex, dir);
+    account::set_flow_key(&mut work.key, p, ifindex, dir);
     let key = &work.key;
 
     let flow = match flow_slot(key.slot(cfg.slot_bits)) {

@@ -310,7 +310,13 @@ fn datapath(repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
         }
     );
     print_header(baseline.is_some());
-    for r in &rows {
+    // ROCE_TRACE_BENCH_ROWS=text: only the rows whose name holds it (while working on one
+    // path).
+    let only = std::env::var("ROCE_TRACE_BENCH_ROWS").ok();
+    for r in rows
+        .iter()
+        .filter(|r| only.as_deref().is_none_or(|o| r.name.contains(o)))
+    {
         let opts = DatapathOptions {
             sample_rate: r.rate,
             ..Default::default()
