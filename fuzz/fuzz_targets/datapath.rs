@@ -22,7 +22,10 @@ use roce_trace::{
 };
 use roce_trace_common::{
     datapath::*,
-    parse::{SlicePacket, parse, surely_not_roce},
+    parse::{
+        INNER_HEAD_LEN, Look, Parsed, SlicePacket, first_look, parse, parse_into, parse_plain_v4_into,
+        surely_not_roce,
+    },
     wire::ROCEV2_UDP_PORT,
 };
 use roce_trace_tests::{ProgTest, TC_ACT_UNSPEC, XDP_PASS};
@@ -219,6 +222,18 @@ fuzz_target!(|data: &[u8]| {
             "surely_not_roce let by a frame the parser does not call non-RoCE"
         );
         assert!(want.counters.is_empty() && want.samples.is_empty(), "{want:?}");
+    }
+    // The short way the kernel takes for plain IPv4 gives the parser's every field.
+    if first_look(&SlicePacket::new(&f), ROCEV2_UDP_PORT) == Look::PlainV4 {
+        let pkt = SlicePacket::new(&f);
+        let (mut a, mut b) = (Parsed::default(), Parsed::default());
+        let mut inner = [0u8; INNER_HEAD_LEN];
+        let ra = parse_into(&pkt, ROCEV2_UDP_PORT, &mut a, &mut inner);
+        let rb = parse_plain_v4_into(&pkt, ROCEV2_UDP_PORT, &mut b);
+        assert_eq!(ra, rb);
+        if ra.is_ok() {
+            assert_eq!(a, b);
+        }
     }
     KERNEL.with_borrow_mut(|k| {
         let k = k.get_or_insert_with(|| {

@@ -268,19 +268,36 @@ pub fn parse_into<P: Packet>(
     parse_roce(p, off, l4_len, udp_port, 0, out)
 }
 
-/// Whether `p` is surely neither RoCEv2 nor a mirrored copy, judged from its first
-/// headers with loads and compares alone: the datapath's first test on every frame, before
-/// it touches a map. True exactly of frames [`parse_into`] gives up on as
-/// [`Skip::NonRoce`] at their first look: an EtherType that is neither IP, a tag nor
-/// RoCEv1 (after up to [`MAX_VLAN_DEPTH`] tags); IPv4 without options or IPv6 without
-/// extension headers carrying neither UDP nor GRE; UDP to another port. Everything else —
-/// options, extension headers, fragments, short or malformed headers — is left to the
-/// parser, which counts what it finds. The kernel counts none of the frames this is true
-/// of (the interface's own counters have them).
+/// What the datapath's first test on every frame, before it touches a map, makes of it
+/// from its first headers with loads and compares alone ([`first_look`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Look {
+    /// Surely neither RoCEv2 nor a mirrored copy: exactly the frames [`parse_into`] gives
+    /// up on as [`Skip::NonRoce`] at their first look — an EtherType that is neither IP, a
+    /// tag nor RoCEv1 (after up to [`MAX_VLAN_DEPTH`] tags); IPv4 without options or IPv6
+    /// without extension headers carrying neither UDP nor GRE; UDP to another port. The
+    /// kernel counts none of them (the interface's own counters have them).
+    NotRoce,
+    /// The common shape, checked up to the UDP port: untagged IPv4 without options, not a
+    /// fragment, a total length that holds its header, UDP to the RoCEv2 port.
+    /// [`parse_plain_v4_into`] takes it from there without walking it again.
+    PlainV4,
+    /// Anything else (tags, IPv6, options, GRE, short or malformed headers): the parser
+    /// walks it and counts what it finds.
+    Other,
+}
+
+/// Whether `p` is surely neither RoCEv2 nor a mirrored copy ([`Look::NotRoce`]).
 #[inline(always)]
 pub fn surely_not_roce<P: Packet>(p: &P, udp_port: u16) -> bool {
+    first_look(p, udp_port) == Look::NotRoce
+}
+
+/// The first look at `p` (see [`Look`]).
+#[inline(always)]
+pub fn first_look<P: Packet>(p: &P, udp_port: u16) -> Look {
     let Some(eth) = p.header::<EthHdr>(0) else {
-        return false;
+        return Look::Other;
     };
     let mut ether_type = eth.ether_type();
     let mut off = EthHdr::LEN;
@@ -289,50 +306,78 @@ pub fn surely_not_roce<P: Packet>(p: &P, udp_port: u16) -> bool {
             break;
         }
         let Some(tag) = p.header::<VlanHdr>(off) else {
-            return false;
+            return Look::Other;
         };
         ether_type = tag.ether_type();
         off += VlanHdr::LEN;
     }
-    let udp_off = match ether_type {
+    let (udp_off, plain) = match ether_type {
         ETH_P_IPV4 => {
             let Some(ip) = p.header::<Ipv4Hdr>(off) else {
-                return false;
+                return Look::Other;
             };
             // Version 4 without options, a total length that holds the header: else the
             // parser has a failure to count.
             if ip.version_ihl != 0x45 || (ip.tot_len() as usize) < Ipv4Hdr::LEN {
-                return false;
+                return Look::Other;
             }
             if ip.protocol != IPPROTO_UDP {
-                return ip.protocol != IPPROTO_GRE;
+                return if ip.protocol == IPPROTO_GRE {
+                    Look::Other
+                } else {
+                    Look::NotRoce
+                };
             }
             if ip.is_fragment() {
-                return false;
+                return Look::Other;
             }
-            off + Ipv4Hdr::LEN
+            (off + Ipv4Hdr::LEN, off == EthHdr::LEN)
         }
         ETH_P_IPV6 => {
             let Some(ip) = p.header::<Ipv6Hdr>(off) else {
-                return false;
+                return Look::Other;
             };
             if ip.version() != 6 {
-                return false;
+                return Look::Other;
             }
             match ip.next_hdr {
-                IPPROTO_UDP => off + Ipv6Hdr::LEN,
+                IPPROTO_UDP => (off + Ipv6Hdr::LEN, false),
                 IPPROTO_GRE | IPV6_EXT_HOP_BY_HOP | IPV6_EXT_ROUTING | IPV6_EXT_FRAGMENT | IPV6_EXT_AUTH
-                | IPV6_EXT_DEST_OPTS => return false,
-                _ => return true,
+                | IPV6_EXT_DEST_OPTS => return Look::Other,
+                _ => return Look::NotRoce,
             }
         }
-        ETH_P_8021Q | ETH_P_8021AD | ETH_P_ROCEV1 => return false,
-        _ => return true,
+        ETH_P_8021Q | ETH_P_8021AD | ETH_P_ROCEV1 => return Look::Other,
+        _ => return Look::NotRoce,
     };
     match p.header::<UdpHdr>(udp_off) {
-        Some(udp) => udp.dst_port() != udp_port,
-        None => false,
+        Some(udp) if udp.dst_port() != udp_port => Look::NotRoce,
+        Some(_) if plain => Look::PlainV4,
+        _ => Look::Other,
     }
+}
+
+/// [`parse_into`] of a frame [`first_look`] called [`Look::PlainV4`], without walking
+/// its Ethernet and IPv4 headers again: the same `Parsed`, the same errors.
+#[inline(always)]
+pub fn parse_plain_v4_into<P: Packet>(p: &P, udp_port: u16, out: &mut Parsed) -> Result<(), Skip> {
+    out.present = 0;
+    if let Some(tci) = p.offload_vlan_tci() {
+        out.pcp = pcp_of_tci(tci);
+        out.present |= HAS_PCP;
+    }
+    out.vlan_depth = 0;
+    let off = EthHdr::LEN;
+    out.l3_off = off as u16;
+    let ip: &Ipv4Hdr = p.header(off).ok_or(Skip::TruncatedIp)?;
+    out.ip_version = 4;
+    out.set_addrs(mapped_v4(ip.src), mapped_v4(ip.dst));
+    out.ttl = ip.ttl;
+    out.dscp = ip.tos >> 2;
+    out.ecn = ip.tos & 0x3;
+    let l4_len = (ip.tot_len() as usize).saturating_sub(Ipv4Hdr::LEN);
+    out.mirror_id = 0;
+    parse_roce(p, off + Ipv4Hdr::LEN, l4_len, udp_port, 0, out)
 }
 
 /// UDP(`udp_port`) at `off` of an IP payload of `l4_len` bytes, the BTH and extended

@@ -24,7 +24,7 @@ use aya_ebpf::{
 use roce_trace_common::{
     account,
     datapath::*,
-    parse::{Packet, Parsed, load_icrc, parse_into, surely_not_roce},
+    parse::{Look, Packet, Parsed, first_look, load_icrc, parse_into, parse_plain_v4_into},
     scratch::Work,
 };
 
@@ -38,8 +38,9 @@ pub fn roce_xdp(ctx: XdpContext) -> u32 {
     let pkt = XdpPacket::new(&ctx);
     // Most frames are not RoCE: told from their first headers, before any map is
     // touched, and not counted (the interface's own counters have them).
-    if !surely_not_roce(&pkt, CONFIG.field(|c| &c.udp_port)) {
-        observe(&pkt, DIR_INGRESS, pkt.ifindex(), pkt.frame_len());
+    let look = first_look(&pkt, CONFIG.field(|c| &c.udp_port));
+    if look != Look::NotRoce {
+        observe(&pkt, look, DIR_INGRESS, pkt.ifindex(), pkt.frame_len());
     }
     XDP_PASS
 }
@@ -65,11 +66,13 @@ pub fn roce_tc_in(ctx: TcContext) -> i32 {
 fn tc(ctx: &TcContext, dir: u8) {
     let mut pkt = TcPacket::new(ctx);
     let udp_port = CONFIG.field(|c| &c.udp_port);
-    if surely_not_roce(&pkt, udp_port) {
+    let look = first_look(&pkt, udp_port);
+    if look == Look::NotRoce {
         return;
     }
+    // The headers the first look read stay where they are when pulled.
     pkt.pull_if_candidate(udp_port);
-    observe(&pkt, dir, pkt.ifindex(), pkt.frame_len());
+    observe(&pkt, look, dir, pkt.ifindex(), pkt.frame_len());
     count_pull(&pkt, dir);
 }
 
@@ -126,7 +129,7 @@ fn bump(counters: &mut Counters, counter: GlobalCounter, dir: u8) {
 }
 
 #[inline(always)]
-fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
+fn observe<P: Packet>(pkt: &P, look: Look, dir: u8, ifindex: u32, frame_len: u32) {
     let cfg = CONFIG.get();
     let Some(g) = GLOBALS.get_ptr_mut(0) else {
         return;
@@ -134,7 +137,12 @@ fn observe<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) {
     // SAFETY: per-CPU value; programs do not nest on one CPU for these hooks.
     let g = unsafe { &mut *g };
     // Every frame is counted once, by what became of it (`GlobalCounter::OUTCOMES`).
-    match parse_into(pkt, cfg.udp_port, &mut g.work.parsed, &mut g.work.inner) {
+    let parsed = if look == Look::PlainV4 {
+        parse_plain_v4_into(pkt, cfg.udp_port, &mut g.work.parsed)
+    } else {
+        parse_into(pkt, cfg.udp_port, &mut g.work.parsed, &mut g.work.inner)
+    };
+    match parsed {
         Ok(()) => {
             // A mirrored copy from outside the mirror ranges is not ours: no session is
             // remembered for it, no flow counted (a forged GRE flood cannot fill MIRRORS).

@@ -450,7 +450,9 @@ mod mirrored {
 #[test]
 fn the_first_test_lets_by_only_what_the_parser_calls_non_roce() {
     use roce_trace::frame::Mirror;
-    use roce_trace_common::parse::surely_not_roce;
+    use roce_trace_common::parse::{
+        INNER_HEAD_LEN, Look, Parsed, first_look, parse_into, parse_plain_v4_into, surely_not_roce,
+    };
     let v6 = |mut s: RoceFrame| {
         s.src = "fd00::1".parse().unwrap();
         s.dst = "fd00::2".parse().unwrap();
@@ -516,13 +518,34 @@ fn the_first_test_lets_by_only_what_the_parser_calls_non_roce() {
         x ^= x << 5;
         x
     };
-    let (mut let_by, mut checked) = (0, 0);
+    let (mut let_by, mut checked, mut plain) = (0, 0, 0);
     let mut check = |f: &[u8]| {
         checked += 1;
-        if surely_not_roce(&SlicePacket::new(f), ROCEV2_UDP_PORT) {
-            let_by += 1;
-            assert_eq!(p(f).err(), Some(Skip::NonRoce), "let by: {f:02x?}");
+        let pkt = SlicePacket::new(f);
+        match first_look(&pkt, ROCEV2_UDP_PORT) {
+            Look::NotRoce => {
+                let_by += 1;
+                assert_eq!(p(f).err(), Some(Skip::NonRoce), "let by: {f:02x?}");
+            }
+            // The short way for the common shape gives the parser's every field and error.
+            Look::PlainV4 => {
+                plain += 1;
+                let mut a = Parsed::default();
+                let mut b = Parsed::default();
+                let mut inner = [0u8; INNER_HEAD_LEN];
+                let ra = parse_into(&pkt, ROCEV2_UDP_PORT, &mut a, &mut inner);
+                let rb = parse_plain_v4_into(&pkt, ROCEV2_UDP_PORT, &mut b);
+                assert_eq!(ra, rb, "{f:02x?}");
+                if ra.is_ok() {
+                    assert_eq!(a, b, "{f:02x?}");
+                }
+            }
+            Look::Other => {}
         }
+        assert_eq!(
+            surely_not_roce(&pkt, ROCEV2_UDP_PORT),
+            first_look(&pkt, ROCEV2_UDP_PORT) == Look::NotRoce
+        );
     };
     for s in &shapes {
         check(s);
@@ -550,5 +573,8 @@ fn the_first_test_lets_by_only_what_the_parser_calls_non_roce() {
             "shape {i}: {f:02x?}"
         );
     }
-    assert!(let_by > 1000 && checked > 40_000, "{let_by} of {checked} let by");
+    assert!(
+        let_by > 1000 && plain > 1000 && checked > 40_000,
+        "{let_by} let by and {plain} plain IPv4 of {checked}"
+    );
 }

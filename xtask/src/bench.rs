@@ -1373,6 +1373,18 @@ fn capture_run(lab: &Lab, bin: &Path, mbit: u32, run: u32, dir: &Path) -> anyhow
         "roce-trace counted {counted}, the wire carried {}",
         requests + replies
     );
+    // A ratio is only a ratio when both sides were measured: tcpdump saw every packet
+    // (else its share is of fewer packets), and perf found roce-trace's programs on the
+    // stack (else their kernel time was charged to nobody and the ratio flatters us).
+    ensure!(
+        captured == requests + replies,
+        "tcpdump captured {captured}, the wire carried {}: its cost is not of the same packets",
+        requests + replies
+    );
+    ensure!(
+        !c.rt_bpf.is_zero(),
+        "perf found none of roce-trace's kernel frames (BPF program symbols): its kernel time would be missing from the ratio"
+    );
     Ok(ratio)
 }
 
