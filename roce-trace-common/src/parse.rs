@@ -174,12 +174,13 @@ impl Parsed {
     }
 }
 
-/// 16 address bytes of a header as four words in memory order, loaded as words (the
-/// bytes may sit at any alignment in a packet).
+/// 16 address bytes of a header as four words in memory order, each put together from its
+/// bytes: the kernel build (which may load unaligned words) makes each one load. (An
+/// unaligned read of the whole array becomes a byte-by-byte copy, or a call to one.)
 #[inline(always)]
 fn addr_words(a: &[u8; 16]) -> [u32; 4] {
-    // SAFETY: 16 readable bytes; an unaligned read of plain integers.
-    unsafe { core::ptr::read_unaligned(a.as_ptr().cast::<[u32; 4]>()) }
+    let w = |i: usize| u32::from_ne_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
+    [w(0), w(4), w(8), w(12)]
 }
 
 const _: () = {
