@@ -5,7 +5,7 @@
 
 use crate::datapath::{
     FlowKey, GlobalCounter, HAS_AETH, HAS_DETH, HAS_ICRC, HAS_MIRROR, HAS_PCP, HAS_RETH, MIRROR_ERSPAN_I,
-    MIRROR_ERSPAN_II, MIRROR_ERSPAN_III, MIRROR_GRE, MirrorInfo, SAMPLE_HEAD_LEN, Sample,
+    MIRROR_ERSPAN_II, MIRROR_ERSPAN_III, MIRROR_GRE, MirrorInfo, SAMPLE_HEAD_LEN, Sample, words_of_addr,
 };
 use crate::roce::{self, ext_layout};
 use crate::wire::*;
@@ -153,9 +153,7 @@ impl Parsed {
             core::ptr::from_mut(&mut self.dst).cast::<[u32; 4]>().write(dst);
         }
     }
-}
 
-impl Parsed {
     /// The source address as words in memory order, read back as words: the kernel build
     /// then loads four words where it would take sixteen bytes apart and put them back
     /// together (and spill the pieces).
@@ -172,15 +170,6 @@ impl Parsed {
         // SAFETY: `dst` is at offset 16, as above.
         unsafe { core::ptr::from_ref(&self.dst).cast::<[u32; 4]>().read() }
     }
-}
-
-/// 16 address bytes of a header as four words in memory order, each put together from its
-/// bytes: the kernel build (which may load unaligned words) makes each one load. (An
-/// unaligned read of the whole array becomes a byte-by-byte copy, or a call to one.)
-#[inline(always)]
-fn addr_words(a: &[u8; 16]) -> [u32; 4] {
-    let w = |i: usize| u32::from_ne_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
-    [w(0), w(4), w(8), w(12)]
 }
 
 const _: () = {
@@ -521,7 +510,7 @@ fn parse_ip<P: Packet>(
                 return Err(Skip::BadIpHeader);
             }
             out.ip_version = 6;
-            out.set_addrs(addr_words(&ip.src), addr_words(&ip.dst));
+            out.set_addrs(words_of_addr(ip.src), words_of_addr(ip.dst));
             tos = ip.traffic_class();
             out.ttl = ip.hop_limit;
             let mut next = ip.next_hdr;

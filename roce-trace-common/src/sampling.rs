@@ -167,6 +167,16 @@ pub const fn threshold_for_rate(rate: u32) -> Option<u32> {
 mod tests {
     use super::*;
 
+    /// Pseudo-random words for the tests, from `x` (not 0).
+    fn xorshift(mut x: u32) -> impl FnMut() -> u32 {
+        move || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x
+        }
+    }
+
     #[test]
     fn thresholds() {
         assert_eq!(threshold_for_rate(0), None);
@@ -190,13 +200,7 @@ mod tests {
 
     #[test]
     fn the_ipv4_shortcut_is_the_same_hash() {
-        let mut x = 0x1234_5678u32;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x
-        };
+        let mut next = xorshift(0x1234_5678);
         for _ in 0..10_000 {
             let (seed, a, b, ports, qp, psn) = (next(), next(), next(), next(), next(), next());
             let mapped = |w: u32| {
@@ -251,13 +255,7 @@ mod tests {
 
     #[test]
     fn the_flow_state_split_is_the_same_hash() {
-        let mut x = 0x9abc_def0u32;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x
-        };
+        let mut next = xorshift(0x9abc_def0);
         for _ in 0..10_000 {
             let mut a = [0u8; 16];
             let mut b = [0u8; 16];

@@ -38,7 +38,7 @@ pub fn roce_xdp(ctx: XdpContext) -> u32 {
     let pkt = XdpPacket::new(&ctx);
     // Most frames are not RoCE: told from their first headers, before any map is
     // touched, and not counted (the interface's own counters have them).
-    let look = first_look(&pkt, CONFIG.field(|c| &c.udp_port));
+    let look = first_look(&pkt, CONFIG.get().udp_port);
     if look != Look::NotRoce {
         observe(&pkt, look, DIR_INGRESS, pkt.ifindex(), pkt.frame_len());
     }
@@ -65,7 +65,7 @@ pub fn roce_tc_in(ctx: TcContext) -> i32 {
 #[inline(always)]
 fn tc(ctx: &TcContext, dir: u8) {
     let mut pkt = TcPacket::new(ctx);
-    let udp_port = CONFIG.field(|c| &c.udp_port);
+    let udp_port = CONFIG.get().udp_port;
     let look = first_look(&pkt, udp_port);
     if look == Look::NotRoce {
         return;
@@ -182,8 +182,8 @@ fn observe<P: Packet>(pkt: &P, look: Look, dir: u8, ifindex: u32, frame_len: u32
                 );
             }
         }
-        // Not counted, like the frames `surely_not_roce` let by (those the parser reaches
-        // only through tags, options or extension headers it had to walk).
+        // Not counted, like the frames `first_look` let by (those the parser reaches only
+        // through tags, options or extension headers it had to walk).
         Err(GlobalCounter::NonRoce) => {}
         Err(reason) => bump(&mut g.counters, reason, dir),
     }

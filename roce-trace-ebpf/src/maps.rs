@@ -11,13 +11,13 @@ use roce_trace_common::{datapath::*, scratch::Work};
 pub static CONFIG: LoadTime<DatapathConfig> = LoadTime(DatapathConfig::DEFAULT);
 
 /// A global the loader overrides (`EbpfLoader::set_global`, in `.rodata`, frozen), read
-/// with volatile loads: a plain read of an immutable static would be folded to its
-/// initial value at compile time. One field at a time where one is all a packet needs
-/// (a whole `DatapathConfig` is eleven loads and as many stack stores).
+/// in place through [`LoadTime::get`]: a plain read of an immutable static would be folded
+/// to its initial value at compile time, and a volatile copy of a whole `DatapathConfig`
+/// is eleven loads and as many stack stores on every packet.
 #[repr(transparent)]
 pub struct LoadTime<T>(T);
 
-impl<T: Copy> LoadTime<T> {
+impl<T> LoadTime<T> {
     /// The value in place: each field is loaded where it is used, and only on the paths
     /// that use it. The pointer passes through an empty `asm!`, so the compiler cannot
     /// tell which static it points at and fold those loads to the initial value; the
@@ -36,13 +36,6 @@ impl<T: Copy> LoadTime<T> {
         };
         // SAFETY: `p` is still `&self.0`.
         unsafe { &*p }
-    }
-
-    /// One field, chosen by `f` (`|c| &c.udp_port`).
-    #[inline(always)]
-    pub fn field<F: Copy>(&self, f: impl FnOnce(&T) -> &F) -> F {
-        // SAFETY: a reference to a field of a valid, aligned static.
-        unsafe { core::ptr::read_volatile(f(&self.0)) }
     }
 }
 

@@ -114,12 +114,12 @@ enum Taken {
     Mirrored,
 }
 
-/// One row: a frame repeated in the kernel (`repeat`), or a stream of frames with
-/// increasing PSNs, one test run each.
+/// One row: a frame repeated in the kernel (`repeat`), as it is or behind the PSN stepper
+/// (`stepped`: a stream of in-sequence requests).
 struct Row {
     name: &'static str,
     frames: Vec<Vec<u8>>,
-    /// What the frames are as RoCE (for the expected samples); `None` when not RoCE.
+    /// What the frames are as RoCE (for the expected samples); empty when not RoCE.
     specs: Vec<RoceFrame>,
     rate: u32,
     path: Taken,
@@ -408,13 +408,15 @@ fn datapath(repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
                 None => 0,
                 Some(th) => {
                     let seed = DatapathOptions::default().config()?.seed;
-                    let psns: Vec<u32> = if r.stepped {
-                        (1..=per_hook as u32).map(|i| (s.psn + i) & 0xff_ffff).collect()
+                    let hit = |psn: u32| identity(seed, s, psn) <= th;
+                    if r.stepped {
+                        let psns = (1..=per_hook as u32).map(|i| (s.psn + i) & 0xff_ffff);
+                        2 * psns.filter(|&psn| hit(psn)).count() as u64
+                    } else if hit(s.psn) {
+                        2 * per_hook
                     } else {
-                        vec![s.psn; 1]
-                    };
-                    let hits = psns.iter().filter(|&&psn| identity(seed, s, psn) <= th).count() as u64;
-                    2 * hits * if r.stepped { 1 } else { per_hook }
+                        0
+                    }
                 }
             },
         };
@@ -714,7 +716,7 @@ impl Stepper {
         }
         const BPF_MAP_CREATE: i64 = 0;
         const BPF_MAP_TYPE_PROG_ARRAY: u32 = 3;
-        let attr = MapCreateAttr {
+        let mut attr = MapCreateAttr {
             map_type: BPF_MAP_TYPE_PROG_ARRAY,
             key_size: 4,
             value_size: 4,
@@ -722,14 +724,7 @@ impl Stepper {
             ..Default::default()
         };
         // SAFETY: bpf(2) reads `attr`, alive for the call, and returns a descriptor or -1.
-        let fd = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_MAP_CREATE,
-                &attr as *const MapCreateAttr,
-                std::mem::size_of::<MapCreateAttr>(),
-            )
-        };
+        let fd = unsafe { sys_bpf(BPF_MAP_CREATE, &mut attr) };
         ensure!(
             fd >= 0,
             "creating the stepper's program array: {}",
@@ -789,7 +784,7 @@ impl Stepper {
         }
         const BPF_MAP_UPDATE_ELEM: i64 = 2;
         let (key, value) = (0u32, fd as u32);
-        let attr = ElemAttr {
+        let mut attr = ElemAttr {
             map_fd: self.map.as_raw_fd() as u32,
             _pad: 0,
             key: &key as *const u32 as u64,
@@ -797,14 +792,7 @@ impl Stepper {
             flags: 0,
         };
         // SAFETY: bpf(2) reads `attr` and the key and value it points at, all alive.
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_MAP_UPDATE_ELEM,
-                &attr as *const ElemAttr,
-                std::mem::size_of::<ElemAttr>(),
-            )
-        };
+        let r = unsafe { sys_bpf(BPF_MAP_UPDATE_ELEM, &mut attr) };
         ensure!(
             r == 0,
             "putting a program behind the stepper: {}",
@@ -822,6 +810,25 @@ impl Stepper {
             "the stepper's tail call failed (it returned its fallback {ret})"
         );
         Ok(ns)
+    }
+}
+
+/// bpf(2) with `attr`, a prefix of `union bpf_attr` for `cmd` (the kernel zeroes the
+/// rest): its return, -1 with errno set on failure.
+///
+/// # Safety
+/// Every pointer in `attr` must be valid for what `cmd` reads or writes through it, for
+/// the call.
+unsafe fn sys_bpf<A>(cmd: i64, attr: &mut A) -> i64 {
+    // SAFETY: `attr` is valid for `size_of::<A>()` bytes of reads and writes; the caller
+    // vouches for the pointers in it.
+    unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            core::ptr::from_mut(attr),
+            std::mem::size_of::<A>(),
+        )
     }
 }
 
@@ -843,7 +850,7 @@ fn prog_load(prog_type: u32, insns: &[[u8; 8]], name: &str) -> anyhow::Result<st
     let mut prog_name = [0u8; 16];
     prog_name[..name.len().min(15)].copy_from_slice(&name.as_bytes()[..name.len().min(15)]);
     let mut log = vec![0u8; 64 * 1024];
-    let attr = ProgLoadAttr {
+    let mut attr = ProgLoadAttr {
         prog_type,
         // As aya loads the datapath's XDP program: the kernel lets a program array hold
         // only programs of the type and expected attach type of its first.
@@ -864,14 +871,7 @@ fn prog_load(prog_type: u32, insns: &[[u8; 8]], name: &str) -> anyhow::Result<st
     // SAFETY: bpf(2) reads `attr` (and the instructions and license it points at) and
     // writes at most `log_size` bytes of `log`, all alive for the call; it returns a new
     // descriptor or -1.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_PROG_LOAD,
-            &attr as *const ProgLoadAttr,
-            std::mem::size_of::<ProgLoadAttr>(),
-        )
-    };
+    let fd = unsafe { sys_bpf(BPF_PROG_LOAD, &mut attr) };
     if fd < 0 {
         let err = std::io::Error::last_os_error();
         let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
@@ -899,14 +899,7 @@ fn test_run(fd: &std::os::fd::OwnedFd, frame: &[u8], repeat: u32) -> anyhow::Res
     };
     // SAFETY: bpf(2) reads and writes `attr`, reads `frame` and writes at most
     // `data_size_out` bytes of `out`, all alive for the call.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_PROG_TEST_RUN,
-            &mut attr as *mut TestRunAttr,
-            std::mem::size_of::<TestRunAttr>(),
-        )
-    };
+    let r = unsafe { sys_bpf(BPF_PROG_TEST_RUN, &mut attr) };
     ensure!(r == 0, "test run: {}", std::io::Error::last_os_error());
     Ok((attr.duration as u64, attr.retval))
 }
