@@ -151,7 +151,8 @@ fn verify(ns: Option<&str>, args: &[&str], dir: &TempDir, name: &str) -> (i32, V
         "verify {name}: exit {code}: {}{table}",
         String::from_utf8_lossy(&out.stderr)
     );
-    println!("--- {name}\n{table}");
+    // verify's own log (the drill's commands and how long each took) beside its table.
+    println!("--- {name}\n{}{table}", String::from_utf8_lossy(&out.stderr));
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let x = std::fs::read_to_string(&junit).unwrap();
     assert_eq!(
