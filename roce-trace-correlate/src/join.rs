@@ -753,6 +753,8 @@ impl Joiner {
                         start_ns: d.start_ns,
                         end_ns: d.end_ns,
                         bytes: d.counts.bytes,
+                        packets: d.counts.packets,
+                        ce: d.counts.ecn[3],
                     },
                     DELIVERY_SAMPLES,
                 );

@@ -423,6 +423,11 @@ pub struct DeliveryAt {
     pub start_ns: u64,
     pub end_ns: u64,
     pub bytes: u64,
+    /// Packets in those bytes, and how many of them arrived CE-marked.
+    #[serde(default)]
+    pub packets: u64,
+    #[serde(default)]
+    pub ce: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]

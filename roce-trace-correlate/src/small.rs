@@ -404,7 +404,7 @@ impl DeliveryLog {
             self.drop_first();
         }
         let prev = self.last;
-        let mut enc = Scratch::<30>::new();
+        let mut enc = Scratch::<50>::new();
         put_varint(&mut enc, zigzag(d.start_ns.wrapping_sub(prev.end_ns)));
         let (len, prev_len) = (
             d.end_ns.wrapping_sub(d.start_ns),
@@ -412,12 +412,14 @@ impl DeliveryLog {
         );
         put_varint(&mut enc, zigzag(len.wrapping_sub(prev_len)));
         put_varint(&mut enc, zigzag(d.bytes.wrapping_sub(prev.bytes)));
+        put_varint(&mut enc, zigzag(d.packets.wrapping_sub(prev.packets)));
+        put_varint(&mut enc, zigzag(d.ce.wrapping_sub(prev.ce)));
         if self.packed.capacity() - self.packed.len() < enc.len() {
             // Past its first interval a flow is reported steadily: room for the whole log
-            // of a steady flow (3 bytes an interval) at once, then doubling, so the log
+            // of a steady flow (5 bytes an interval) at once, then doubling, so the log
             // is not moved a dozen times on its way to full.
             let steady = if self.len >= 1 {
-                cap.min(usize::from(u16::MAX)) * 3 + 16
+                cap.min(usize::from(u16::MAX)) * 5 + 16
             } else {
                 0
             };
@@ -448,10 +450,14 @@ impl DeliveryLog {
         let prev_len = prev.end_ns.wrapping_sub(prev.start_ns);
         let end_ns = start_ns.wrapping_add(prev_len.wrapping_add(unzigzag(get_varint(b, i))));
         let bytes = prev.bytes.wrapping_add(unzigzag(get_varint(b, i)));
+        let packets = prev.packets.wrapping_add(unzigzag(get_varint(b, i)));
+        let ce = prev.ce.wrapping_add(unzigzag(get_varint(b, i)));
         Some(crate::report::DeliveryAt {
             start_ns,
             end_ns,
             bytes,
+            packets,
+            ce,
         })
     }
 
@@ -487,6 +493,8 @@ mod delivery_tests {
                 start_ns: start,
                 end_ns: start + 1_000_000_000 + k * 7,
                 bytes: k * k * 1_000_003 + u64::from(k == 7) * u64::MAX / 2,
+                packets: k * 1013 + u64::from(k == 9) * u64::MAX / 3,
+                ce: (k % 3) * k,
             };
             t = d.end_ns;
             log.push(d, 64);
@@ -514,6 +522,8 @@ mod delivery_tests {
                     start_ns: t + k * 1_000_000_000,
                     end_ns: t + (k + 1) * 1_000_000_000,
                     bytes: 132_000 + k % 2,
+                    packets: 128 + k % 2,
+                    ce: 0,
                 },
                 64,
             );
@@ -521,7 +531,7 @@ mod delivery_tests {
         assert_eq!(steady.iter().count(), 64);
         assert_eq!(steady.iter().next().unwrap().start_ns, t + 36 * 1_000_000_000);
         assert!(
-            steady.packed.len() <= 64 * 3 + 12,
+            steady.packed.len() <= 64 * 5 + 12,
             "{} bytes",
             steady.packed.len()
         );

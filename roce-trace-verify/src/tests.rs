@@ -47,6 +47,7 @@ fn steady() -> Vec<DeliveryAt> {
             start_ns: i * 1_000_000_000,
             end_ns: (i + 1) * 1_000_000_000,
             bytes: 157_000,
+            ..DeliveryAt::default()
         })
         .collect();
     v[0].bytes = 60_000;

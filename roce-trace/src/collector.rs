@@ -1257,6 +1257,11 @@ fn group_api(st: &Shared, path: &str, query: &str) -> Result<Option<Response>, R
                 Response::json(&v)
             }
         }
+        "/ui/main" | "/ui/flow" => {
+            let mut all = vec![report(st)];
+            all.extend(from_members::<CollectorReport>(st, "/report", query)?);
+            ui(path, query, &CollectorReport::merge(all))
+        }
         "/report" | "/anomalies" | "/agents" | "/stats" => {
             let mut all = vec![report(st)];
             all.extend(from_members::<CollectorReport>(st, "/report", query)?);
@@ -1320,17 +1325,8 @@ fn local_api(st: &Shared, path: &str, query: &str) -> Response {
         "/flows" => Response::json_streamed(FlowsJson(st.clone())),
         "/flow" => {
             let label = flow_id();
-            let one = {
-                let s = st.lock();
-                let j = s.joiner.as_ref().expect("joiner");
-                j.find(&label)
-                    .and_then(|id| Some((id, j.flow_view(&id)?, s.probes.get(&id).cloned())))
-            };
-            match one.and_then(|(id, view, probe)| Some((view.flow_report(&id)?, probe))) {
-                Some((mut r, probe)) => {
-                    r.probe = probe;
-                    Response::json(&r)
-                }
+            match one_flow(st, &label) {
+                Some(r) => Response::json(&r),
                 None => Response::text(404, format!("no flow `{label}` (see /flows)\n")),
             }
         }
@@ -1346,12 +1342,57 @@ fn local_api(st: &Shared, path: &str, query: &str) -> Response {
         "/agents" => Response::json(&st.lock().agents.values().collect::<Vec<_>>()),
         "/stats" => Response::json(&st.lock().joiner.as_ref().expect("joiner").stats),
         "/report" => Response::json(&report(st)),
+        "/" => Response::html(crate::pictures::html::app_page()),
+        "/ui/main" => ui(path, query, &report(st)),
+        "/ui/flow" => {
+            // One flow and the flows carrying its CNPs, not the whole report.
+            let label = flow_id();
+            match one_flow(st, &label) {
+                Some(f) => {
+                    let cnp: Vec<FlowReport> =
+                        f.answered_by.flows.iter().filter_map(|id| one_flow(st, id)).collect();
+                    Response::html(crate::pictures::html::flow_fragment(&f, &cnp.iter().collect::<Vec<_>>()))
+                }
+                None => Response::text(404, format!("no flow `{label}` (see /flows)\n")),
+            }
+        }
         "/metrics" => Response::metrics(MetricValues::of(&st.lock()).render()),
         "/metrics.json" => Response::json(&MetricValues::of(&st.lock())),
         _ => Response::text(
             404,
-            "try /flows, /flow?id=…, /trace?id=…, /anomalies, /agents, /stats, /report, /metrics, /metrics.json\n".into(),
+            "try / (the web view), /flows, /flow?id=…, /trace?id=…, /anomalies, /agents, /stats, /report, /metrics, /metrics.json\n".into(),
         ),
+    }
+}
+
+/// One flow's report, with what probes found along it (`/flow?id=…`).
+fn one_flow(st: &Shared, label: &str) -> Option<FlowReport> {
+    let (id, view, probe) = {
+        let s = st.lock();
+        let j = s.joiner.as_ref().expect("joiner");
+        j.find(label)
+            .and_then(|id| Some((id, j.flow_view(&id)?, s.probes.get(&id).cloned())))?
+    };
+    let mut r = view.flow_report(&id)?;
+    r.probe = probe;
+    Some(r)
+}
+
+/// The web view's fragments (`/ui/main`: map, anomalies, agents; `/ui/flow?id=…`: one
+/// flow drawn), from a report of the collector or of its group.
+fn ui(path: &str, query: &str, r: &CollectorReport) -> Response {
+    use crate::pictures::html;
+    if path == "/ui/main" {
+        return Response::html(html::main_fragment(r));
+    }
+    let id = query
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("id="))
+        .map(http::percent_decode)
+        .unwrap_or_default();
+    match r.flows.iter().find(|f| f.id == id) {
+        Some(f) => Response::html(html::flow_fragment(f, &html::cnp_flows(r, f))),
+        None => Response::text(404, format!("no flow `{id}` (see /flows)\n")),
     }
 }
 

@@ -60,6 +60,13 @@ impl Response {
             body: Body::Text(body),
         }
     }
+    pub fn html(body: String) -> Self {
+        Self {
+            status: 200,
+            content_type: "text/html; charset=utf-8",
+            body: Body::Text(body),
+        }
+    }
     pub fn metrics(body: String) -> Self {
         Self {
             status: 200,
@@ -186,6 +193,10 @@ impl std::io::Write for ChunkWriter {
 
 use axum::response::IntoResponse as _;
 
+/// The one path served without the bearer token: the web view's page, which holds no
+/// data (`roce_trace_report::html::app_page`).
+pub const PUBLIC_PAGE: &str = "/";
+
 /// Binds `addr`; returns the bound address and a future serving `handler(path, query)`
 /// for GET requests (others get 405) with hyper, through axum. Answers are built on a
 /// blocking thread: a large view never holds up the runtime the agents' connections
@@ -207,7 +218,10 @@ where
             let handler = handler.clone();
             let bearer = bearer.clone();
             async move {
-                if let Some(want) = &bearer {
+                // The web view's page holds no data (its script fetches the fragments,
+                // which ask for the token): a browser can load it and ask the user.
+                let open = uri.path() == PUBLIC_PAGE;
+                if let Some(want) = bearer.as_ref().filter(|_| !open) {
                     let given = headers
                         .get(axum::http::header::AUTHORIZATION)
                         .and_then(|v| v.to_str().ok())

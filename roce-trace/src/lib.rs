@@ -24,4 +24,5 @@ pub mod trace;
 pub use roce_trace_correlate as correlate;
 pub use roce_trace_datapath::{loader as datapath, netstat, pcap, rdma_netlink, record, sys};
 pub use roce_trace_gen::{frame, traffic};
+pub use roce_trace_report as pictures;
 pub use roce_trace_verify as verify;

@@ -585,6 +585,31 @@ fn a_healthy_fabric_passes_and_each_fault_fails_exactly_its_checks() {
 /// A drill on a fresh lab `prefix` while `traffic` runs (h1 → h3 on 8 QPs): `fault`
 /// (`xtask lab fault` words) is the failure and its `clear` the repair; the QPs' ACK
 /// timeout is `ack_timeout`. Verify's exit code and verdict.
+/// The longest this process went without running, watched while `f` runs: a thread that
+/// sleeps 5 ms at a time and notes how late it woke. A virtual machine whose CPUs the
+/// host stops for a while (steal) stops the fabric, the agents and the clock's readers
+/// alike, and every time a drill measures grows by the stop.
+fn longest_stall<T>(f: impl FnOnce() -> T) -> (T, Duration) {
+    use std::sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    };
+    let done = Arc::new(AtomicBool::new(false));
+    let d = done.clone();
+    let watch = std::thread::spawn(move || {
+        let (tick, mut worst) = (Duration::from_millis(5), Duration::ZERO);
+        while !d.load(Ordering::Relaxed) {
+            let t = std::time::Instant::now();
+            std::thread::sleep(tick);
+            worst = worst.max(t.elapsed().saturating_sub(tick));
+        }
+        worst
+    });
+    let out = f();
+    done.store(true, Ordering::Relaxed);
+    (out, watch.join().unwrap())
+}
+
 fn drill(prefix: &str, fault: &str, ack_timeout: &'static str) -> (i32, Value) {
     let lab = LabGuard::up(prefix);
     let dir = TempDir::new(&format!("verify-drill-{prefix}"));
@@ -638,7 +663,18 @@ fn a_link_failure_drill_measures_loss_recovery_and_return() {
     // timeout — time the transport takes, not the fabric. A NIC's usual timeout (exponent
     // 16, 268 ms) keeps that under the policy's 1 s; with the 2 s the fault tests use, one
     // such loss made a flow "back after 2101 ms" in CI.
-    let (code, v) = drill("rtvd", "link-down --leaf 1 --spine 1", "268ms");
+    let run = || longest_stall(|| drill("rtvd", "link-down --leaf 1 --spine 1", "268ms"));
+    let ((mut code, mut v), stall) = run();
+    // A recovery judged slow while this machine itself stood still for longer than the
+    // policy allows is a measurement of the machine: the drill runs once more, and that
+    // run's verdict stands whatever the machine does (a CI run failed at "the last after
+    // 2348 ms", data and replies alike about 2 s late, while a quiet run reads 300–400 ms).
+    let shipped = roce_trace_verify::policy::Policy::parse(&std::fs::read_to_string(policy()).unwrap()).unwrap();
+    let max_ms = shipped.drill.and_then(|d| d.max_recovery_ms).expect("the shipped drill policy") as f64;
+    if check(&v, "drill_recovery")["status"] != "pass" && stall.as_secs_f64() * 1e3 > max_ms / 4.0 {
+        println!("this machine stood still for {stall:?} during the drill: running it once more");
+        ((code, v), _) = run();
+    }
     let check = |name: &str| check(&v, name);
     assert_eq!(code, 0, "{v:#}");
     // The s1 flows of h1 → h3 moved to s2, fast (ECMP reroutes within the link event),

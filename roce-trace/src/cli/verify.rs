@@ -36,6 +36,11 @@ pub struct VerifyArgs {
     /// Also write the verdict as JUnit XML (one test case per check).
     #[arg(long)]
     junit: Option<PathBuf>,
+    /// Also write one self-contained HTML file (nothing fetched when opened): the
+    /// checks, the fabric map with the places failing checks name marked, and each
+    /// failure's evidence with its flows drawn.
+    #[arg(long)]
+    html: Option<PathBuf>,
     /// Record this window's paths, classes and spreads as a baseline.
     #[arg(long)]
     save_baseline: Option<PathBuf>,
@@ -143,7 +148,7 @@ pub(super) fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
         .build()
         .context("starting runtime")?;
     let min_packets = policy.stability.as_ref().map_or(100, |s| s.min_packets);
-    let (checks, flows) = if a.drill {
+    let (checks, flows, judged) = if a.drill {
         let opts = local::DrillOptions {
             down: a.down.clone(),
             up: a.up.clone(),
@@ -166,7 +171,7 @@ pub(super) fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
             })?;
         let via = policy.ecmp.as_ref().map(|e| e.via.clone()).unwrap_or_default();
         let d = drill::measure(&snaps, &via);
-        (drill::judge(&policy, &d), snaps.during.flows.len())
+        (drill::judge(&policy, &d), snaps.during.flows.len(), snaps.during)
     } else {
         let report = rt.block_on(local::window_report(&source))?;
         let mut checks = verify::checks::judge(&policy, &report, load);
@@ -179,7 +184,7 @@ pub(super) fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
             local::save_baseline(&now, p)?;
             tracing::info!("baseline written to {}", p.display());
         }
-        (checks, report.flows.len())
+        (checks, report.flows.len(), report)
     };
     let v = output::Verdict::new(source.describe(), load, flows, checks);
     if let Some(p) = &a.json {
@@ -188,6 +193,11 @@ pub(super) fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
     }
     if let Some(p) = &a.junit {
         roce_trace::sys::write_atomically(p, output::junit(&v).as_bytes())
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    if let Some(p) = &a.html {
+        let page = roce_trace::pictures::html::verify_report(&v, Some(&judged));
+        roce_trace::sys::write_atomically(p, page.as_bytes())
             .with_context(|| format!("writing {}", p.display()))?;
     }
     if a.json_stdout {
