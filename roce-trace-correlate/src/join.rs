@@ -179,6 +179,9 @@ pub(crate) struct Marks {
 
 static NO_MARKS: std::sync::LazyLock<Marks> = std::sync::LazyLock::new(Marks::default);
 
+/// Pairs of points whose losses are tallied for `/metrics`, at most.
+const MAX_LOST_HOPS: usize = 65_536;
+
 /// Earlier paths kept per flow: a flow that keeps moving keeps its latest moves.
 const PATH_HISTORY: usize = 64;
 
@@ -387,6 +390,10 @@ pub struct Joiner {
     ids: BTreeSet<FlowId>,
     /// Anomalies of the tracked flows, by kind.
     tally: Tally,
+    /// Sampled packets judged lost between two consecutive points, over the join's life
+    /// (a judged loss that arrives late is taken back): losses per link. At most
+    /// [`MAX_LOST_HOPS`] pairs (consecutive points of paths: a fabric has far fewer).
+    lost_between: BTreeMap<(PointId, PointId), u64>,
     /// When idle flows were last looked for (collector time).
     expired_at_ns: u64,
     /// Flows that just got their first path, for a caller that asked
@@ -419,6 +426,7 @@ impl Joiner {
             flows: HashMap::new(),
             ids: BTreeSet::new(),
             tally: Tally::default(),
+            lost_between: BTreeMap::new(),
             expired_at_ns: 0,
             new_paths: None,
             gave_back: 0,
@@ -1031,6 +1039,9 @@ impl Joiner {
                 && let Some(span) = marks.lost.get_mut(&(a, b))
             {
                 self.stats.late_arrivals += 1;
+                if let Some(n) = self.lost_between.get_mut(&(a, b)) {
+                    *n = n.saturating_sub(1);
+                }
                 span.packets -= 1;
                 if span.packets == 0 {
                     marks.lost.remove(&(a, b));
@@ -1134,6 +1145,9 @@ impl Joiner {
         marks.lost.entry_or_default((m.a, m.b)).hit(m.first_ns);
         let big = marks.lost_frames.entry_or_default((m.a, m.b));
         *big = (*big).max(m.frame_len);
+        if self.lost_between.len() < MAX_LOST_HOPS || self.lost_between.contains_key(&(m.a, m.b)) {
+            *self.lost_between.entry((m.a, m.b)).or_default() += 1;
+        }
         if self.recent_losses.len() < self.cfg.max_pending {
             self.recent_losses.insert(m.id, (m.a, m.b));
             self.recent_order.push_back((self.now_ns, m.id));
@@ -1238,6 +1252,17 @@ impl Joiner {
 
     /// How many anomalies [`Joiner::anomalies`] would list, by kind, without building a
     /// report: kept up to date as flows change.
+    /// Sampled packets judged lost between consecutive points over the join's life, late
+    /// arrivals taken back (the per-link losses `/metrics` shows).
+    pub fn lost_between(&self) -> Vec<(Point, Point, u64)> {
+        let point = |p: PointId| self.topo.points[p as usize].point();
+        self.lost_between
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(&(a, b), &n)| (point(a), point(b), n))
+            .collect()
+    }
+
     pub fn anomaly_counts(&self) -> BTreeMap<AnomalyKind, u64> {
         Tally::KINDS
             .into_iter()

@@ -17,6 +17,9 @@ pub const CSS: &str = include_str!("assets/style.css");
 /// The web view's script: fetches the fragments, refreshes them, follows `#flow=…`.
 pub const APP_JS: &str = include_str!("assets/app.js");
 
+/// The pages' icon, inline (a browser asks for `/favicon.ico` otherwise).
+pub const ICON: &str = "data:image/svg+xml,%3Csvg xmlns='http://www.w3.org/2000/svg' viewBox='0 0 16 16'%3E%3Crect width='16' height='16' rx='3' fill='%23263238'/%3E%3Cpath d='M3 12 L8 4 L13 12' stroke='%23f9a825' stroke-width='2' fill='none'/%3E%3C/svg%3E";
+
 /// How often the web view refreshes itself.
 pub const REFRESH_MS: u64 = 5_000;
 
@@ -28,6 +31,7 @@ pub fn app_page() -> String {
         r#"<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>roce-trace — fabric</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="{ICON}">
 <style>{CSS}</style></head>
 <body data-refresh-ms="{REFRESH_MS}">
 <header><h1>roce-trace</h1><span id="status">loading…</span></header>
@@ -333,11 +337,11 @@ pub fn flow_fragment(f: &FlowReport, cnp_flows: &[&FlowReport]) -> String {
     s.push_str("<h3>Over time</h3><div class=\"series-row\">");
     s.push_str(&svg::sparkline(
         &format!("rate ({})", human_bps(last_rate)),
-        "bit/s",
+        human_bps,
         &rate,
     ));
-    s.push_str(&svg::sparkline("CE-marked %", "%", &ce));
-    s.push_str(&svg::sparkline("CNPs/s", "/s", &cnps));
+    s.push_str(&svg::sparkline("CE-marked %", |v| format!("{} %", svg::fmt_value(v)), &ce));
+    s.push_str(&svg::sparkline("CNPs/s", |v| format!("{}/s", svg::fmt_value(v)), &cnps));
     s.push_str("</div></article>");
     s
 }
@@ -371,6 +375,7 @@ pub fn verify_report(v: &Verdict, report: Option<&CollectorReport>) -> String {
         s,
         r#"<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>roce-trace verify: {}</title>
+<link rel="icon" href="{ICON}">
 <style>{CSS}</style></head><body class="report">
 <header><h1>roce-trace verify</h1><span class="verdict {}" id="verdict">{}</span></header><main>
 <p>{} · {} flow(s) · load {:?}</p>"#,

@@ -41,7 +41,8 @@ fn marks_title(m: &Marks) -> String {
 pub fn map(f: &Fabric) -> String {
     let tiers = f.tiers();
     let widest = tiers.iter().map(|(_, v)| v.len()).max().unwrap_or(1).max(1);
-    let w = MARGIN * 2.0 + widest as f64 * COL;
+    let legend: f64 = Mark::ALL.iter().map(|m| legend_width(*m)).sum();
+    let w = (MARGIN * 2.0 + widest as f64 * COL).max(MARGIN * 2.0 + legend);
     let h = MARGIN * 2.0 + tiers.len().max(1) as f64 * ROW - (ROW - NODE_H) + 24.0;
     // Centre of each node: rows from the top, the highest tier first.
     let mut at = std::collections::BTreeMap::new();
@@ -128,10 +129,15 @@ pub fn map(f: &Fabric) -> String {
             x + 16.0,
             esc(m.words())
         );
-        x += 16.0 + 7.0 * m.words().len() as f64 + 14.0;
+        x += legend_width(m);
     }
     s.push_str("</svg>");
     s
+}
+
+/// The room one legend entry takes: its swatch and its words at about 6.5 px a letter.
+fn legend_width(m: Mark) -> f64 {
+    16.0 + 6.5 * m.words().chars().count() as f64 + 14.0
 }
 
 /// What happened between two consecutive points of a flow's path.
@@ -258,7 +264,7 @@ pub fn flow_path(f: &FlowReport) -> String {
 
 /// A small time series: `points` as (Unix ns, value), oldest first, drawn as a line
 /// with its latest, least and greatest values written beside it.
-pub fn sparkline(title: &str, unit: &str, points: &[(u64, f64)]) -> String {
+pub fn sparkline(title: &str, fmt: fn(f64) -> String, points: &[(u64, f64)]) -> String {
     let (w, h, pad) = (260.0, 64.0, 4.0);
     let mut s = String::new();
     let _ = write!(
@@ -286,16 +292,17 @@ pub fn sparkline(title: &str, unit: &str, points: &[(u64, f64)]) -> String {
     let last = points[points.len() - 1].1;
     let _ = write!(
         s,
-        r##"<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {w} {h}" width="{w}" height="{h}"><rect width="{w}" height="{h}" fill="#fafafa" stroke="#cfd8dc"/><polyline fill="none" stroke="#1565c0" stroke-width="1.5" points="{}"/></svg><p>now {} {unit} · max {} · {} s</p></figure>"##,
+        r##"<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {w} {h}" width="{w}" height="{h}"><rect width="{w}" height="{h}" fill="#fafafa" stroke="#cfd8dc"/><polyline fill="none" stroke="#1565c0" stroke-width="1.5" points="{}"/></svg><p>now {} · max {} · {} s</p></figure>"##,
         xy.join(" "),
-        fmt_value(last),
-        fmt_value(hi),
+        fmt(last),
+        fmt(hi),
         (t1 - t0) / 1_000_000_000,
     );
     s
 }
 
-fn fmt_value(v: f64) -> String {
+/// A plain number, to a precision that suits its size.
+pub fn fmt_value(v: f64) -> String {
     if v.abs() >= 100.0 {
         format!("{v:.0}")
     } else if v.abs() >= 1.0 {

@@ -1407,6 +1407,9 @@ struct MetricValues {
     agents: BTreeMap<String, bool>,
     /// Anomalies of the tracked flows by kind name.
     anomalies: BTreeMap<String, u64>,
+    /// Sampled packets judged lost, by the two points they were lost between.
+    #[serde(default)]
+    lost: BTreeMap<String, BTreeMap<String, u64>>,
     /// NIC ports: reporting, paused in the intervals kept, refused past the table's bound,
     /// and counters of kinds this collector does not know (every member hears every
     /// node's NIC frames: merged, the most).
@@ -1442,6 +1445,12 @@ impl MetricValues {
                 .into_iter()
                 .map(|(k, v)| (k.name().to_owned(), v))
                 .collect(),
+            lost: j.lost_between().into_iter().fold(BTreeMap::new(), |mut m, (a, b, n)| {
+                m.entry(a.to_string())
+                    .or_insert_with(BTreeMap::new)
+                    .insert(b.to_string(), n);
+                m
+            }),
             nic: [
                 s.nic.ports() as u64,
                 s.nic.paused_ports() as u64,
@@ -1471,6 +1480,12 @@ impl MetricValues {
         }
         for (k, v) in &o.anomalies {
             *self.anomalies.entry(k.clone()).or_default() += v;
+        }
+        for (a, bs) in &o.lost {
+            let m = self.lost.entry(a.clone()).or_default();
+            for (b, n) in bs {
+                *m.entry(b.clone()).or_default() += n;
+            }
         }
         for (a, b) in self.nic.iter_mut().zip(o.nic) {
             *a = (*a).max(b);
@@ -1599,6 +1614,14 @@ impl MetricValues {
             "roce_trace_collector_anomalies",
             "Anomalies (one per flow and place) of the tracked flows, by kind.",
             self.anomalies.iter().map(|(k, v)| (labels(&[("kind", k)]), *v)),
+        );
+        m.gauge(
+            "roce_trace_collector_lost_samples",
+            "Sampled packets judged lost between two consecutive points (each stands for --sample-rate packets), over the collector's life; a judged loss that arrives late is taken back. Labels: the last point that saw them (from) and the next (to): the link or node they vanished in.",
+            self.lost.iter().flat_map(|(a, bs)| {
+                bs.iter()
+                    .map(move |(b, n)| (labels(&[("from", a.as_str()), ("to", b.as_str())]), *n))
+            }),
         );
         m.render()
     }

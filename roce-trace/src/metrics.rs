@@ -24,14 +24,24 @@ pub fn labels(pairs: &[(&str, &str)]) -> Labels {
 #[derive(Default)]
 pub struct Scrape {
     reg: Registry,
+    /// Families with no series yet (nothing counted): the crate writes nothing for them,
+    /// so their `# HELP` and `# TYPE` are written here — a dashboard or an alert can be
+    /// checked against every name the binary exports, counted or not.
+    empty: Vec<String>,
 }
 
 impl Scrape {
     /// A counter family `name` (written `name_total`), one series per row.
     pub fn counter(&mut self, name: &str, help: &str, rows: impl IntoIterator<Item = (Labels, u64)>) {
         let family = Family::<Labels, Counter>::default();
+        let mut any = false;
         for (l, v) in rows {
             family.get_or_create(&l).inc_by(v);
+            any = true;
+        }
+        if !any {
+            self.note_empty(name.trim_end_matches("_total"), help, "counter");
+            return;
         }
         self.reg.register(
             name.trim_end_matches("_total"),
@@ -51,10 +61,23 @@ impl Scrape {
     /// A gauge family, one series per row.
     pub fn gauge(&mut self, name: &str, help: &str, rows: impl IntoIterator<Item = (Labels, u64)>) {
         let family = Family::<Labels, Gauge>::default();
+        let mut any = false;
         for (l, v) in rows {
             family.get_or_create(&l).set(i64::try_from(v).unwrap_or(i64::MAX));
+            any = true;
+        }
+        if !any {
+            self.note_empty(name, help, "gauge");
+            return;
         }
         self.reg.register(name, help.trim_end_matches('.'), family);
+    }
+
+    fn note_empty(&mut self, name: &str, help: &str, kind: &str) {
+        self.empty.push(format!(
+            "# HELP {name} {}.\n# TYPE {name} {kind}\n",
+            help.trim_end_matches('.')
+        ));
     }
 
     /// A gauge of one series without labels.
@@ -90,6 +113,11 @@ impl Scrape {
             out.push_str(l);
             out.push('\n');
         }
+        // The families without series, before the closing `# EOF`.
+        if !self.empty.is_empty() {
+            let at = out.rfind("# EOF").unwrap_or(out.len());
+            out.insert_str(at, &self.empty.concat());
+        }
         out
     }
 }
@@ -101,6 +129,22 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A family with nothing counted yet is still named, with its help and type, inside
+    /// the exposition (before `# EOF`), and has no sample line.
+    #[test]
+    fn a_family_without_series_is_still_named() {
+        let mut m = Scrape::default();
+        m.counter("a_total", "Counted.", [(labels(&[("k", "v")]), 3)]);
+        m.gauge("b_lost", "Nothing yet.", Vec::new());
+        m.counter("c_total", "Nothing either.", Vec::new());
+        let t = m.render();
+        assert!(t.contains("# HELP b_lost Nothing yet.\n# TYPE b_lost gauge\n"), "{t}");
+        assert!(t.contains("# HELP c Nothing either.\n# TYPE c counter\n"), "{t}");
+        assert!(t.trim_end().ends_with("# EOF"), "{t}");
+        assert!(!t.lines().any(|l| l.starts_with("b_lost") || l.starts_with("c_total")), "{t}");
+        assert!(t.contains("a_total{k=\"v\"} 3"), "{t}");
+    }
 
     /// Series come out in label order whatever order they were made in, families whole,
     /// counters with `_total` and help texts with one full stop.

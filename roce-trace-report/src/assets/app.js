@@ -72,7 +72,8 @@
     });
   }
 
-  async function showFlow() {
+  // `reveal`: scroll to it (a link followed, a page opened), not on a refresh.
+  async function showFlow(reveal) {
     const m = location.hash.match(/^#flow=(.+)$/);
     const box = $('#flow');
     if (!m) { box.hidden = true; box.replaceChildren(); return; }
@@ -83,8 +84,13 @@
       box.textContent = 'flow ' + id + ': ' + e.message;
     }
     box.hidden = false;
+    if (reveal === true) {
+      select(null); // the list that led here gives the flow the room
+      box.scrollIntoView();
+    }
   }
 
+  let first = true;
   async function refresh() {
     try {
       $('#main').innerHTML = await get('/ui/main');
@@ -93,10 +99,11 @@
     } catch (e) {
       $('#status').textContent = 'not updated: ' + e.message;
     }
-    await showFlow();
+    await showFlow(first);
+    first = false;
   }
 
-  window.addEventListener('hashchange', showFlow);
+  window.addEventListener('hashchange', () => showFlow(true));
   document.addEventListener('click', (e) => {
     if (!e.target.closest('#panel') && !e.target.closest('#map')) select(null);
   });
