@@ -71,6 +71,25 @@ fn spawn(lab: &Lab, node: &str, bin: &Path, args: &[&str], ready: &str) -> anyho
     Ok(c)
 }
 
+/// Set by SIGINT or SIGTERM while the demo waits with everything kept up.
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Blocks until SIGINT or SIGTERM, caught (whichever thread takes it) so that the demo
+/// tears the lab down after rather than dying with it up.
+fn wait_for_interrupt() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: installing a handler that only stores to an atomic (signal-safe).
+        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
+    }
+    while !INTERRUPTED.load(std::sync::atomic::Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 fn interrupt_and_wait(c: Child, what: &str) -> anyhow::Result<String> {
     // SAFETY: signalling our own child.
     unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
@@ -121,7 +140,44 @@ fn group_report(lab: &Lab, https: &[String]) -> anyhow::Result<Value> {
     get("/report")
 }
 
-pub fn run(seconds: u64, nats: bool) -> anyhow::Result<()> {
+/// Relays `127.0.0.1:PORT` on this host to `target` in network namespace `ns` (the lab's
+/// management network, where the collectors' HTTP listens): what makes the web view
+/// reachable from a browser on this machine. The address it listens on.
+fn relay(ns: &str, target: std::net::SocketAddr) -> anyhow::Result<std::net::SocketAddr> {
+    use std::net::{TcpListener, TcpStream};
+    let l = TcpListener::bind("127.0.0.1:9480")
+        .or_else(|_| TcpListener::bind("127.0.0.1:0"))
+        .context("listening for the web view")?;
+    let addr = l.local_addr()?;
+    let path = format!("/var/run/netns/{ns}");
+    std::thread::spawn(move || {
+        for client in l.incoming().map_while(Result::ok) {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                // This thread alone enters the namespace; the socket keeps it.
+                let Ok(netns) = std::fs::File::open(&path) else { return };
+                use std::os::fd::AsRawFd as _;
+                // SAFETY: an open netns file; setns changes only this thread.
+                if unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                    return;
+                }
+                let Ok(up) = TcpStream::connect(target) else { return };
+                let (Ok(mut c2), Ok(mut u2)) = (client.try_clone(), up.try_clone()) else { return };
+                let back = std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut u2, &mut c2);
+                    let _ = c2.shutdown(std::net::Shutdown::Write);
+                });
+                let (mut c, mut u) = (client, up);
+                let _ = std::io::copy(&mut c, &mut u);
+                let _ = u.shutdown(std::net::Shutdown::Write);
+                let _ = back.join();
+            });
+        }
+    });
+    Ok(addr)
+}
+
+pub fn run(seconds: u64, nats: bool, keep: bool) -> anyhow::Result<()> {
     let bin = Path::new("target/release/roce-trace");
     ensure!(
         bin.exists(),
@@ -238,10 +294,18 @@ pub fn run(seconds: u64, nats: bool) -> anyhow::Result<()> {
             https.push(http);
         }
     } else {
-        let args = collect_args(&listen, &rep);
+        let http = "127.0.0.1:8080".to_string();
+        let mut args = collect_args(&listen, &rep);
+        args.extend(["--http".to_string(), http.clone()]);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         collectors.push(spawn(&lab, "mgmt", &bin, &args, "collecting on")?);
+        https.push(http);
     }
+    let web = relay(&lab.ns("mgmt"), https[0].parse()?)?;
+    say(&format!(
+        "the fabric map, live: http://{web}/ (the collector's web view{})",
+        if keep { "" } else { ", while the demo runs; --keep leaves it up" }
+    ));
     say(
         "a roce-trace agent on every node: XDP ingress + TC egress on every port of hosts, leaves and spines",
     );
@@ -332,17 +396,30 @@ pub fn run(seconds: u64, nats: bool) -> anyhow::Result<()> {
         ensure!(out.status.success(), "gen responder failed");
     }
     std::thread::sleep(Duration::from_millis(1500)); // the last counters and samples
-    for a in agents {
-        interrupt_and_wait(a, "roce-trace agent")?;
+    // --keep: the agents and collectors stay up for a person to look; their report is
+    // read over HTTP, as fleet mode's is.
+    let mut kept = Vec::new();
+    if keep {
+        kept.extend(agents);
+    } else {
+        for a in agents {
+            interrupt_and_wait(a, "roce-trace agent")?;
+        }
     }
-    let view = if nats {
+    let view = if keep {
+        let r = group_report(&lab, &https)?;
+        std::fs::write(&report, serde_json::to_vec_pretty(&r)?)?;
+        kept.extend(collectors);
+        let r: roce_trace::collector::CollectorReport = serde_json::from_value(r)?;
+        roce_trace::collector::render(&r)
+    } else if nats {
         // The group's view, from any member, once the agents' last frames are joined.
         let r = group_report(&lab, &https)?;
         std::fs::write(&report, serde_json::to_vec_pretty(&r)?)?;
         for c in collectors {
             interrupt_and_wait(c, "roce-trace collect")?;
         }
-        if let Some(mut n) = nats_server {
+        if let Some(mut n) = nats_server.take() {
             let _ = n.kill();
             let _ = n.wait();
         }
@@ -462,6 +539,19 @@ pub fn run(seconds: u64, nats: bool) -> anyhow::Result<()> {
                 ce.unwrap_or_else(|| "-".into()),
                 per.map(|p| format!("{p:.2}")).unwrap_or_else(|| "-".into()),
             );
+        }
+    }
+    if keep {
+        say(&format!(
+            "kept up: the lab, the agents and the collector; the map at http://{web}/ — Ctrl-C tears it all down"
+        ));
+        wait_for_interrupt();
+        for c in kept {
+            let _ = interrupt_and_wait(c, "roce-trace");
+        }
+        if let Some(mut n) = nats_server.take() {
+            let _ = n.kill();
+            let _ = n.wait();
         }
     }
     drop(run);

@@ -51,6 +51,10 @@ enum Cmd {
         /// publish to NATS, and the group's merged view is judged.
         #[arg(long)]
         nats: bool,
+        /// Leave the lab, the agents and the collector up after the checks, for a person
+        /// to look at the map (its URL is printed); Ctrl-C tears everything down.
+        #[arg(long)]
+        keep: bool,
     },
 }
 
@@ -85,7 +89,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             repeat,
             baseline,
         } => bench::run(&which, repeat, baseline.as_deref()),
-        Cmd::Demo { seconds, nats } => demo::run(seconds, nats),
+        Cmd::Demo { seconds, nats, keep } => demo::run(seconds, nats, keep),
         Cmd::Lab(a) => lab::run(a),
     }
 }
