@@ -1678,8 +1678,10 @@ mod tests {
         j.tick(450 * MS);
         let r = j.flow_report(&flow()).unwrap();
         assert_eq!(r.lost.len(), 1, "judged lost at first");
+        assert_eq!(j.lost_between().len(), 1);
         j.add(pts[4], &obs(2, TTLS[4], 300 * MS + 4000, 26, 2), 460 * MS);
         j.tick(600 * MS);
+        assert!(j.lost_between().is_empty(), "taken back: {:?}", j.lost_between());
         let r = j.flow_report(&flow()).unwrap();
         assert_eq!(r.path.len(), 5, "{:?}", r.path);
         assert_eq!(r.path_history.len(), 1);
@@ -1764,6 +1766,16 @@ mod tests {
         assert_eq!(r.lost[0].between, ["s1:l1:ingress", "l2:s1:ingress"]);
         assert_eq!(r.lost[0].span.packets, 2);
         assert_eq!(r.path.len(), 5, "the path is not shortened by a loss");
+        // The per-link tally /metrics shows: those two, on that hop alone.
+        let tally: Vec<(String, String, u64)> = j
+            .lost_between()
+            .into_iter()
+            .map(|(a, b, n)| (a.to_string(), b.to_string(), n))
+            .collect();
+        assert_eq!(
+            tally,
+            [("s1:l1:ingress".to_string(), "l2:s1:ingress".to_string(), 2)]
+        );
     }
 
     /// The packet a point did not report is proof of loss only if that point's agent

@@ -138,16 +138,6 @@ pub enum Place {
 }
 
 impl Place {
-    /// The place between two points: a node when both are its own, else the link between
-    /// their nodes.
-    pub fn between(a: &Point, b: &Point) -> Place {
-        if a.node == b.node {
-            Place::Node(a.node.clone())
-        } else {
-            Place::link(&a.node, &b.node)
-        }
-    }
-
     pub fn link(x: &str, y: &str) -> Place {
         if x <= y {
             Place::Link(x.into(), y.into())
@@ -234,7 +224,8 @@ impl Fabric {
         if let [p] = at
             && !p.iface.is_empty()
             && let Some(l) = self.links.values().find(|l| {
-                (l.a == p.node && l.a_ifaces.contains(&p.iface)) || (l.b == p.node && l.b_ifaces.contains(&p.iface))
+                (l.a == p.node && l.a_ifaces.contains(&p.iface))
+                    || (l.b == p.node && l.b_ifaces.contains(&p.iface))
             })
         {
             return Some(Place::Link(l.a.clone(), l.b.clone()));
@@ -307,14 +298,16 @@ impl Fabric {
     }
 
     /// Tiers from hop order: a node's tier is its distance from the nearer end of each
-    /// path it stands on, the least over all paths.
+    /// path it stands on, the greatest over all paths — a path seen only in part (its
+    /// hosts unwatched, a switch's mirror) starts mid-fabric and must not pull the
+    /// switches it starts at down to the hosts' tier.
     fn place_tiers<'a>(&mut self, paths: impl Iterator<Item = Vec<&'a str>>) {
         for p in paths {
             let k = p.len().saturating_sub(1);
             for (i, n) in p.iter().enumerate() {
                 let d = i.min(k - i);
                 let node = self.node(n);
-                node.tier = Some(node.tier.map_or(d, |t| t.min(d)));
+                node.tier = Some(node.tier.map_or(d, |t| t.max(d)));
             }
         }
     }
@@ -324,7 +317,9 @@ impl Fabric {
     pub fn tiers(&self) -> Vec<(Option<usize>, Vec<&Node>)> {
         let mut by: BTreeMap<(bool, usize), Vec<&Node>> = BTreeMap::new();
         for n in self.nodes.values() {
-            by.entry((n.tier.is_none(), n.tier.unwrap_or(0))).or_default().push(n);
+            by.entry((n.tier.is_none(), n.tier.unwrap_or(0)))
+                .or_default()
+                .push(n);
         }
         by.into_iter()
             .map(|((unplaced, t), mut v)| {

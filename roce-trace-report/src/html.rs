@@ -92,10 +92,7 @@ fn points(v: &[Point]) -> String {
 }
 
 fn anomalies_table(a: &[Anomaly]) -> String {
-    let mut s = format!(
-        r#"<section id="anomalies"><h2>Anomalies ({})</h2>"#,
-        a.len()
-    );
+    let mut s = format!(r#"<section id="anomalies"><h2>Anomalies ({})</h2>"#, a.len());
     if a.is_empty() {
         s.push_str("<p class=\"none\">none</p></section>");
         return s;
@@ -151,8 +148,11 @@ fn agents_table(a: &[AgentInfo]) -> String {
     s
 }
 
+/// A time series: (Unix ns, value), oldest first.
+type Series = Vec<(u64, f64)>;
+
 /// Bits per second, CE-marked share and packets per second of a delivery log.
-fn series(d: &[DeliveryAt]) -> (Vec<(u64, f64)>, Vec<(u64, f64)>, Vec<(u64, f64)>) {
+fn series(d: &[DeliveryAt]) -> (Series, Series, Series) {
     let mut rate = Vec::new();
     let mut ce = Vec::new();
     let mut pps = Vec::new();
@@ -284,10 +284,13 @@ pub fn flow_fragment(f: &FlowReport, cnp_flows: &[&FlowReport]) -> String {
         a.cnps,
         a.cnps_per_ce_mark
             .map_or(String::new(), |r| format!(" ({r:.2} per CE mark)")),
-        a.ce_to_cnp.as_ref().filter(|d| d.n > 0).map_or(String::new(), |d| format!(
-            ", CE to CNP {} on average",
-            human_ns(d.sum_ns as f64 / d.n as f64)
-        )),
+        a.ce_to_cnp
+            .as_ref()
+            .filter(|d| d.n > 0)
+            .map_or(String::new(), |d| format!(
+                ", CE to CNP {} on average",
+                human_ns(d.sum_ns as f64 / d.n as f64)
+            )),
     );
     if !a.cnps_lost.is_empty() {
         s.push_str("<ul class=\"events\">");
@@ -303,7 +306,13 @@ pub fn flow_fragment(f: &FlowReport, cnp_flows: &[&FlowReport]) -> String {
     }
     if !a.flows.is_empty() {
         s.push_str("<p>carried by ");
-        s.push_str(&a.flows.iter().map(|x| flow_link(x)).collect::<Vec<_>>().join(", "));
+        s.push_str(
+            &a.flows
+                .iter()
+                .map(|x| flow_link(x))
+                .collect::<Vec<_>>()
+                .join(", "),
+        );
         s.push_str("</p>");
     }
     // Path changes.
@@ -340,8 +349,16 @@ pub fn flow_fragment(f: &FlowReport, cnp_flows: &[&FlowReport]) -> String {
         human_bps,
         &rate,
     ));
-    s.push_str(&svg::sparkline("CE-marked %", |v| format!("{} %", svg::fmt_value(v)), &ce));
-    s.push_str(&svg::sparkline("CNPs/s", |v| format!("{}/s", svg::fmt_value(v)), &cnps));
+    s.push_str(&svg::sparkline(
+        "CE-marked %",
+        |v| format!("{} %", svg::fmt_value(v)),
+        &ce,
+    ));
+    s.push_str(&svg::sparkline(
+        "CNPs/s",
+        |v| format!("{}/s", svg::fmt_value(v)),
+        &cnps,
+    ));
     s.push_str("</div></article>");
     s
 }

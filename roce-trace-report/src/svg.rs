@@ -23,7 +23,11 @@ fn mark_names(m: &Marks) -> String {
 
 /// At most [`MAX_LISTED`] flow ids, space-separated (ids hold no spaces).
 fn listed<'a>(flows: impl Iterator<Item = &'a String>) -> String {
-    flows.take(MAX_LISTED).map(|s| esc(s)).collect::<Vec<_>>().join(" ")
+    flows
+        .take(MAX_LISTED)
+        .map(|s| esc(s))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 fn marks_title(m: &Marks) -> String {
@@ -49,7 +53,10 @@ pub fn map(f: &Fabric) -> String {
     for (row, (_, nodes)) in tiers.iter().rev().enumerate() {
         let x0 = (w - nodes.len() as f64 * COL) / 2.0 + COL / 2.0;
         for (i, n) in nodes.iter().enumerate() {
-            at.insert(n.name.as_str(), (x0 + i as f64 * COL, MARGIN + row as f64 * ROW + NODE_H / 2.0));
+            at.insert(
+                n.name.as_str(),
+                (x0 + i as f64 * COL, MARGIN + row as f64 * ROW + NODE_H / 2.0),
+            );
         }
     }
     let mut s = String::new();
@@ -171,7 +178,9 @@ pub fn flow_path(f: &FlowReport) -> String {
     }
     for l in &f.lost {
         if let Some(i) = hop_of(&l.between[0], &l.between[1]) {
-            hops[i].marks.push((Mark::Lost, format!("lost {}", l.span.packets)));
+            hops[i]
+                .marks
+                .push((Mark::Lost, format!("lost {}", l.span.packets)));
         }
     }
     for d in &f.delays {
@@ -232,7 +241,11 @@ pub fn flow_path(f: &FlowReport) -> String {
                 if hop.marks.is_empty() { "" } else { " marked" },
                 esc(&p.to_string()),
                 esc(&f.path[i + 1].to_string()),
-                hop.marks.iter().map(|(m, _)| m.name()).collect::<Vec<_>>().join(" "),
+                hop.marks
+                    .iter()
+                    .map(|(m, _)| m.name())
+                    .collect::<Vec<_>>()
+                    .join(" "),
                 x2 - 8.0,
                 if hop.marks.is_empty() { 2 } else { 4 },
                 x2 - 8.0,

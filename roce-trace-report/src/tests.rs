@@ -4,7 +4,7 @@
 use std::net::IpAddr;
 
 use roce_trace_correlate::report::{
-    Answers, Anomaly, AnomalyKind, ClassAt, ClassChange, CollectorReport, DeliveryAt, Direction, FlowReport,
+    Anomaly, AnomalyKind, Answers, ClassAt, ClassChange, CollectorReport, DeliveryAt, Direction, FlowReport,
     Lost, Point, PointInfo, Span,
 };
 use roce_trace_verify::{
@@ -125,7 +125,12 @@ fn fabric_report() -> CollectorReport {
     let clean = via("aa", "zeta:2>b2/0x2");
     let local = flow(
         "alpha:3>zeta/0x3",
-        &["alpha:e0:egress", "m7:alpha:ingress", "m7:zeta:egress", "zeta:e0:ingress"],
+        &[
+            "alpha:e0:egress",
+            "m7:alpha:ingress",
+            "m7:zeta:egress",
+            "zeta:e0:ingress",
+        ],
     );
     let mut lossy = via("aa", "alpha:4>b2/0x4");
     lossy.path[0] = pt("alpha:e0:egress");
@@ -163,13 +168,18 @@ fn fabric_report() -> CollectorReport {
             packets: 1,
         },
     ];
-    let mut points: Vec<PointInfo> = [&hit, &clean, &local, &lossy]
+    // Seen only from m10 on (the sender's host and leaf not watched for it).
+    let partial = flow(
+        "zeta:5>b2/0x5",
+        &["m10:core:ingress", "m10:b2:egress", "b2:e0:ingress"],
+    );
+    let mut points: Vec<PointInfo> = [&hit, &clean, &local, &lossy, &partial]
         .iter()
         .flat_map(|f| f.path.iter().map(|p| point_info(&p.to_string())))
         .collect();
     points.push(point_info("lonely:e9:ingress"));
     CollectorReport {
-        flows: vec![hit, clean, local, lossy],
+        flows: vec![hit, clean, local, lossy, partial],
         anomalies,
         points,
         ..CollectorReport::empty()
@@ -261,16 +271,29 @@ fn the_map_carries_tiers_and_marks_escapes_names_and_bounds_its_lists() {
     // A hostile node name, and a link with more flows than any element lists.
     r.points.push(point_info("<script>alert(1)</script>:e0:ingress"));
     for i in 0..(crate::MAX_LISTED + 5) {
-        r.flows.push(flow(&format!("x:{i}>y/0x{i:x}"), &["x:e0:egress", "y:e0:ingress"]));
+        r.flows.push(flow(
+            &format!("x:{i}>y/0x{i:x}"),
+            &["x:e0:egress", "y:e0:ingress"],
+        ));
     }
     let s = svg::map(&Fabric::of(&r));
-    assert!(!s.contains("<script>"), "unescaped name");
-    assert!(s.contains(&esc("<script>alert(1)</script>")));
-    assert!(s.contains(r#"data-node="core" data-tier="2" data-marks="class_change""#), "{s}");
+    assert!(!s.contains("<script"), "unescaped name");
+    assert!(s.contains("data-node=\"&lt;script&gt;alert(1)&lt;/script&gt;\""), "{s}");
+    assert_eq!(esc(r#"<a href="x">'&'</a>"#), "&lt;a href=&quot;x&quot;&gt;&#39;&amp;&#39;&lt;/a&gt;");
+    assert!(
+        s.contains(r#"data-node="core" data-tier="2" data-marks="class_change""#),
+        "{s}"
+    );
     assert!(s.contains(r#"data-node="m10" data-tier="1" data-marks="""#));
     assert!(s.contains(r#"data-a="aa" data-b="m10" data-marks="lost""#));
     let xy = s.split(r#"data-a="x" data-b="y""#).nth(1).expect("the x–y link");
-    let flows = xy.split("data-flows=\"").nth(1).unwrap().split('"').next().unwrap();
+    let flows = xy
+        .split("data-flows=\"")
+        .nth(1)
+        .unwrap()
+        .split('"')
+        .next()
+        .unwrap();
     assert_eq!(flows.split(' ').count(), crate::MAX_LISTED);
     assert!(xy.contains(&format!(r#"data-flow-count="{}""#, crate::MAX_LISTED + 5)));
     // Well-formed enough for a browser: every element opened is closed.

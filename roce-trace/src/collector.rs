@@ -1445,12 +1445,15 @@ impl MetricValues {
                 .into_iter()
                 .map(|(k, v)| (k.name().to_owned(), v))
                 .collect(),
-            lost: j.lost_between().into_iter().fold(BTreeMap::new(), |mut m, (a, b, n)| {
-                m.entry(a.to_string())
-                    .or_insert_with(BTreeMap::new)
-                    .insert(b.to_string(), n);
-                m
-            }),
+            lost: j
+                .lost_between()
+                .into_iter()
+                .fold(BTreeMap::new(), |mut m, (a, b, n)| {
+                    m.entry(a.to_string())
+                        .or_insert_with(BTreeMap::new)
+                        .insert(b.to_string(), n);
+                    m
+                }),
             nic: [
                 s.nic.ports() as u64,
                 s.nic.paused_ports() as u64,

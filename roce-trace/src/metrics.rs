@@ -139,10 +139,17 @@ mod tests {
         m.gauge("b_lost", "Nothing yet.", Vec::new());
         m.counter("c_total", "Nothing either.", Vec::new());
         let t = m.render();
-        assert!(t.contains("# HELP b_lost Nothing yet.\n# TYPE b_lost gauge\n"), "{t}");
+        assert!(
+            t.contains("# HELP b_lost Nothing yet.\n# TYPE b_lost gauge\n"),
+            "{t}"
+        );
         assert!(t.contains("# HELP c Nothing either.\n# TYPE c counter\n"), "{t}");
         assert!(t.trim_end().ends_with("# EOF"), "{t}");
-        assert!(!t.lines().any(|l| l.starts_with("b_lost") || l.starts_with("c_total")), "{t}");
+        assert!(
+            !t.lines()
+                .any(|l| l.starts_with("b_lost") || l.starts_with("c_total")),
+            "{t}"
+        );
         assert!(t.contains("a_total{k=\"v\"} 3"), "{t}");
     }
 

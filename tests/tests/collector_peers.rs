@@ -176,7 +176,16 @@ fn the_api_beyond_loopback_needs_a_bearer_token() {
         Some("bearer-secret-and-more"),
         Some(""),
     ] {
-        for path in ["/stats", "/flows", "/metrics", "/report", "/trace?id=x"] {
+        for path in [
+            "/stats",
+            "/flows",
+            "/metrics",
+            "/report",
+            "/trace?id=x",
+            "/ui/main",
+            "/ui/flow?id=x",
+            "/index.html",
+        ] {
             let (status, body) = roce_trace::http::get_as(http, path, t, bearer).unwrap();
             assert_eq!(
                 status,
@@ -186,6 +195,14 @@ fn the_api_beyond_loopback_needs_a_bearer_token() {
             );
         }
     }
+    // The web view's page alone is served without the token: it holds no data (its
+    // script asks for the token, then fetches the fragments with it).
+    let (status, body) = roce_trace::http::get_as(http, "/", t, None).unwrap();
+    let page = String::from_utf8_lossy(&body);
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("<section id=\"main\"></section>") && !page.contains("<svg"), "{page}");
+    let (status, body) = roce_trace::http::get_as(http, "/ui/main", t, Some("bearer-secret")).unwrap();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     let (status, body) = roce_trace::http::get_as(http, "/stats", t, Some("bearer-secret")).unwrap();
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     let stats: serde_json::Value =

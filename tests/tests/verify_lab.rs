@@ -669,8 +669,12 @@ fn a_link_failure_drill_measures_loss_recovery_and_return() {
     // policy allows is a measurement of the machine: the drill runs once more, and that
     // run's verdict stands whatever the machine does (a CI run failed at "the last after
     // 2348 ms", data and replies alike about 2 s late, while a quiet run reads 300–400 ms).
-    let shipped = roce_trace_verify::policy::Policy::parse(&std::fs::read_to_string(policy()).unwrap()).unwrap();
-    let max_ms = shipped.drill.and_then(|d| d.max_recovery_ms).expect("the shipped drill policy") as f64;
+    let shipped =
+        roce_trace_verify::policy::Policy::parse(&std::fs::read_to_string(policy()).unwrap()).unwrap();
+    let max_ms = shipped
+        .drill
+        .and_then(|d| d.max_recovery_ms)
+        .expect("the shipped drill policy") as f64;
     if check(&v, "drill_recovery")["status"] != "pass" && stall.as_secs_f64() * 1e3 > max_ms / 4.0 {
         println!("this machine stood still for {stall:?} during the drill: running it once more");
         ((code, v), _) = run();

@@ -41,27 +41,35 @@ fn call(method: &str, path: &str, body: Option<&Value>) -> Value {
     let mut buf = [0u8; 16384];
     let (head, body) = loop {
         let n = s.read(&mut buf).unwrap();
-        assert!(n > 0, "chromedriver closed the connection: {}", String::from_utf8_lossy(&raw));
+        assert!(
+            n > 0,
+            "chromedriver closed the connection: {}",
+            String::from_utf8_lossy(&raw)
+        );
         raw.extend_from_slice(&buf[..n]);
         if let Some(i) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
             let head = String::from_utf8_lossy(&raw[..i]).into_owned();
             let len: usize = head
                 .lines()
-                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap()))
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse().unwrap())
+                })
                 .expect("a Content-Length");
             while raw.len() < i + 4 + len {
                 let n = s.read(&mut buf).unwrap();
                 assert!(n > 0, "chromedriver closed the connection mid-answer");
                 raw.extend_from_slice(&buf[..n]);
             }
-            break (head, String::from_utf8_lossy(&raw[i + 4..i + 4 + len]).into_owned());
+            break (
+                head,
+                String::from_utf8_lossy(&raw[i + 4..i + 4 + len]).into_owned(),
+            );
         }
     };
     let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{head}\n{body}: {e}"));
-    assert!(
-        head.starts_with("HTTP/1.1 200"),
-        "{method} {path}: {head}\n{v:#}"
-    );
+    assert!(head.starts_with("HTTP/1.1 200"), "{method} {path}: {head}\n{v:#}");
     v["value"].clone()
 }
 
@@ -87,7 +95,11 @@ impl Browser {
     }
 
     fn go(&self, url: &str) {
-        call("POST", &format!("/session/{}/url", self.session), Some(&json!({ "url": url })));
+        call(
+            "POST",
+            &format!("/session/{}/url", self.session),
+            Some(&json!({ "url": url })),
+        );
     }
 
     /// Runs `script` (a function body) in the page: what it returned.
@@ -170,7 +182,10 @@ fn base64(s: &str) -> Vec<u8> {
         b'/' => 63,
         _ => panic!("not base64: {c}"),
     };
-    let b: Vec<u8> = s.bytes().filter(|&c| c != b'=' && !c.is_ascii_whitespace()).collect();
+    let b: Vec<u8> = s
+        .bytes()
+        .filter(|&c| c != b'=' && !c.is_ascii_whitespace())
+        .collect();
     let mut out = Vec::with_capacity(b.len() * 3 / 4);
     for chunk in b.chunks(4) {
         let mut n = 0u32;
@@ -190,7 +205,11 @@ fn exported(text: &str) -> BTreeMap<String, BTreeSet<String>> {
         if let Some(t) = line.strip_prefix("# TYPE ") {
             let mut w = t.split_whitespace();
             let (name, kind) = (w.next().unwrap(), w.next().unwrap_or(""));
-            let name = if kind == "counter" { format!("{name}_total") } else { name.to_string() };
+            let name = if kind == "counter" {
+                format!("{name}_total")
+            } else {
+                name.to_string()
+            };
             m.entry(name).or_default();
         } else if !line.starts_with('#') && !line.is_empty() {
             let end = line.find(['{', ' ']).unwrap_or(line.len());
@@ -225,7 +244,9 @@ fn check_queries(dashboard: &Value, names: &BTreeMap<String, BTreeSet<String>>) 
             .match_indices("roce_trace_")
             .map(|(i, _)| {
                 let rest = &e[i..];
-                &rest[..rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(rest.len())]
+                &rest[..rest
+                    .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .unwrap_or(rest.len())]
             })
             .collect();
         if used.is_empty() {
@@ -233,13 +254,21 @@ fn check_queries(dashboard: &Value, names: &BTreeMap<String, BTreeSet<String>>) 
         }
         let mut labels: BTreeSet<String> = ["instance", "job"].map(String::from).into();
         for u in &used {
-            let l = names.get(*u).ok_or_else(|| format!("`{e}` queries `{u}`, which no binary exports"))?;
+            let l = names
+                .get(*u)
+                .ok_or_else(|| format!("`{e}` queries `{u}`, which no binary exports"))?;
             labels.extend(l.iter().cloned());
         }
         // Labels after `by (` and inside `{…}` selectors.
         let mut named = Vec::new();
         for part in e.split("by (").skip(1) {
-            named.extend(part.split(')').next().unwrap().split(',').map(|l| l.trim().to_string()));
+            named.extend(
+                part.split(')')
+                    .next()
+                    .unwrap()
+                    .split(',')
+                    .map(|l| l.trim().to_string()),
+            );
         }
         for part in e.split('{').skip(1) {
             for kv in part.split('}').next().unwrap().split(',') {
@@ -271,7 +300,12 @@ fn traffic(lab: &Lab, secs: u64) -> Vec<Proc> {
     for (from, to) in [(1u8, 3u8), (2, 4)] {
         v.push(spawn_gen(
             &lab.ns(&format!("h{to}")),
-            &["--bind", &format!("10.10.{to}.2"), "--duration", &format!("{}s", secs + 3)],
+            &[
+                "--bind",
+                &format!("10.10.{to}.2"),
+                "--duration",
+                &format!("{}s", secs + 3),
+            ],
         ));
         std::thread::sleep(Duration::from_millis(300));
         v.push(spawn_gen(
@@ -314,7 +348,10 @@ fn chromedriver(lab: &Lab) -> Proc {
     );
     let t = Instant::now();
     while in_netns(&lab.ns("mgmt"), || TcpStream::connect(DRIVER).is_err()) {
-        assert!(t.elapsed() < Duration::from_secs(20), "chromedriver did not start");
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "chromedriver did not start"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     p
@@ -357,17 +394,22 @@ fn the_map_and_the_report_show_a_dscp_rewrite_at_its_spine_in_a_browser() {
         let hosts = ["h1", "h2", "h3", "h4"]
             .iter()
             .filter(|h| {
-                r["flows"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .any(|f| f["path"].as_array().unwrap().iter().any(|p| p.as_str().unwrap().starts_with(&format!("{h}:"))))
+                r["flows"].as_array().unwrap().iter().any(|f| {
+                    f["path"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .any(|p| p.as_str().unwrap().starts_with(&format!("{h}:")))
+                })
             })
             .count();
         if changes > 0 && hosts == 4 {
             break;
         }
-        assert!(t.elapsed() < Duration::from_secs(30), "no class change on all hosts' paths yet: {changes}, {hosts}");
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "no class change on all hosts' paths yet: {changes}, {hosts}"
+        );
         std::thread::sleep(Duration::from_millis(500));
     }
     // The report of the same fabric: verify, in the management namespace, judges a window
@@ -389,7 +431,10 @@ fn the_map_and_the_report_show_a_dscp_rewrite_at_its_spine_in_a_browser() {
     in_netns(&mgmt, move || {
         let b = Browser::start();
         b.go(&format!("http://{HTTP}/"));
-        b.wait_for("the map", "return document.querySelectorAll('#map .node').length >= 8");
+        b.wait_for(
+            "the map",
+            "return document.querySelectorAll('#map .node').length >= 8",
+        );
         // Every node of the lab, in its tier: hosts 0, leaves 1, spines 2.
         let nodes = b.js(
             "return [...document.querySelectorAll('#map .node')].map(n => [n.dataset.node, n.dataset.tier, n.dataset.marks])",
@@ -415,41 +460,53 @@ fn the_map_and_the_report_show_a_dscp_rewrite_at_its_spine_in_a_browser() {
         .unwrap();
         assert_eq!(marked, vec!["s1".to_string()], "{nodes:?}");
         // Its colour is the class-change colour, in the page as drawn.
-        let fill = b.js("return getComputedStyle(document.querySelector('#map .node[data-node=\"s1\"] rect')).fill");
+        let fill =
+            b.js("return getComputedStyle(document.querySelector('#map .node[data-node=\"s1\"] rect')).fill");
         assert_eq!(fill, json!("rgb(194, 24, 91)"));
         b.screenshot(&shots.join("web-map.png"));
         // Click s1: its flows are listed; follow the first to its page.
         b.click("#map .node[data-node=\"s1\"]");
         b.wait_for("s1's flows", "return !document.querySelector('#panel').hidden && document.querySelectorAll('#panel a').length > 0");
-        let first: String = serde_json::from_value(b.js("return document.querySelector('#panel a').textContent")).unwrap();
+        let first: String =
+            serde_json::from_value(b.js("return document.querySelector('#panel a').textContent")).unwrap();
         // Every flow through s1 is rewritten (data and ACKs alike are DSCP 26; there is no
         // CE marking, so no CNP in another class): the first listed must show it.
         b.click("#panel a");
-        b.wait_for("the flow page", "return !!document.querySelector('#flow .flow-path')");
+        b.wait_for(
+            "the flow page",
+            "return !!document.querySelector('#flow .flow-path')",
+        );
         let url: String = serde_json::from_value(b.js("return location.hash")).unwrap();
         assert!(url.starts_with("#flow="), "{url}");
         let hops: Vec<(String, String, String)> = serde_json::from_value(b.js(
             "return [...document.querySelectorAll('#flow .hop')].map(h => [h.dataset.from, h.dataset.to, h.dataset.marks])",
         ))
         .unwrap();
-        let changed: Vec<&(String, String, String)> = hops.iter().filter(|h| h.2.contains("class_change")).collect();
+        let changed: Vec<&(String, String, String)> =
+            hops.iter().filter(|h| h.2.contains("class_change")).collect();
         assert_eq!(changed.len(), 1, "{first}: {hops:?}");
         let (from, to) = (&changed[0].0, &changed[0].1);
         assert!(
-            from.starts_with("s1:") && from.ends_with(":ingress") && to.starts_with("s1:") && to.ends_with(":egress"),
+            from.starts_with("s1:")
+                && from.ends_with(":ingress")
+                && to.starts_with("s1:")
+                && to.ends_with(":egress"),
             "{first}: the change drawn between {from} and {to}"
         );
         let dscp: Vec<(String, String)> = serde_json::from_value(b.js(
             "return [...document.querySelectorAll('#flow .point')].map(p => [p.dataset.point, p.dataset.dscp])",
         ))
         .unwrap();
-        let at = |p: &str| dscp.iter().find(|x| &x.0 == p).map(|x| x.1.clone());
+        let at = |p: &str| dscp.iter().find(|x| x.0 == p).map(|x| x.1.clone());
         assert_eq!(at(from).as_deref(), Some("26"), "{dscp:?}");
         assert_eq!(at(to).as_deref(), Some("0"), "{dscp:?}");
         b.screenshot(&shots.join("web-flow.png"));
         // A shared link opens the same flow page in a fresh load.
         b.go(&format!("http://{HTTP}/{url}"));
-        b.wait_for("the shared flow", "return !!document.querySelector('#flow .flow-path')");
+        b.wait_for(
+            "the shared flow",
+            "return !!document.querySelector('#flow .flow-path')",
+        );
         let errors = b.console_errors();
         assert!(errors.is_empty(), "console errors: {errors:?}");
     });
@@ -462,16 +519,21 @@ fn the_map_and_the_report_show_a_dscp_rewrite_at_its_spine_in_a_browser() {
         assert_eq!(status, 200);
         String::from_utf8(body).unwrap()
     };
-    let mut names = exported(&(scrape("h1", "127.0.0.1:9464") + &scrape("l1", "127.0.0.1:9464") + &scrape("mgmt", HTTP)));
+    let mut names =
+        exported(&(scrape("h1", "127.0.0.1:9464") + &scrape("l1", "127.0.0.1:9464") + &scrape("mgmt", HTTP)));
     // NIC counters appear once a port reports them (no NIC here): their names come from
     // the vocabulary the agent renders them by, with the labels it gives them.
     for spec in roce_trace_common::nic::SPECS {
-        names.entry(format!("roce_trace_{}", spec.metric)).or_default().extend(
-            ["interface", "device", "port", "priority", "direction"].map(String::from),
-        );
+        names
+            .entry(format!("roce_trace_{}", spec.metric))
+            .or_default()
+            .extend(["interface", "device", "port", "priority", "direction"].map(String::from));
     }
     let dashboard: Value = serde_json::from_str(
-        &std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../dist/grafana-dashboard.json")).unwrap(),
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../dist/grafana-dashboard.json"),
+        )
+        .unwrap(),
     )
     .unwrap();
     let n = check_queries(&dashboard, &names).unwrap_or_else(|e| panic!("dist/grafana-dashboard.json: {e}"));
@@ -504,10 +566,13 @@ fn the_map_and_the_report_show_a_dscp_rewrite_at_its_spine_in_a_browser() {
         let b = Browser::start();
         b.go(&format!("file://{}", out.display()));
         b.wait_for("the report", "return document.readyState === 'complete'");
-        assert_eq!(b.js("return document.querySelector('#verdict').textContent"), json!("FAIL"));
-        let failing: Vec<String> = serde_json::from_value(b.js(
-            "return [...document.querySelectorAll('tr.check.fail')].map(r => r.dataset.check)",
-        ))
+        assert_eq!(
+            b.js("return document.querySelector('#verdict').textContent"),
+            json!("FAIL")
+        );
+        let failing: Vec<String> = serde_json::from_value(
+            b.js("return [...document.querySelectorAll('tr.check.fail')].map(r => r.dataset.check)"),
+        )
         .unwrap();
         assert!(failing.iter().any(|c| c.contains("class")), "{failing:?}");
         let failed_at: Vec<String> = serde_json::from_value(b.js(

@@ -155,14 +155,20 @@ fn relay(ns: &str, target: std::net::SocketAddr) -> anyhow::Result<std::net::Soc
             let path = path.clone();
             std::thread::spawn(move || {
                 // This thread alone enters the namespace; the socket keeps it.
-                let Ok(netns) = std::fs::File::open(&path) else { return };
+                let Ok(netns) = std::fs::File::open(&path) else {
+                    return;
+                };
                 use std::os::fd::AsRawFd as _;
                 // SAFETY: an open netns file; setns changes only this thread.
                 if unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
                     return;
                 }
-                let Ok(up) = TcpStream::connect(target) else { return };
-                let (Ok(mut c2), Ok(mut u2)) = (client.try_clone(), up.try_clone()) else { return };
+                let Ok(up) = TcpStream::connect(target) else {
+                    return;
+                };
+                let (Ok(mut c2), Ok(mut u2)) = (client.try_clone(), up.try_clone()) else {
+                    return;
+                };
                 let back = std::thread::spawn(move || {
                     let _ = std::io::copy(&mut u2, &mut c2);
                     let _ = c2.shutdown(std::net::Shutdown::Write);
@@ -304,7 +310,11 @@ pub fn run(seconds: u64, nats: bool, keep: bool) -> anyhow::Result<()> {
     let web = relay(&lab.ns("mgmt"), https[0].parse()?)?;
     say(&format!(
         "the fabric map, live: http://{web}/ (the collector's web view{})",
-        if keep { "" } else { ", while the demo runs; --keep leaves it up" }
+        if keep {
+            ""
+        } else {
+            ", while the demo runs; --keep leaves it up"
+        }
     ));
     say(
         "a roce-trace agent on every node: XDP ingress + TC egress on every port of hosts, leaves and spines",
