@@ -445,6 +445,28 @@ fn a_group_on_nats_locates_a_rewrite_through_losing_a_member_and_a_nats_restart(
         );
     }
     assert!(through_s1 > 0 && through_s1 < 16, "{through_s1} of 16 through s1");
+    // The group's map, from a member that holds only part of the flows: the whole fabric
+    // in its tiers, the rewrite at s1 and nowhere else.
+    let map = fab.get(&survivor, "/ui/main");
+    for (node, tier, marks) in [
+        ("h1", 0, ""),
+        ("h2", 0, ""),
+        ("h3", 0, ""),
+        ("h4", 0, ""),
+        ("l1", 1, ""),
+        ("l2", 1, ""),
+        ("s1", 2, "class_change"),
+        ("s2", 2, ""),
+    ] {
+        let want = format!(r#"data-node="{node}" data-tier="{tier}" data-marks="{marks}""#);
+        assert!(map.contains(&want), "{want} not in the group's map: {map}");
+    }
+    let marked = map
+        .split("data-marks=\"")
+        .skip(1)
+        .filter(|m| m.split('"').next().unwrap().contains("class_change"))
+        .count();
+    assert_eq!(marked, 1, "one place marked for the rewrite: {map}");
 
     // What one collector makes of everything in the stream: the survivors stop, one
     // fresh member joins alone and replays every partition. The group's view must be
