@@ -21,6 +21,27 @@ fn mark_names(m: &Marks) -> String {
     m.keys().map(|k| k.name()).collect::<Vec<_>>().join(" ")
 }
 
+/// The flows of a place to list: those a mark names first (what a person clicking came
+/// for), then the others; at most [`MAX_LISTED`].
+fn place_flows<'a>(all: &'a std::collections::BTreeSet<String>, marks: &'a Marks) -> String {
+    let mut seen = std::collections::BTreeSet::new();
+    listed(
+        marks
+            .values()
+            .flatten()
+            .chain(all.iter())
+            .filter(move |f| seen.insert(f.as_str())),
+    )
+}
+
+/// Per mark, ` data-flows-<mark>="…"`: the flows it names at this place (at most
+/// [`MAX_LISTED`]), so the list a click opens says each flow's state here.
+fn mark_flows(m: &Marks) -> String {
+    m.iter()
+        .map(|(k, flows)| format!(r#" data-flows-{}="{}""#, k.name(), listed(flows.iter())))
+        .collect()
+}
+
 /// At most [`MAX_LISTED`] flow ids, space-separated (ids hold no spaces).
 fn listed<'a>(flows: impl Iterator<Item = &'a String>) -> String {
     flows
@@ -82,14 +103,15 @@ pub fn map(f: &Fabric) -> String {
         );
         let _ = write!(
             s,
-            r#"<g class="link{}" data-a="{}" data-b="{}" data-marks="{}" data-flow-count="{}" data-flows="{}"><line x1="{x1:.1}" y1="{y1:.1}" x2="{x2:.1}" y2="{y2:.1}" stroke="{colour}" stroke-width="{width:.1}"/><line class="hit" x1="{x1:.1}" y1="{y1:.1}" x2="{x2:.1}" y2="{y2:.1}"/><title>{}
+            r#"<g class="link{}" data-a="{}" data-b="{}" data-marks="{}" data-flow-count="{}" data-flows="{}"{}><line x1="{x1:.1}" y1="{y1:.1}" x2="{x2:.1}" y2="{y2:.1}" stroke="{colour}" stroke-width="{width:.1}"/><line class="hit" x1="{x1:.1}" y1="{y1:.1}" x2="{x2:.1}" y2="{y2:.1}"/><title>{}
 {} flow(s){}</title></g>"#,
             if l.marks.is_empty() { "" } else { " marked" },
             esc(&l.a),
             esc(&l.b),
             mark_names(&l.marks),
             l.flows.len(),
-            listed(l.flows.iter()),
+            place_flows(&l.flows, &l.marks),
+            mark_flows(&l.marks),
             esc(&ifaces),
             l.flows.len(),
             esc(&marks_title(&l.marks)),
@@ -103,14 +125,15 @@ pub fn map(f: &Fabric) -> String {
             let text = if n.marks.is_empty() { "#263238" } else { "#fff" };
             let _ = write!(
                 s,
-                r##"<g class="node{}" data-node="{}" data-tier="{}" data-marks="{}" data-flow-count="{}" data-flows="{}"><rect x="{:.1}" y="{:.1}" width="{NODE_W}" height="{NODE_H}" rx="6" fill="{fill}" stroke="#455a64"/><text x="{x:.1}" y="{:.1}" text-anchor="middle" fill="{text}">{}</text><title>{}{}
+                r##"<g class="node{}" data-node="{}" data-tier="{}" data-marks="{}" data-flow-count="{}" data-flows="{}"{}><rect x="{:.1}" y="{:.1}" width="{NODE_W}" height="{NODE_H}" rx="6" fill="{fill}" stroke="#455a64"/><text x="{x:.1}" y="{:.1}" text-anchor="middle" fill="{text}">{}</text><title>{}{}
 {} flow(s), {} point(s){}</title></g>"##,
                 if n.marks.is_empty() { "" } else { " marked" },
                 esc(&n.name),
                 tier.map_or("none".to_string(), |t| t.to_string()),
                 mark_names(&n.marks),
                 n.flows.len(),
-                listed(n.flows.iter()),
+                place_flows(&n.flows, &n.marks),
+                mark_flows(&n.marks),
                 x - NODE_W / 2.0,
                 y - NODE_H / 2.0,
                 y + 5.0,

@@ -278,14 +278,29 @@ fn the_map_carries_tiers_and_marks_escapes_names_and_bounds_its_lists() {
     }
     let s = svg::map(&Fabric::of(&r));
     assert!(!s.contains("<script"), "unescaped name");
-    assert!(s.contains("data-node=\"&lt;script&gt;alert(1)&lt;/script&gt;\""), "{s}");
-    assert_eq!(esc(r#"<a href="x">'&'</a>"#), "&lt;a href=&quot;x&quot;&gt;&#39;&amp;&#39;&lt;/a&gt;");
+    assert!(
+        s.contains("data-node=\"&lt;script&gt;alert(1)&lt;/script&gt;\""),
+        "{s}"
+    );
+    assert_eq!(
+        esc(r#"<a href="x">'&'</a>"#),
+        "&lt;a href=&quot;x&quot;&gt;&#39;&amp;&#39;&lt;/a&gt;"
+    );
     assert!(
         s.contains(r#"data-node="core" data-tier="2" data-marks="class_change""#),
         "{s}"
     );
     assert!(s.contains(r#"data-node="m10" data-tier="1" data-marks="""#));
     assert!(s.contains(r#"data-a="aa" data-b="m10" data-marks="lost""#));
+    // A click lists the flows a mark names first, and each mark's flows are at hand.
+    let core = s.split(r#"data-node="core""#).nth(1).unwrap();
+    assert!(core.contains(r#"data-flows="zeta:1&gt;b2/0x1""#), "{core}");
+    assert!(
+        core.contains(r#" data-flows-class_change="zeta:1&gt;b2/0x1">"#),
+        "{core}"
+    );
+    let aa_m10 = s.split(r#"data-a="aa" data-b="m10""#).nth(1).unwrap();
+    assert!(aa_m10.contains(r#"data-flows="alpha:4&gt;b2/0x4 "#), "{aa_m10}");
     let xy = s.split(r#"data-a="x" data-b="y""#).nth(1).expect("the x–y link");
     let flows = xy
         .split("data-flows=\"")

@@ -200,7 +200,10 @@ fn the_api_beyond_loopback_needs_a_bearer_token() {
     let (status, body) = roce_trace::http::get_as(http, "/", t, None).unwrap();
     let page = String::from_utf8_lossy(&body);
     assert_eq!(status, 200, "{page}");
-    assert!(page.contains("<section id=\"main\"></section>") && !page.contains("<svg"), "{page}");
+    assert!(
+        page.contains("<section id=\"main\"></section>") && !page.contains("<svg"),
+        "{page}"
+    );
     let (status, body) = roce_trace::http::get_as(http, "/ui/main", t, Some("bearer-secret")).unwrap();
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     let (status, body) = roce_trace::http::get_as(http, "/stats", t, Some("bearer-secret")).unwrap();

@@ -469,6 +469,15 @@ fn the_map_and_the_report_show_a_dscp_rewrite_at_its_spine_in_a_browser() {
         b.wait_for("s1's flows", "return !document.querySelector('#panel').hidden && document.querySelectorAll('#panel a').length > 0");
         let first: String =
             serde_json::from_value(b.js("return document.querySelector('#panel a').textContent")).unwrap();
+        // Each listed flow says what was located on it at s1.
+        let states: Vec<String> = serde_json::from_value(
+            b.js("return [...document.querySelectorAll('#panel li .state')].map(s => s.dataset.marks)"),
+        )
+        .unwrap();
+        assert!(
+            !states.is_empty() && states.iter().all(|m| m == "class_change"),
+            "{states:?}"
+        );
         // Every flow through s1 is rewritten (data and ACKs alike are DSCP 26; there is no
         // CE marking, so no CNP in another class): the first listed must show it.
         b.click("#panel a");

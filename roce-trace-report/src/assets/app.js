@@ -47,6 +47,13 @@
     p.className = 'marks';
     p.textContent = marks.length ? 'marked: ' + marks.join(', ') : 'nothing located here';
     panel.append(p);
+    // Each flow with what was located on it here (its state at this place).
+    const named = {};
+    for (const m of marks) {
+      for (const id of (el.getAttribute('data-flows-' + m) || '').split(' ').filter(Boolean)) {
+        (named[id] = named[id] || []).push(m);
+      }
+    }
     const ul = document.createElement('ul');
     for (const id of flows) {
       const li = document.createElement('li');
@@ -54,6 +61,11 @@
       a.href = '#flow=' + encodeURIComponent(id);
       a.textContent = id;
       li.append(a);
+      const state = document.createElement('span');
+      state.className = 'state';
+      state.dataset.marks = (named[id] || []).join(' ');
+      state.textContent = named[id] ? ' — ' + named[id].join(', ') : ' — nothing located here';
+      li.append(state);
       ul.append(li);
     }
     panel.append(ul);
