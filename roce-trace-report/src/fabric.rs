@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use roce_trace_correlate::report::{AnomalyKind, CollectorReport, FlowReport, Point};
+use roce_trace_correlate::report::{Anomaly, AnomalyKind, CollectorReport, FlowReport, Point, PointInfo};
 use roce_trace_verify::{
     checks::{Load, Status, judge},
     policy::{MtuPolicy, Policy, RoceMtu},
@@ -177,27 +177,70 @@ pub fn node_path(path: &[Point]) -> Vec<&str> {
 
 impl Fabric {
     /// The fabric of a collector report: every observation point's node, the links the
-    /// paths cross, and the anomalies located on them.
+    /// paths cross, and what was located on them — the join's anomalies and the judge's
+    /// path-MTU failures.
     pub fn of(r: &CollectorReport) -> Fabric {
+        let mut f = Fabric::new(&r.points);
+        for flow in &r.flows {
+            f.add_flow(flow);
+        }
+        f.add_anomalies(&r.anomalies);
+        f.add_path_mtu(r);
+        f
+    }
+
+    /// No flow yet: a node for every observation point's node.
+    pub fn new(points: &[PointInfo]) -> Fabric {
         let mut f = Fabric::default();
-        for p in &r.points {
+        for p in points {
             f.node(&p.node)
                 .points
                 .insert(format!("{}:{}", p.iface, p.direction));
         }
-        for flow in &r.flows {
-            f.add_flow(flow);
-        }
-        f.place_tiers(r.flows.iter().map(|fl| node_path(&fl.path)));
-        for a in &r.anomalies {
-            if let Some(m) = Mark::of_anomaly(a.kind)
-                && let Some(place) = f.place_of(&a.between)
-            {
-                f.mark(&place, m, &a.flow);
+        f
+    }
+
+    /// One flow: its nodes (and their tiers), the links it crosses, and the class
+    /// changes, losses and CE onsets located on its path. Flows can be added one at a
+    /// time (a large table a chunk at a time); links a flow crosses that no earlier flow
+    /// did appear with it.
+    pub fn add_flow(&mut self, flow: &FlowReport) {
+        self.add_path(flow);
+        self.place_tiers(std::iter::once(node_path(&flow.path)));
+        for c in &flow.class_changes {
+            if let Some(p) = self.place_of(&c.between) {
+                self.mark(&p, Mark::ClassChange, &flow.id);
             }
         }
-        // Path-MTU failures as the judge finds them (the largest RoCE MTU, so only what
-        // no fabric could carry or what a port's own MTU stops).
+        for l in &flow.lost {
+            if let Some(p) = self.place_of(&l.between) {
+                self.mark(&p, Mark::Lost, &flow.id);
+            }
+        }
+        for c in &flow.ce_onset {
+            let at: Vec<Point> = c.after.iter().chain(std::iter::once(&c.at)).cloned().collect();
+            if let Some(p) = self.place_of(&at) {
+                self.mark(&p, Mark::CeOnset, &flow.id);
+            }
+        }
+    }
+
+    /// The join's anomalies (what a flow's own report does not say: PFC pauses on its
+    /// ports).
+    pub fn add_anomalies(&mut self, anomalies: &[Anomaly]) {
+        for a in anomalies {
+            if let Some(m) = Mark::of_anomaly(a.kind)
+                && let Some(place) = self.place_of(&a.between)
+            {
+                self.mark(&place, m, &a.flow);
+            }
+        }
+    }
+
+    /// Path-MTU failures as the judge finds them (at RoCE MTU 4096, the largest: only
+    /// what no fabric could carry, or what a port's own MTU stops). It needs the whole
+    /// report: the largest frame any flow took through each point.
+    pub fn add_path_mtu(&mut self, r: &CollectorReport) {
         let policy = Policy {
             mtu: Some(MtuPolicy {
                 roce_mtu: RoceMtu(4096),
@@ -210,12 +253,11 @@ impl Fabric {
             }
             for e in &c.evidence {
                 let at: Vec<Point> = e.at.iter().map(|s| s.parse().expect("infallible")).collect();
-                if let Some(place) = f.place_of(&at) {
-                    f.mark(&place, Mark::PathMtu, &e.flow);
+                if let Some(place) = self.place_of(&at) {
+                    self.mark(&place, Mark::PathMtu, &e.flow);
                 }
             }
         }
-        f
     }
 
     /// Where a list of points is: as [`Place::of_points`], except that one port alone is
@@ -240,7 +282,7 @@ impl Fabric {
         })
     }
 
-    fn add_flow(&mut self, flow: &FlowReport) {
+    fn add_path(&mut self, flow: &FlowReport) {
         let bytes: u64 = flow.delivery.iter().map(|d| d.bytes).sum();
         for p in &flow.path {
             let n = self.node(&p.node);

@@ -48,7 +48,18 @@ pub fn app_page() -> String {
 
 /// `/ui/main`: the map, the anomalies and the agents.
 pub fn main_fragment(r: &CollectorReport) -> String {
-    let f = Fabric::of(r);
+    main_parts(&Fabric::of(r), r.flows.len(), &r.anomalies, &r.agents, None)
+}
+
+/// [`main_fragment`] of a fabric built flow by flow (a table too large to hold every
+/// report at once); `note`: what the map leaves out, said above it.
+pub fn main_parts(
+    f: &Fabric,
+    flows: usize,
+    anomalies: &[Anomaly],
+    agents: &[AgentInfo],
+    note: Option<&str>,
+) -> String {
     let mut s = String::new();
     let marked = f.nodes.values().filter(|n| !n.marks.is_empty()).count()
         + f.links.values().filter(|l| !l.marks.is_empty()).count();
@@ -57,12 +68,12 @@ pub fn main_fragment(r: &CollectorReport) -> String {
         r#"<section id="map"><h2>Fabric</h2><p class="summary">{} node(s), {} link(s), {} flow(s); {} place(s) marked. Click a node or link for its flows.</p>{}</section>"#,
         f.nodes.len(),
         f.links.len(),
-        r.flows.len(),
+        flows,
         marked,
-        svg::map(&f)
+        note.map_or(String::new(), |n| format!(r#"<p class="note">{}</p>"#, esc(n))) + &svg::map(f)
     );
-    s.push_str(&anomalies_table(&r.anomalies));
-    s.push_str(&agents_table(&r.agents));
+    s.push_str(&anomalies_table(anomalies));
+    s.push_str(&agents_table(agents));
     s
 }
 

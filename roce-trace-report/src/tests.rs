@@ -414,3 +414,24 @@ fn names_sort_naturally_and_ids_survive_a_url() {
     };
     assert_eq!(String::from_utf8(dec).unwrap(), id);
 }
+
+/// A table read a chunk at a time builds the same fabric as the whole report, whatever
+/// order the flows come in.
+#[test]
+fn a_fabric_built_flow_by_flow_is_the_fabric_of_the_whole_report() {
+    let r = fabric_report();
+    let whole = Fabric::of(&r);
+    let mut parts = Fabric::new(&r.points);
+    for f in r.flows.iter().rev() {
+        parts.add_flow(f);
+    }
+    parts.add_anomalies(&r.anomalies);
+    assert_eq!(parts, whole);
+    // The flows' own reports carry their class changes and losses: the anomalies add
+    // nothing here.
+    let mut bare = Fabric::new(&r.points);
+    for f in &r.flows {
+        bare.add_flow(f);
+    }
+    assert_eq!(bare, whole);
+}

@@ -128,7 +128,13 @@ struct State {
     http_token: Option<String>,
     /// The agents' NIC and PFC counters, per port.
     nic: roce_trace_correlate::NicTable,
+    /// The web view's main fragment as last built, and when: however many browsers
+    /// refresh, the whole report behind it is built at most once per [`UI_REUSE`].
+    ui_main: Option<(Instant, Arc<String>)>,
 }
+
+/// How long a built `/ui/main` is served again (half the page's refresh period).
+const UI_REUSE: Duration = Duration::from_millis(crate::pictures::html::REFRESH_MS / 2);
 
 /// `/trace` requests the whole collector takes: a burst of [`TraceBudget::BURST`], then
 /// [`TraceBudget::PER_SECOND`] a second (a token bucket). Each asks an agent to send
@@ -1257,10 +1263,15 @@ fn group_api(st: &Shared, path: &str, query: &str) -> Result<Option<Response>, R
                 Response::json(&v)
             }
         }
-        "/ui/main" | "/ui/flow" => {
+        "/ui/main" => ui_main(st, || {
             let mut all = vec![report(st)];
             all.extend(from_members::<CollectorReport>(st, "/report", query)?);
-            ui(path, query, &CollectorReport::merge(all))
+            Ok(CollectorReport::merge(all))
+        })?,
+        "/ui/flow" => {
+            let mut all = vec![report(st)];
+            all.extend(from_members::<CollectorReport>(st, "/report", query)?);
+            ui_flow(query, &CollectorReport::merge(all))
         }
         "/report" | "/anomalies" | "/agents" | "/stats" => {
             let mut all = vec![report(st)];
@@ -1343,7 +1354,14 @@ fn local_api(st: &Shared, path: &str, query: &str) -> Response {
         "/stats" => Response::json(&st.lock().joiner.as_ref().expect("joiner").stats),
         "/report" => Response::json(&report(st)),
         "/" => Response::html(crate::pictures::html::app_page()),
-        "/ui/main" => ui(path, query, &report(st)),
+        "/ui/main" => {
+            let flows = st.lock().joiner.as_ref().expect("joiner").flow_count();
+            if flows <= FULL_MAP_FLOWS {
+                ui_main(st, || Ok(report(st))).unwrap_or_else(|r| r)
+            } else {
+                ui_main_a_chunk_at_a_time(st)
+            }
+        }
         "/ui/flow" => {
             // One flow and the flows carrying its CNPs, not the whole report.
             let label = flow_id();
@@ -1365,6 +1383,94 @@ fn local_api(st: &Shared, path: &str, query: &str) -> Response {
     }
 }
 
+/// `/ui/main` from `report` (this collector's, or its group's), or as built less than
+/// [`UI_REUSE`] ago: many browsers cost one report.
+fn ui_main(
+    st: &Shared,
+    report: impl FnOnce() -> Result<CollectorReport, Response>,
+) -> Result<Response, Response> {
+    let fresh = st
+        .lock()
+        .ui_main
+        .as_ref()
+        .filter(|(at, _)| at.elapsed() < UI_REUSE)
+        .map(|(_, page)| page.clone());
+    let page = match fresh {
+        Some(p) => p,
+        None => {
+            let page = Arc::new(crate::pictures::html::main_fragment(&report()?));
+            st.lock().ui_main = Some((Instant::now(), page.clone()));
+            page
+        }
+    };
+    Ok(Response::html(page.as_str().to_owned()))
+}
+
+/// Up to this many tracked flows, `/ui/main` is built from the whole report (path-MTU
+/// marks need every flow's largest frames at once); beyond, a chunk of flows at a time,
+/// as `/flows` reads them, holding one chunk's reports at most.
+const FULL_MAP_FLOWS: usize = 100_000;
+
+/// `/ui/main` of a table too large to hold every report at once: the fabric built flow
+/// by flow (a chunk under the lock at a time), PFC pauses judged a batch of flows at a
+/// time. Path-MTU marks need the whole report, so this map says it has none.
+fn ui_main_a_chunk_at_a_time(st: &Shared) -> Response {
+    let fresh = st
+        .lock()
+        .ui_main
+        .as_ref()
+        .filter(|(at, _)| at.elapsed() < UI_REUSE)
+        .map(|(_, page)| page.clone());
+    if let Some(p) = fresh {
+        return Response::html(p.as_str().to_owned());
+    }
+    let (snapshot, agents, nic) = {
+        let s = st.lock();
+        (
+            s.joiner.as_ref().expect("joiner").snapshot(),
+            s.agents.values().cloned().collect::<Vec<_>>(),
+            s.nic.report(),
+        )
+    };
+    // The anomalies and points, and the snapshot let go of before the flows are read.
+    let (points, mut anomalies) = {
+        let view = snapshot.view();
+        (view.points().to_vec(), view.anomalies())
+    };
+    let mut fabric = crate::pictures::Fabric::new(&points);
+    let (mut flows, mut batch) = (0usize, Vec::with_capacity(FLOWS_CHUNK));
+    let pauses = |batch: &mut Vec<FlowReport>, anomalies: &mut Vec<crate::correlate::Anomaly>| {
+        if !nic.is_empty() {
+            anomalies.extend(roce_trace_correlate::nic::pause_anomalies(batch, &nic));
+        }
+        batch.clear();
+    };
+    each_flow_a_chunk_at_a_time(st, |r| {
+        fabric.add_flow(&r);
+        flows += 1;
+        batch.push(r);
+        if batch.len() == FLOWS_CHUNK {
+            pauses(&mut batch, &mut anomalies);
+        }
+        Ok::<_, std::convert::Infallible>(())
+    })
+    .unwrap_or_else(|never| match never {});
+    pauses(&mut batch, &mut anomalies);
+    fabric.add_anomalies(&anomalies);
+    let note = format!(
+        "{flows} flows: the map is built a chunk of flows at a time, without path-MTU marks (they need every flow at once, kept up to {FULL_MAP_FLOWS}); verify judges path MTU at any size."
+    );
+    let page = Arc::new(crate::pictures::html::main_parts(
+        &fabric,
+        flows,
+        &anomalies,
+        &agents,
+        Some(&note),
+    ));
+    st.lock().ui_main = Some((Instant::now(), page.clone()));
+    Response::html(page.as_str().to_owned())
+}
+
 /// One flow's report, with what probes found along it (`/flow?id=…`).
 fn one_flow(st: &Shared, label: &str) -> Option<FlowReport> {
     let (id, view, probe) = {
@@ -1378,13 +1484,10 @@ fn one_flow(st: &Shared, label: &str) -> Option<FlowReport> {
     Some(r)
 }
 
-/// The web view's fragments (`/ui/main`: map, anomalies, agents; `/ui/flow?id=…`: one
-/// flow drawn), from a report of the collector or of its group.
-fn ui(path: &str, query: &str, r: &CollectorReport) -> Response {
+/// `/ui/flow?id=…` (one flow drawn) from the group's report: the member that owns the
+/// flow has it, with the flows carrying its CNPs.
+fn ui_flow(query: &str, r: &CollectorReport) -> Response {
     use crate::pictures::html;
-    if path == "/ui/main" {
-        return Response::html(html::main_fragment(r));
-    }
     let id = query
         .split('&')
         .find_map(|kv| kv.strip_prefix("id="))

@@ -1911,12 +1911,19 @@ fn collector_views(n: u32) -> anyhow::Result<()> {
         "/flow?id={}",
         roce_trace::http::percent_encode(&flow(n / 2).to_string())
     ))?;
+    // The web view's map: built from the whole report once, then served again for a
+    // while to every browser that refreshes.
+    let (ui_len, ui_s) = timed_get(http, "/ui/main")?;
+    let (_, ui_again_s) = timed_get(http, "/ui/main")?;
     println!(
-        "{n:>8} flows: fed and joined in {fed:.1}s; /flows {flows_s:.3}s ({:.2} µs/flow, {:.0} MB); /metrics {:.2} ms ({metrics_len} B); /flow?id= {:.2} ms; per flow {:.0} bytes of heap, {:.0} resident",
+        "{n:>8} flows: fed and joined in {fed:.1}s; /flows {flows_s:.3}s ({:.2} µs/flow, {:.0} MB); /metrics {:.2} ms ({metrics_len} B); /flow?id= {:.2} ms; /ui/main {:.3}s built ({:.1} KB), {:.2} ms again; per flow {:.0} bytes of heap, {:.0} resident",
         flows_s * 1e6 / f64::from(n),
         flows_len as f64 / 1e6,
         metrics_s * 1e3,
         one_s * 1e3,
+        ui_s,
+        ui_len as f64 / 1e3,
+        ui_again_s * 1e3,
         (heap - heap0) as f64 / f64::from(n),
         rss.saturating_sub(rss0) as f64 / f64::from(n),
     );
