@@ -1234,23 +1234,7 @@ fn group_api(st: &Shared, path: &str, query: &str) -> Result<Option<Response>, R
         }
         "/flow" => match local_api(st, path, query) {
             r if r.status == 200 => r,
-            local => {
-                // Not ours: the member that owns its partition has it (the others answer
-                // 404).
-                let bearer = st.lock().http_token.clone();
-                others(st)
-                    .iter()
-                    .filter_map(|m| m.http.parse().ok())
-                    .find_map(|addr| {
-                        http::get_json_as::<FlowReport>(
-                            addr,
-                            &format!("{path}?{query}&local=1"),
-                            bearer.as_deref(),
-                        )
-                        .ok()
-                    })
-                    .map_or(local, |r| Response::json(&r))
-            }
+            local => group_flow(st, &query_id(query)).map_or(local, |r| Response::json(&r)),
         },
         "/metrics" | "/metrics.json" => {
             let mut v = MetricValues::of(&st.lock());
@@ -1269,9 +1253,23 @@ fn group_api(st: &Shared, path: &str, query: &str) -> Result<Option<Response>, R
             Ok(CollectorReport::merge(all))
         })?,
         "/ui/flow" => {
-            let mut all = vec![report(st)];
-            all.extend(from_members::<CollectorReport>(st, "/report", query)?);
-            ui_flow(query, &CollectorReport::merge(all))
+            // The flow and the flows carrying its CNPs, each from the member that owns it.
+            let id = query_id(query);
+            match one_flow(st, &id).or_else(|| group_flow(st, &id)) {
+                Some(f) => {
+                    let cnp: Vec<FlowReport> = f
+                        .answered_by
+                        .flows
+                        .iter()
+                        .filter_map(|c| one_flow(st, c).or_else(|| group_flow(st, c)))
+                        .collect();
+                    Response::html(crate::pictures::html::flow_fragment(
+                        &f,
+                        &cnp.iter().collect::<Vec<_>>(),
+                    ))
+                }
+                None => Response::text(404, format!("no flow `{id}` (see /flows)\n")),
+            }
         }
         "/report" | "/anomalies" | "/agents" | "/stats" => {
             let mut all = vec![report(st)];
@@ -1292,13 +1290,7 @@ fn group_api(st: &Shared, path: &str, query: &str) -> Result<Option<Response>, R
 /// lock the agents' frames need only to take what it reads (a pointer per flow for the
 /// views of every flow, one address pair's flows for `/flow`, counters for `/metrics`).
 fn local_api(st: &Shared, path: &str, query: &str) -> Response {
-    let flow_id = || {
-        query
-            .split('&')
-            .find_map(|kv| kv.strip_prefix("id="))
-            .map(http::percent_decode)
-            .unwrap_or_default()
-    };
+    let flow_id = || query_id(query);
     match path {
         "/trace" => {
             let id = flow_id();
@@ -1484,19 +1476,30 @@ fn one_flow(st: &Shared, label: &str) -> Option<FlowReport> {
     Some(r)
 }
 
-/// `/ui/flow?id=…` (one flow drawn) from the group's report: the member that owns the
-/// flow has it, with the flows carrying its CNPs.
-fn ui_flow(query: &str, r: &CollectorReport) -> Response {
-    use crate::pictures::html;
-    let id = query
+/// A flow's report from the other member that owns its partition (the others answer
+/// 404), asked with `local=1`.
+fn group_flow(st: &Shared, id: &str) -> Option<FlowReport> {
+    let bearer = st.lock().http_token.clone();
+    others(st)
+        .iter()
+        .filter_map(|m| m.http.parse().ok())
+        .find_map(|addr| {
+            http::get_json_as::<FlowReport>(
+                addr,
+                &format!("/flow?id={}&local=1", http::percent_encode(id)),
+                bearer.as_deref(),
+            )
+            .ok()
+        })
+}
+
+/// The `id=` of a query, decoded.
+fn query_id(query: &str) -> String {
+    query
         .split('&')
         .find_map(|kv| kv.strip_prefix("id="))
         .map(http::percent_decode)
-        .unwrap_or_default();
-    match r.flows.iter().find(|f| f.id == id) {
-        Some(f) => Response::html(html::flow_fragment(f, &html::cnp_flows(r, f))),
-        None => Response::text(404, format!("no flow `{id}` (see /flows)\n")),
-    }
+        .unwrap_or_default()
 }
 
 /// Every number `/metrics` shows, as one member has them (`/metrics.json?local=1`, which

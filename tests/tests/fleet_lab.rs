@@ -467,6 +467,24 @@ fn a_group_on_nats_locates_a_rewrite_through_losing_a_member_and_a_nats_restart(
         .filter(|m| m.split('"').next().unwrap().contains("class_change"))
         .count();
     assert_eq!(marked, 1, "one place marked for the rewrite: {map}");
+    // Each rewritten flow's page, asked of that one member, wherever its partition is
+    // read: the change drawn between s1's two points.
+    for ((src, sport), f) in &data {
+        if lab.spine_for(*src, src + 2, *sport, false).unwrap() != 1 {
+            continue;
+        }
+        let id = f["id"].as_str().unwrap();
+        let page = fab.get(
+            &survivor,
+            &format!("/ui/flow?id={}", roce_trace::http::percent_encode(id)),
+        );
+        let hop = format!(
+            r#"<g class="hop marked" data-from="s1:l{}:ingress" data-to="s1:l{}:egress" data-marks="class_change">"#,
+            leaf_of(*src),
+            leaf_of(src + 2)
+        );
+        assert!(page.contains(&hop), "{id}: {hop} not in {page}");
+    }
 
     // What one collector makes of everything in the stream: the survivors stop, one
     // fresh member joins alone and replays every partition. The group's view must be
