@@ -128,13 +128,33 @@ struct State {
     http_token: Option<String>,
     /// The agents' NIC and PFC counters, per port.
     nic: roce_trace_correlate::NicTable,
-    /// The web view's main fragment as last built, and when: however many browsers
-    /// refresh, the whole report behind it is built at most once per [`UI_REUSE`].
-    ui_main: Option<(Instant, Arc<String>)>,
+    /// The web view's main fragment as last built, when, and how long building it took:
+    /// however many browsers refresh, it is built at most once per [`ui_reuse`].
+    ui_main: Option<(Instant, Duration, Arc<String>)>,
 }
 
-/// How long a built `/ui/main` is served again (half the page's refresh period).
-const UI_REUSE: Duration = Duration::from_millis(crate::pictures::html::REFRESH_MS / 2);
+/// How long a built `/ui/main` is served again: half the page's refresh period, or four
+/// times what building it took (a large table: the map then costs at most a quarter of a
+/// core, however many look).
+fn ui_reuse(took: Duration) -> Duration {
+    Duration::from_millis(crate::pictures::html::REFRESH_MS / 2).max(took * 4)
+}
+
+/// `/ui/main` as built lately, if still fresh.
+fn ui_cached(st: &Shared) -> Option<Arc<String>> {
+    st.lock()
+        .ui_main
+        .as_ref()
+        .filter(|(at, took, _)| at.elapsed() < ui_reuse(*took))
+        .map(|(_, _, page)| page.clone())
+}
+
+/// Keeps a `/ui/main` built from `started` on.
+fn ui_keep(st: &Shared, started: Instant, page: String) -> Arc<String> {
+    let page = Arc::new(page);
+    st.lock().ui_main = Some((Instant::now(), started.elapsed(), page.clone()));
+    page
+}
 
 /// `/trace` requests the whole collector takes: a burst of [`TraceBudget::BURST`], then
 /// [`TraceBudget::PER_SECOND`] a second (a token bucket). Each asks an agent to send
@@ -1375,24 +1395,17 @@ fn local_api(st: &Shared, path: &str, query: &str) -> Response {
     }
 }
 
-/// `/ui/main` from `report` (this collector's, or its group's), or as built less than
-/// [`UI_REUSE`] ago: many browsers cost one report.
+/// `/ui/main` from `report` (this collector's, or its group's), or as built lately
+/// ([`ui_reuse`]): many browsers cost one report.
 fn ui_main(
     st: &Shared,
     report: impl FnOnce() -> Result<CollectorReport, Response>,
 ) -> Result<Response, Response> {
-    let fresh = st
-        .lock()
-        .ui_main
-        .as_ref()
-        .filter(|(at, _)| at.elapsed() < UI_REUSE)
-        .map(|(_, page)| page.clone());
-    let page = match fresh {
+    let page = match ui_cached(st) {
         Some(p) => p,
         None => {
-            let page = Arc::new(crate::pictures::html::main_fragment(&report()?));
-            st.lock().ui_main = Some((Instant::now(), page.clone()));
-            page
+            let started = Instant::now();
+            ui_keep(st, started, crate::pictures::html::main_fragment(&report()?))
         }
     };
     Ok(Response::html(page.as_str().to_owned()))
@@ -1407,15 +1420,10 @@ const FULL_MAP_FLOWS: usize = 100_000;
 /// by flow (a chunk under the lock at a time), PFC pauses judged a batch of flows at a
 /// time. Path-MTU marks need the whole report, so this map says it has none.
 fn ui_main_a_chunk_at_a_time(st: &Shared) -> Response {
-    let fresh = st
-        .lock()
-        .ui_main
-        .as_ref()
-        .filter(|(at, _)| at.elapsed() < UI_REUSE)
-        .map(|(_, page)| page.clone());
-    if let Some(p) = fresh {
+    if let Some(p) = ui_cached(st) {
         return Response::html(p.as_str().to_owned());
     }
+    let started = Instant::now();
     let (snapshot, agents, nic) = {
         let s = st.lock();
         (
@@ -1452,14 +1460,11 @@ fn ui_main_a_chunk_at_a_time(st: &Shared) -> Response {
     let note = format!(
         "{flows} flows: the map is built a chunk of flows at a time, without path-MTU marks (they need every flow at once, kept up to {FULL_MAP_FLOWS}); verify judges path MTU at any size."
     );
-    let page = Arc::new(crate::pictures::html::main_parts(
-        &fabric,
-        flows,
-        &anomalies,
-        &agents,
-        Some(&note),
-    ));
-    st.lock().ui_main = Some((Instant::now(), page.clone()));
+    let page = ui_keep(
+        st,
+        started,
+        crate::pictures::html::main_parts(&fabric, flows, &anomalies, &agents, Some(&note)),
+    );
     Response::html(page.as_str().to_owned())
 }
 
