@@ -7,6 +7,7 @@
 
 pub mod baseline;
 pub mod checks;
+pub mod continuous;
 pub mod drill;
 pub mod nic;
 pub mod output;

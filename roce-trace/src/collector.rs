@@ -56,6 +56,9 @@ pub struct CollectorOptions {
     /// Fleet mode: also join a group of collectors on NATS JetStream, reading the
     /// partitions this member owns (agents publish there instead of connecting here).
     pub fleet: Option<FleetOptions>,
+    /// Continuous verification (`--policy`): the policy judged every window, its
+    /// history, metrics and alerts ([`crate::verdicts`]).
+    pub continuous: Option<crate::verdicts::ContinuousOptions>,
 }
 
 #[derive(Clone, Debug)]
@@ -131,6 +134,8 @@ struct State {
     /// The web view's main fragment as last built, when, and how long building it took:
     /// however many browsers refresh, it is built at most once per [`ui_reuse`].
     ui_main: Option<(Instant, Duration, Arc<String>)>,
+    /// Continuous verification, behind a lock of its own: judging never holds the join's.
+    judge: Option<Arc<parking_lot::Mutex<crate::verdicts::Judge>>>,
 }
 
 /// How long a built `/ui/main` is served again: half the page's refresh period, or four
@@ -391,7 +396,14 @@ pub async fn run(
             "--http {addr} would serve the API beyond this host to anyone: give --http-token-file FILE (clients then send `Authorization: Bearer <token>`), or listen on a loopback address"
         );
     }
+    let judge = opts
+        .continuous
+        .clone()
+        .map(crate::verdicts::Judge::new)
+        .transpose()?
+        .map(|j| Arc::new(parking_lot::Mutex::new(j)));
     let state: Shared = Arc::new(StateLock::new(State {
+        judge: judge.clone(),
         joiner: Some(joiner),
         trace_on_request: opts.trace,
         http_token: opts.http_token.clone(),
@@ -595,10 +607,12 @@ pub async fn run(
             }
         }
     };
+    let judging = continuous(state.clone(), judge);
     tokio::select! {
         _ = shutdown => {}
         _ = accept => {}
         _ = ticker => {}
+        _ = judging => {}
     }
     if let Some((member, refresh)) = group {
         refresh.abort();
@@ -617,6 +631,77 @@ pub async fn run(
         write_report(path, &r)?;
     }
     Ok(r)
+}
+
+/// Continuous verification: every `--verify-every` a report (in a group, the group's,
+/// by the member that judges: the one with the least id), the window since the report
+/// `--verify-window` before it, judged on a thread of its own — one at a time, never
+/// under the join's lock for longer than taking the report.
+async fn continuous(st: Shared, judge: Option<Arc<parking_lot::Mutex<crate::verdicts::Judge>>>) {
+    let Some(judge) = judge else {
+        return std::future::pending().await;
+    };
+    let (every, window) = {
+        let j = judge.lock();
+        (j.opts.every, j.opts.window)
+    };
+    let mut t = tokio::time::interval(every);
+    t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let snapshots = Arc::new(parking_lot::Mutex::new(crate::verdicts::Snapshots::default()));
+    let mut running: Option<tokio::task::JoinHandle<()>> = None;
+    loop {
+        t.tick().await;
+        let judging = {
+            let s = st.lock();
+            s.group.as_ref().is_none_or(|g| {
+                g.members.iter().map(|m| m.id.as_str()).min().is_none_or(|least| least >= g.id.as_str())
+            })
+        };
+        let was = std::mem::replace(&mut judge.lock().judging, judging);
+        if !judging {
+            if was {
+                tracing::info!("verdict: another member of the group judges now");
+            }
+            // Another member judges: its windows, not a stale base, when this one takes over.
+            *snapshots.lock() = Default::default();
+            continue;
+        }
+        if running.as_ref().is_some_and(|r| !r.is_finished()) {
+            judge.lock().skipped_busy += 1;
+            continue;
+        }
+        let at_ms = crate::verdicts::unix_ms();
+        let started = Instant::now();
+        let taken = Taken::of(&st.lock());
+        let grouped = st.lock().group.is_some();
+        let (st2, judge2, snapshots2) = (st.clone(), judge.clone(), snapshots.clone());
+        running = Some(tokio::task::spawn_blocking(move || {
+            let mut now = taken.report();
+            if grouped {
+                match from_members::<CollectorReport>(&st2, "/report", "") {
+                    Ok(others) => {
+                        let mut all = vec![now];
+                        all.extend(others);
+                        now = CollectorReport::merge(all);
+                    }
+                    Err(_) => {
+                        judge2.lock().skipped_partial += 1;
+                        return;
+                    }
+                }
+            }
+            let Some((w, report)) = snapshots2.lock().window(at_ms, now, window) else {
+                return;
+            };
+            let (policy, load) = {
+                let j = judge2.lock();
+                (j.opts.policy.clone(), j.opts.load)
+            };
+            let checks = crate::verify::checks::judge(&policy, &report, load);
+            let took = started.elapsed().as_micros() as u64;
+            judge2.lock().record(w, at_ms, report.flows.len(), checks, took);
+        }));
+    }
 }
 
 use crate::protocol::{Stream, StreamReader as AgentReader, StreamWriter as AgentWriter};
@@ -1291,6 +1376,16 @@ fn group_api(st: &Shared, path: &str, query: &str) -> Result<Option<Response>, R
                 None => Response::text(404, format!("no flow `{id}` (see /flows)\n")),
             }
         }
+        "/verdicts" => {
+            let (check, since) = verdicts_query(query)?;
+            // Every member runs with the same --policy: one without it is an error here.
+            let mut all: Vec<crate::verify::continuous::Verdicts> = local_verdicts(st).into_iter().collect();
+            all.extend(from_members::<crate::verify::continuous::Verdicts>(st, "/verdicts", "")?);
+            match merge_verdicts(all) {
+                Some(v) => Response::json(&v.select(check.as_deref(), since)),
+                None => verdicts_off(),
+            }
+        }
         "/report" | "/anomalies" | "/agents" | "/stats" => {
             let mut all = vec![report(st)];
             all.extend(from_members::<CollectorReport>(st, "/report", query)?);
@@ -1388,11 +1483,85 @@ fn local_api(st: &Shared, path: &str, query: &str) -> Response {
         }
         "/metrics" => Response::metrics(MetricValues::of(&st.lock()).render()),
         "/metrics.json" => Response::json(&MetricValues::of(&st.lock())),
+        "/verdicts" => match verdicts_query(query) {
+            Err(r) => r,
+            Ok((check, since)) => match local_verdicts(st) {
+                Some(v) => Response::json(&v.select(check.as_deref(), since)),
+                None => verdicts_off(),
+            },
+        },
+        "/verdict" => match st.lock().judge.clone() {
+            None => verdicts_off(),
+            Some(j) => match j.lock().last_verdict.clone() {
+                Some(v) => Response::json(&v),
+                None => Response::text(503, "no window judged yet\n".into()),
+            },
+        },
         _ => Response::text(
             404,
-            "try / (the web view), /flows, /flow?id=…, /trace?id=…, /anomalies, /agents, /stats, /report, /metrics, /metrics.json\n".into(),
+            "try / (the web view), /flows, /flow?id=…, /trace?id=…, /anomalies, /agents, /stats, /report, /verdicts, /verdict, /metrics, /metrics.json\n".into(),
         ),
     }
+}
+
+fn local_verdicts(st: &Shared) -> Option<crate::verify::continuous::Verdicts> {
+    let j = st.lock().judge.clone()?;
+    Some(j.lock().verdicts())
+}
+
+fn verdicts_off() -> Response {
+    Response::text(
+        404,
+        "continuous verification is off: start the collector with --policy FILE (and --verify-every, --verify-window)\n".into(),
+    )
+}
+
+/// `/verdicts`' `check=NAME` and `since=` (Unix ms, or a duration back from now: `1h`).
+#[expect(clippy::result_large_err, reason = "the error is the answer")]
+fn verdicts_query(query: &str) -> Result<(Option<String>, Option<u64>), Response> {
+    let mut check = None;
+    let mut since = None;
+    for kv in query.split('&').filter(|kv| !kv.is_empty()) {
+        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+        let v = http::percent_decode(v);
+        match k {
+            "check" => check = Some(v),
+            "since" => {
+                since = Some(match v.parse::<u64>() {
+                    Ok(ms) => ms,
+                    Err(_) => match humantime::parse_duration(&v) {
+                        Ok(d) => crate::verdicts::unix_ms().saturating_sub(d.as_millis() as u64),
+                        Err(e) => {
+                            return Err(Response::text(
+                                400,
+                                format!("since={v}: neither Unix ms nor a duration ({e})\n"),
+                            ));
+                        }
+                    },
+                })
+            }
+            "local" => {}
+            _ => return Err(Response::text(400, format!("/verdicts takes check= and since=, not `{k}`\n"))),
+        }
+    }
+    Ok((check, since))
+}
+
+/// A group's verdicts: the judging member's state, every member's history (each
+/// member keeps the changes it judged), merged in time order.
+fn merge_verdicts(all: Vec<crate::verify::continuous::Verdicts>) -> Option<crate::verify::continuous::Verdicts> {
+    let mut events = Vec::new();
+    let mut lead: Option<crate::verify::continuous::Verdicts> = None;
+    for mut v in all {
+        events.append(&mut v.events);
+        if lead.as_ref().is_none_or(|l| v.judging && !l.judging) {
+            lead = Some(v);
+        }
+    }
+    let mut v = lead?;
+    events.sort_by_key(|e| (e.at_ms, e.seq));
+    v.events = events;
+    Some(v)
 }
 
 /// `/ui/main` from `report` (this collector's, or its group's), or as built lately
@@ -1526,6 +1695,9 @@ struct MetricValues {
     /// node's NIC frames: merged, the most).
     #[serde(default)]
     nic: [u64; 4],
+    /// Continuous verification (`--policy`), if on.
+    #[serde(default)]
+    verify: Option<crate::verdicts::VerifyMetrics>,
 }
 
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize, PartialEq)]
@@ -1571,6 +1743,7 @@ impl MetricValues {
                 s.nic.refused,
                 s.nic.unknown_counters,
             ],
+            verify: s.judge.as_ref().map(|j| j.lock().metrics()),
         }
     }
 
@@ -1603,6 +1776,11 @@ impl MetricValues {
         }
         for (a, b) in self.nic.iter_mut().zip(o.nic) {
             *a = (*a).max(b);
+        }
+        match (&mut self.verify, &o.verify) {
+            (Some(v), Some(ov)) => v.merge(ov),
+            (None, Some(ov)) => self.verify = Some(ov.clone()),
+            _ => {}
         }
     }
 
@@ -1737,6 +1915,9 @@ impl MetricValues {
                     .map(move |(b, n)| (labels(&[("from", a.as_str()), ("to", b.as_str())]), *n))
             }),
         );
+        if let Some(v) = &self.verify {
+            v.render(&mut m);
+        }
         m.render()
     }
 }

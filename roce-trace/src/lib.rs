@@ -20,6 +20,7 @@ pub mod privilege;
 pub mod protocol;
 pub mod tls;
 pub mod trace;
+pub mod verdicts;
 
 pub use roce_trace_correlate as correlate;
 pub use roce_trace_datapath::{loader as datapath, netstat, pcap, rdma_netlink, record, sys};

@@ -114,6 +114,7 @@ where
         trace: false,
         interval: Duration::from_secs(3600),
         fleet: None,
+        continuous: None,
         http_token: None,
     };
     let coll = tokio::spawn(collector::run(

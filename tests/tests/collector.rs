@@ -55,6 +55,7 @@ impl Running {
                     trace: false,
                     interval: Duration::from_secs(1),
                     fleet: None,
+                    continuous: None,
                     http_token: None,
                 };
                 let mut opts = opts;

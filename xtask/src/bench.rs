@@ -1776,6 +1776,7 @@ fn collector_views(n: u32) -> anyhow::Result<()> {
                 trace: false,
                 interval: Duration::from_secs(2),
                 fleet: None,
+                continuous: None,
                 http_token: None,
             },
             async {

@@ -66,6 +66,40 @@ pub struct CollectArgs {
     /// This collector's id in the group (default: the hostname and the HTTP port).
     #[arg(long)]
     member_id: Option<String>,
+    /// Continuous verification: judge this policy (the same checks as `verify`, see
+    /// dist/fabric-policy.toml) over a sliding window of the collector's own view, every
+    /// --verify-every; each check's status in /metrics and /verdicts, every change in the
+    /// history (--verdict-history) and to --alert-url. In a group every member takes the
+    /// same flags; the member with the least id judges the group's merged view.
+    #[arg(long)]
+    policy: Option<PathBuf>,
+    /// How often a window is judged.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s", requires = "policy")]
+    verify_every: Duration,
+    /// How much of the recent past each judgement covers (at least --verify-every, at
+    /// most 10 times it).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "60s", requires = "policy")]
+    verify_window: Duration,
+    /// Windows in a row a check must fail before it counts as failing, and pass (or
+    /// skip) before it counts as recovered; likewise for no data. 1: every window counts.
+    #[arg(long, default_value_t = 2, requires = "policy")]
+    fail_after: u32,
+    /// What the traffic is meant to be: CE marks are a fault when idle; under
+    /// `congested` a lack of CE marks is.
+    #[arg(long, value_enum, default_value_t = super::verify::LoadArg::Idle, requires = "policy")]
+    verify_load: super::verify::LoadArg,
+    /// The history of verdict changes (JSON lines), read at start (a restart keeps it)
+    /// and appended to at every change.
+    #[arg(long, default_value = "roce-trace-verdicts.jsonl", requires = "policy")]
+    verdict_history: PathBuf,
+    /// Changes the history keeps (the file holds at most twice this before it is cut
+    /// back to it).
+    #[arg(long, default_value_t = 1000, requires = "policy")]
+    verdict_history_max: usize,
+    /// POST every verdict change as JSON to this http:// URL (retried with backoff, in
+    /// order, never holding up the collector; a first status that is ok is not sent).
+    #[arg(long, requires = "policy")]
+    alert_url: Option<roce_trace::verdicts::AlertUrl>,
     /// Live view refresh.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
     interval: Duration,
@@ -83,7 +117,26 @@ pub(super) async fn run_collect(a: CollectArgs) -> anyhow::Result<()> {
     } else {
         read_token(&a.token, None, None)?
     };
+    let continuous = match &a.policy {
+        None => None,
+        Some(p) => {
+            let o = roce_trace::verdicts::ContinuousOptions {
+                policy: roce_trace::local::load_policy(p)?,
+                policy_name: p.display().to_string(),
+                every: a.verify_every,
+                window: a.verify_window,
+                fail_after: a.fail_after,
+                load: a.verify_load.into(),
+                history: a.verdict_history.clone(),
+                history_max: a.verdict_history_max,
+                alert_url: a.alert_url.clone(),
+            };
+            o.validate()?;
+            Some(o)
+        }
+    };
     let opts = collector::CollectorOptions {
+        continuous,
         listen: a.listen,
         http: a.http,
         token,

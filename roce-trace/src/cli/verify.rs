@@ -9,8 +9,13 @@ use super::*;
 #[command(group(clap::ArgGroup::new("source").required(true).args(["report", "collector_http", "interfaces"])))]
 pub struct VerifyArgs {
     /// The policy (TOML; see dist/fabric-policy.toml).
-    #[arg(long)]
-    policy: PathBuf,
+    #[arg(long, required_unless_present = "since")]
+    policy: Option<PathBuf>,
+    /// What failed in the last DURATION (e.g. `1h`), and when it started: the history of
+    /// a collector judging continuously (`collect --policy`), from --collector-http.
+    /// Exit 1 if a check failed in it, 3 if one could not be judged, else 0.
+    #[arg(long, value_parser = humantime::parse_duration, requires = "collector_http", conflicts_with_all = ["report", "interfaces", "drill", "baseline", "save_baseline", "html", "junit"])]
+    since: Option<Duration>,
     /// Judge a report the collector wrote (`collect --report`), `-` for stdin.
     #[arg(long)]
     report: Option<PathBuf>,
@@ -99,8 +104,11 @@ pub(super) fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
         local::{self, Source},
         verify::{self, baseline::Baseline, drill, output},
     };
+    if let (Some(since), Some(http)) = (a.since, a.collector_http) {
+        return run_since(http, a.http_token.read()?.as_deref(), since, a.json_stdout);
+    }
     let load: verify::checks::Load = a.load.into();
-    let policy = local::load_policy(&a.policy)?;
+    let policy = local::load_policy(a.policy.as_deref().context("--policy is required")?)?;
     let source = if let Some(r) = a.report.clone() {
         anyhow::ensure!(!a.drill, "--drill needs a live window: --collector-http or -i");
         Source::Report(r)
@@ -206,4 +214,82 @@ pub(super) fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
         print!("{}", output::table(&v));
     }
     Ok(v.exit_code())
+}
+
+/// `verify --since`: the collector's history of verdict changes over the last `since`.
+fn run_since(http: std::net::SocketAddr, bearer: Option<&str>, since: Duration, json: bool) -> anyhow::Result<u8> {
+    use roce_trace::verify::continuous::{self, Health, Verdicts};
+    let now = roce_trace::verdicts::unix_ms();
+    let from = now.saturating_sub(since.as_millis() as u64);
+    // The whole history (bounded by the collector): a stretch that began before the
+    // period and lasted into it counts.
+    let (status, body) = roce_trace::http::get_as(http, "/verdicts", Duration::from_secs(30), bearer)
+        .with_context(|| format!("asking {http} for its verdicts"))?;
+    anyhow::ensure!(
+        status == 200,
+        "{http}/verdicts: {status} {}",
+        String::from_utf8_lossy(&body).trim()
+    );
+    let v: Verdicts =
+        serde_json::from_slice(&body).with_context(|| format!("{http}/verdicts: not the collector's verdicts"))?;
+    let stretches = continuous::stretches(&v.events, from);
+    let worst = if stretches.iter().any(|s| s.health == Health::Failing) {
+        1
+    } else if stretches.is_empty() {
+        0
+    } else {
+        3
+    };
+    if json {
+        let out: Vec<serde_json::Value> = stretches
+            .iter()
+            .map(|s| {
+                serde_json::json!({
+                    "check": s.check,
+                    "status": s.began.to,
+                    "from_ms": s.from_ms,
+                    "until_ms": s.until_ms,
+                    "summary": s.began.summary,
+                    "evidence": s.began.evidence,
+                    "evidence_total": s.began.evidence_total,
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::json!({ "type": "verdict_history", "since_ms": from, "now_ms": now, "judging": v.judging, "windows": v.windows, "stretches": out })
+        );
+        return Ok(worst);
+    }
+    let t = |ms: u64| humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_millis(ms)).to_string();
+    println!(
+        "{http}: policy {} judged every {} over {} (fail after {} window(s)), {} window(s); since {}",
+        v.policy,
+        humantime::format_duration(Duration::from_millis(v.every_ms)),
+        humantime::format_duration(Duration::from_millis(v.window_ms)),
+        v.fail_after,
+        v.windows,
+        t(from)
+    );
+    if !v.judging {
+        println!("(no member is judging now: the history ends where judging stopped)");
+    }
+    if stretches.is_empty() {
+        println!("nothing failed");
+        return Ok(0);
+    }
+    let w = stretches.iter().map(|s| s.check.len()).max().unwrap_or(5).max(5);
+    println!("{:<w$}  {:<7}  {:<20}  {:<20}  EVIDENCE", "CHECK", "STATUS", "FROM", "UNTIL");
+    for s in &stretches {
+        let until = s.until_ms.map_or_else(|| "still".to_owned(), t);
+        println!("{:<w$}  {:<7}  {:<20}  {:<20}  {}", s.check, s.began.to.name(), t(s.from_ms), until, s.began.summary);
+        for e in s.began.evidence.iter().take(6) {
+            let at = if e.at.is_empty() { String::new() } else { format!("at {}: ", e.at.join(" .. ")) };
+            println!("{:<w$}  {:<7}    {} {at}{}", "", "", e.flow, e.detail);
+        }
+        if s.began.evidence_total > 6 {
+            println!("{:<w$}  {:<7}    … {} more", "", "", s.began.evidence_total - 6);
+        }
+    }
+    Ok(worst)
 }
