@@ -11,8 +11,10 @@
 //! must fail for `fail_after` windows in a row before it counts as failing, and pass (or
 //! skip) for as many before it recovers. Moves within a kind (pass ↔ skip) change the
 //! status shown but are not events. Until `fail_after` windows agree, a check has no
-//! established status; the first one it gets is an event of its own (`from: null`),
-//! alerting only when it is not ok.
+//! established status (it is pending); windows without data before its first judged one
+//! do not count towards one (the collector has not seen the traffic yet: an alert on
+//! metrics says when that lasts). The first status is an event of its own (`from: null`),
+//! alerting only when it fails.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -99,7 +101,7 @@ pub struct Change {
 impl Change {
     /// Worth telling someone: every change but a first status that is ok.
     pub fn alerts(&self) -> bool {
-        self.from.is_some() || Health::of(self.to) != Health::Ok
+        self.from.is_some() || self.to == Status::Fail
     }
 }
 
@@ -246,6 +248,12 @@ impl Tracker {
                 0
             };
             let h = Health::of(r.status);
+            if s.status.is_none() && h == Health::Unjudged {
+                // Not judged yet (the collector has not seen the traffic): no status to
+                // establish, nothing to count towards one.
+                s.moving = None;
+                continue;
+            }
             if s.status.map(Health::of) == Some(h) {
                 // The same kind of health: shown as it is now, not an event.
                 s.status = Some(r.status);
@@ -450,6 +458,9 @@ mod tests {
         // A move to failing that passes through no data restarts its count.
         assert_eq!(run(2, "PPFNFP"), vec![(1, None, Pass)]);
         assert_eq!(run(2, "SS"), vec![(1, None, Skip)]);
+        // No data until the traffic is seen: pending, whatever fail_after is.
+        assert_eq!(run(2, "NNNNNPP"), vec![(6, None, Pass)]);
+        assert_eq!(run(2, "NNPNP"), vec![]);
     }
 
     #[test]
@@ -485,10 +496,12 @@ mod tests {
             .window(Window { start_ms: 0, end_ms: 1 }, 1, 1, &[result("c", Fail, &["x"])])
             .unwrap();
         assert!(e.alerting().is_some());
-        let e = t
-            .window(Window { start_ms: 0, end_ms: 1 }, 1, 1, &[result("d", NoData, &[])])
-            .unwrap();
-        assert!(e.alerting().is_some());
+        assert!(
+            t.window(Window { start_ms: 0, end_ms: 1 }, 1, 1, &[result("d", NoData, &[])])
+                .is_none(),
+            "no data before the first judged window is pending, not a status"
+        );
+        assert_eq!(t.states().find(|s| s.check == "d").unwrap().status, None);
     }
 
     #[test]

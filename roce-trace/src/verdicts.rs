@@ -644,14 +644,20 @@ impl VerifyMetrics {
                     .map(|(o, n)| (labels(&[("outcome", o)]), n))
             }),
         );
-        let status_names = [(Pass, "pass"), (Skip, "skip"), (NoData, "no_data"), (Fail, "fail")];
+        let status_names = [
+            (Some(Pass), "pass"),
+            (Some(Skip), "skip"),
+            (Some(NoData), "no_data"),
+            (Some(Fail), "fail"),
+            (None, "pending"),
+        ];
         m.gauge(
             "roce_trace_verify_check_status",
-            "Each check's established status (after --fail-after windows agree): 1 for its status, 0 for the others; no series until it has one.",
-            self.checks.iter().filter_map(|c| c.status.map(|s| (c, s))).flat_map(|(c, s)| {
+            "Each check's established status (after --fail-after windows agree), 1 for it and 0 for the others: pass, skip, no_data, fail, or pending (not judged yet: no window had its traffic, or too few agreed).",
+            self.checks.iter().flat_map(|c| {
                 status_names
                     .iter()
-                    .map(move |(x, name)| (labels(&[("check", &c.check), ("status", name)]), u64::from(*x == s)))
+                    .map(move |(x, name)| (labels(&[("check", &c.check), ("status", name)]), u64::from(*x == c.status)))
             }),
         );
         m.gauge(
@@ -686,5 +692,221 @@ impl VerifyMetrics {
                     .map(move |i| (labels(&[("check", &c.check), ("item", i)]), 1))
             }),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verify::{
+        checks::{Evidence, Status},
+        continuous::Change,
+    };
+
+    fn event(seq: u64, check: &str, to: Status) -> Event {
+        Event {
+            kind: "verdict_change".into(),
+            seq,
+            at_ms: 1_000 * seq + 2_000,
+            window: Window {
+                start_ms: 1_000 * seq,
+                end_ms: 1_000 * seq + 2_000,
+            },
+            flows: 3,
+            changes: vec![Change {
+                check: check.into(),
+                rule: "r".into(),
+                from: Some(Status::Pass),
+                to,
+                began_ms: 1_000 * seq + 1_000,
+                summary: "s".into(),
+                checked: 3,
+                evidence: vec![Evidence {
+                    flow: "10.0.0.1:1>10.0.0.2/0x1".into(),
+                    at: vec![],
+                    detail: "d".into(),
+                }],
+                evidence_total: 1,
+            }],
+        }
+    }
+
+    fn temp(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("roce-trace-verdicts-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d.join("h.jsonl")
+    }
+
+    #[test]
+    fn the_history_survives_a_reopen_and_stays_bounded_on_disk() {
+        let p = temp("bound");
+        let mut h = History::open(&p, 3).unwrap();
+        assert!(p.exists(), "the path is checked by creating it");
+        for i in 1..=20 {
+            h.append(event(i, "c", Status::Fail)).unwrap();
+            let lines = std::fs::read_to_string(&p).unwrap().lines().count();
+            assert!(lines <= 6, "{lines} events in the file after {i}");
+        }
+        let seqs: Vec<u64> = h.events().iter().map(|e| e.seq).collect();
+        assert_eq!(seqs, [18, 19, 20]);
+        let again = History::open(&p, 3).unwrap();
+        let back: Vec<u64> = again.events().iter().map(|e| e.seq).collect();
+        assert_eq!(back, [18, 19, 20]);
+        assert_eq!(again.events().back(), h.events().back());
+    }
+
+    #[test]
+    fn a_torn_last_line_is_dropped_and_a_broken_history_is_refused_not_overwritten() {
+        let p = temp("torn");
+        let mut h = History::open(&p, 10).unwrap();
+        h.append(event(1, "c", Status::Fail)).unwrap();
+        h.append(event(2, "c", Status::Pass)).unwrap();
+        // A crash mid-write: half a line, no newline.
+        let mut f = std::fs::OpenOptions::new().append(true).open(&p).unwrap();
+        f.write_all(br#"{"type":"verdict_change","seq":3,"at_"#).unwrap();
+        drop(f);
+        let h = History::open(&p, 10).unwrap();
+        assert_eq!(h.events().len(), 2);
+        assert!(std::fs::read_to_string(&p).unwrap().ends_with("\n"), "rewritten without the torn line");
+        // A broken line in the middle (or a whole line that is something else).
+        let good = std::fs::read_to_string(&p).unwrap();
+        let bad = format!("garbage\n{good}");
+        std::fs::write(&p, &bad).unwrap();
+        let e = History::open(&p, 10).err().expect("refused").to_string();
+        assert!(e.contains(":1:") && e.contains("move the file aside"), "{e}");
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), bad, "left as it was");
+        std::fs::write(&p, format!("{good}{{\"type\":\"verify\"}}\n")).unwrap();
+        let e = History::open(&p, 10).err().expect("refused").to_string();
+        assert!(e.contains(":3:"), "{e}");
+        // A directory where the file should be.
+        let d = p.with_file_name("dir");
+        std::fs::create_dir_all(&d).unwrap();
+        assert!(History::open(&d, 10).is_err());
+    }
+
+    #[test]
+    fn alert_urls() {
+        let u: AlertUrl = "http://alerts.example:9093/hook?x=1".parse().unwrap();
+        assert_eq!((u.host.as_str(), u.port, u.path.as_str()), ("alerts.example", 9093, "/hook?x=1"));
+        let u: AlertUrl = "http://10.0.0.1".parse().unwrap();
+        assert_eq!((u.port, u.path.as_str()), (80, "/"));
+        let u: AlertUrl = "http://[::1]:8080/a".parse().unwrap();
+        assert_eq!((u.host.as_str(), u.port), ("::1", 8080));
+        assert_eq!(u.to_string(), "http://[::1]:8080/a");
+        for bad in ["https://x/", "ftp://x", "http://", "http://x:port/", "http://u:p@x/", "http://x/a b", "x"] {
+            assert!(bad.parse::<AlertUrl>().is_err(), "{bad}");
+        }
+        assert!(
+            "https://x/".parse::<AlertUrl>().unwrap_err().to_string().contains("https is not supported")
+        );
+    }
+
+    /// A receiver that answers `statuses` in turn (then 200), and the bodies it took with
+    /// a 2xx.
+    fn receiver(statuses: Vec<u16>) -> (AlertUrl, std::sync::mpsc::Receiver<Vec<u8>>) {
+        use std::io::Read as _;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut statuses = statuses.into_iter();
+            for s in l.incoming() {
+                let mut s = s.unwrap();
+                let mut req = Vec::new();
+                let mut buf = [0u8; 4096];
+                let body = loop {
+                    let n = s.read(&mut buf).unwrap();
+                    req.extend_from_slice(&buf[..n]);
+                    if let Some(i) = req.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&req[..i]).to_ascii_lowercase();
+                        let len: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .unwrap()
+                            .trim()
+                            .parse()
+                            .unwrap();
+                        while req.len() < i + 4 + len {
+                            let n = s.read(&mut buf).unwrap();
+                            req.extend_from_slice(&buf[..n]);
+                        }
+                        assert!(head.starts_with("post /hook http/1.1"), "{head}");
+                        break req[i + 4..i + 4 + len].to_vec();
+                    }
+                };
+                let status = statuses.next().unwrap_or(200);
+                let _ = write!(s, "HTTP/1.1 {status} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+                if status == 200 {
+                    tx.send(body).unwrap();
+                }
+            }
+        });
+        (format!("http://127.0.0.1:{port}/hook").parse().unwrap(), rx)
+    }
+
+    #[test]
+    fn alerts_are_retried_in_order_until_delivered() {
+        let (url, rx) = receiver(vec![503, 500]);
+        let a = Alerter::start(url);
+        a.send(event(1, "c", Status::Fail));
+        a.send(event(2, "c", Status::Pass));
+        let got: Vec<Event> = (0..2)
+            .map(|_| serde_json::from_slice(&rx.recv_timeout(Duration::from_secs(10)).unwrap()).unwrap())
+            .collect();
+        assert_eq!(got, [event(1, "c", Status::Fail), event(2, "c", Status::Pass)]);
+        assert_eq!(a.counts.retried.load(Ordering::Relaxed), 2);
+        assert_eq!(a.counts.delivered.load(Ordering::Relaxed), 2);
+        assert!(rx.recv_timeout(Duration::from_millis(300)).is_err(), "each delivered once");
+    }
+
+    #[test]
+    fn a_full_alert_queue_drops_and_counts_without_waiting() {
+        // Nobody listens: every send fails and is retried, so the queue fills.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url: AlertUrl = format!("http://127.0.0.1:{}/hook", l.local_addr().unwrap().port()).parse().unwrap();
+        drop(l);
+        let a = Alerter::start(url);
+        let t = std::time::Instant::now();
+        for i in 0..(ALERT_QUEUE as u64 + 50) {
+            a.send(event(i + 1, "c", Status::Fail));
+        }
+        assert!(t.elapsed() < Duration::from_millis(500), "send never waits");
+        let dropped = a.counts.dropped.load(Ordering::Relaxed);
+        assert!((49..=50).contains(&dropped), "{dropped}");
+    }
+
+    fn report_with(flows: usize) -> CollectorReport {
+        let mut r: CollectorReport = serde_json::from_str(include_str!("../../tests/golden/collector-report.json")).unwrap();
+        r.flows.truncate(flows);
+        r
+    }
+
+    #[test]
+    fn each_window_starts_at_the_newest_report_old_enough_and_old_reports_go() {
+        let mut s = Snapshots::default();
+        let w = Duration::from_secs(3);
+        assert!(s.window(1_000, report_with(0), w).is_none(), "nothing to judge against yet");
+        let (win, _) = s.window(2_000, report_with(1), w).unwrap();
+        assert_eq!((win.start_ms, win.end_ms), (1_000, 2_000), "the oldest, while the window is not full");
+        s.window(3_000, report_with(1), w).unwrap();
+        let (win, _) = s.window(4_000, report_with(1), w).unwrap();
+        assert_eq!(win.start_ms, 1_000);
+        let (win, _) = s.window(5_000, report_with(1), w).unwrap();
+        assert_eq!(win.start_ms, 2_000);
+        let (win, _) = s.window(6_500, report_with(1), w).unwrap();
+        assert_eq!(win.start_ms, 3_000);
+        assert!(s.len() <= 4, "{} kept", s.len());
+        // The window holds only what happened in it: the same report twice, nothing.
+        let r = report_with(2);
+        assert!(!r.flows.is_empty());
+        let mut s = Snapshots::default();
+        s.window(10_000, r.clone(), w);
+        let (_, all) = s.window(11_000, r.clone(), w).unwrap();
+        assert!(all.flows.is_empty(), "{} flows in a window where nothing happened", all.flows.len());
+        let mut s = Snapshots::default();
+        s.window(10_000, report_with(0), w);
+        let (_, all) = s.window(11_000, r.clone(), w).unwrap();
+        assert_eq!(all.flows.len(), r.flows.len());
     }
 }
