@@ -3,6 +3,7 @@
 //! fabric ([`lab`]).
 
 pub mod lab;
+pub mod promql;
 
 use std::{
     path::{Path, PathBuf},

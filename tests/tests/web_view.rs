@@ -197,38 +197,9 @@ fn base64(s: &str) -> Vec<u8> {
     out
 }
 
-/// Metric names and the label names their series carry, from Prometheus text (counters'
-/// `# TYPE` lines name the family without `_total`).
-fn exported(text: &str) -> BTreeMap<String, BTreeSet<String>> {
-    let mut m: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for line in text.lines() {
-        if let Some(t) = line.strip_prefix("# TYPE ") {
-            let mut w = t.split_whitespace();
-            let (name, kind) = (w.next().unwrap(), w.next().unwrap_or(""));
-            let name = if kind == "counter" {
-                format!("{name}_total")
-            } else {
-                name.to_string()
-            };
-            m.entry(name).or_default();
-        } else if !line.starts_with('#') && !line.is_empty() {
-            let end = line.find(['{', ' ']).unwrap_or(line.len());
-            let labels = m.entry(line[..end].to_string()).or_default();
-            if let Some(inner) = line[end..].strip_prefix('{').and_then(|r| r.split_once('}')) {
-                for kv in inner.0.split(',') {
-                    if let Some((k, _)) = kv.split_once('=') {
-                        labels.insert(k.to_string());
-                    }
-                }
-            }
-        }
-    }
-    m
-}
-
 /// Every metric a dashboard panel queries is one the binaries export, and every label a
-/// query groups or filters by is one those metrics' series carry (`instance` and `job`
-/// are Prometheus's own). What is wrong, or Ok.
+/// query groups or filters by is one those metrics' series carry
+/// ([`roce_trace_tests::promql::check_exprs`]). What is wrong, or Ok.
 fn check_queries(dashboard: &Value, names: &BTreeMap<String, BTreeSet<String>>) -> Result<usize, String> {
     let mut exprs = Vec::new();
     for p in dashboard["panels"].as_array().ok_or("no panels")? {
@@ -236,57 +207,7 @@ fn check_queries(dashboard: &Value, names: &BTreeMap<String, BTreeSet<String>>) 
             exprs.push(t["expr"].as_str().ok_or("a target without expr")?.to_string());
         }
     }
-    if exprs.is_empty() {
-        return Err("no queries".into());
-    }
-    for e in &exprs {
-        let used: Vec<&str> = e
-            .match_indices("roce_trace_")
-            .map(|(i, _)| {
-                let rest = &e[i..];
-                &rest[..rest
-                    .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-                    .unwrap_or(rest.len())]
-            })
-            .collect();
-        if used.is_empty() {
-            return Err(format!("`{e}` queries no roce-trace metric"));
-        }
-        let mut labels: BTreeSet<String> = ["instance", "job"].map(String::from).into();
-        for u in &used {
-            let l = names
-                .get(*u)
-                .ok_or_else(|| format!("`{e}` queries `{u}`, which no binary exports"))?;
-            labels.extend(l.iter().cloned());
-        }
-        // Labels after `by (` and inside `{…}` selectors.
-        let mut named = Vec::new();
-        for part in e.split("by (").skip(1) {
-            named.extend(
-                part.split(')')
-                    .next()
-                    .unwrap()
-                    .split(',')
-                    .map(|l| l.trim().to_string()),
-            );
-        }
-        for part in e.split('{').skip(1) {
-            for kv in part.split('}').next().unwrap().split(',') {
-                if let Some((k, _)) = kv.split_once(['=', '!']) {
-                    named.push(k.trim().to_string());
-                }
-            }
-        }
-        for l in named {
-            // A family seen without series (nothing to count yet) shows no labels: only
-            // families with series are held to theirs.
-            let known = used.iter().all(|u| names[*u].is_empty());
-            if !known && !labels.contains(&l) {
-                return Err(format!("`{e}` uses label `{l}`, which {used:?} do not carry"));
-            }
-        }
-    }
-    Ok(exprs.len())
+    promql::check_exprs(&exprs, names)
 }
 
 fn images() -> PathBuf {
@@ -529,7 +450,7 @@ fn the_map_and_the_report_show_a_dscp_rewrite_at_its_spine_in_a_browser() {
         String::from_utf8(body).unwrap()
     };
     let mut names =
-        exported(&(scrape("h1", "127.0.0.1:9464") + &scrape("l1", "127.0.0.1:9464") + &scrape("mgmt", HTTP)));
+        promql::exported(&(scrape("h1", "127.0.0.1:9464") + &scrape("l1", "127.0.0.1:9464") + &scrape("mgmt", HTTP)));
     // NIC counters appear once a port reports them (no NIC here): their names come from
     // the vocabulary the agent renders them by, with the labels it gives them.
     for spec in roce_trace_common::nic::SPECS {
