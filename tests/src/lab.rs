@@ -9,6 +9,9 @@ pub struct Observers {
     collector: Option<crate::Daemon>,
     agents: Vec<crate::Daemon>,
     report: std::path::PathBuf,
+    /// The collector's namespace and arguments, for [`Observers::restart_collector`].
+    collector_ns: String,
+    collector_args: Vec<String>,
 }
 
 impl Observers {
@@ -42,6 +45,7 @@ impl Observers {
         ];
         args.extend_from_slice(extra);
         let collector = crate::Daemon::start(&lab.ns("mgmt"), &args, "collecting on");
+        let collector_args = args.iter().map(|a| (*a).to_owned()).collect();
         let mut agents = Vec::new();
         for n in Lab::nodes() {
             let mut a = lab.agent_args(&n, &listen, token, 4).expect("agent arguments");
@@ -53,7 +57,25 @@ impl Observers {
             collector: Some(collector),
             agents,
             report,
+            collector_ns: lab.ns("mgmt"),
+            collector_args,
         }
+    }
+
+    /// Stops the collector (SIGINT: it writes its report and exits) and starts it again
+    /// with the same arguments; the agents reconnect on their own.
+    pub fn restart_collector(&mut self) {
+        self.collector.take().expect("running").stop();
+        let args: Vec<&str> = self.collector_args.iter().map(String::as_str).collect();
+        self.collector = Some(crate::Daemon::start(&self.collector_ns, &args, "collecting on"));
+    }
+
+    /// What the collector printed on stderr so far.
+    pub fn collector_log(&self) -> String {
+        self.collector
+            .as_ref()
+            .map(|c| c.stderr.lock().unwrap().clone())
+            .unwrap_or_default()
     }
 
     /// Stops the agents, then the collector; the report it wrote.

@@ -81,6 +81,17 @@ pub fn run(which: &str, repeat: u32, baseline: Option<&Path>) -> anyhow::Result<
                 .into_iter()
                 .try_for_each(collector_views)
         }
+        "collector-verify" => {
+            ensure!(
+                !cfg!(debug_assertions),
+                "build it optimised: cargo run --release -p xtask -- bench collector-verify"
+            );
+            println!(
+                "== continuous verification's cost: the collector over TCP without and with --policy, the join's throughput while it judges"
+            );
+            collector_verify(10_000, 20)?;
+            collector_verify(100_000, 6)
+        }
         "pcap" => pcap_ingest(bin),
         "all" => {
             datapath(repeat, baseline)?;
@@ -90,7 +101,7 @@ pub fn run(which: &str, repeat: u32, baseline: Option<&Path>) -> anyhow::Result<
             collector()
         }
         other => bail!(
-            "unknown benchmark `{other}` (datapath, gen, capture, pcap, collector, collector-reader, collector-views, all)"
+            "unknown benchmark `{other}` (datapath, gen, capture, pcap, collector, collector-reader, collector-views, collector-verify, all)"
         ),
     }
 }
@@ -1737,143 +1748,192 @@ fn timed_get(addr: std::net::SocketAddr, path: &str) -> anyhow::Result<(usize, f
 /// packets each and one counter delta per point, as the issue's independent agents did;
 /// then `/flows` and `/metrics` are timed (best of 3) and the resident memory per flow is
 /// read.
-fn collector_views(n: u32) -> anyhow::Result<()> {
-    use roce_trace::{
-        collector::{CollectorOptions, run},
-        observation::{CounterDelta, Counts, Observation, PointDecl},
-        protocol::{Frame, MAX_BATCH},
-    };
-    use roce_trace_common::{
-        datapath::REASON_HASH,
-        flow::{FlowId, PacketId},
-    };
-    // What earlier runs freed goes back to the system first: the collector hands freed
-    // memory back after a burst, which would otherwise count against this run.
-    roce_trace::collector::release_freed_memory();
-    let rss0 = rss_bytes();
-    let heap0 = live_bytes();
-    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let collector = std::thread::spawn(move || -> anyhow::Result<()> {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        rt.block_on(run(
-            CollectorOptions {
-                listen: "127.0.0.1:0".parse()?,
-                http: Some("127.0.0.1:0".parse()?),
-                token: "bench".into(),
-                report: None,
-                tls: None,
-                agent_timeout: roce_trace::collector::AGENT_TIMEOUT,
-                report_every: Duration::ZERO,
-                join: roce_trace_correlate::JoinConfig {
-                    max_flows: 2_000_000,
-                    max_pending: 10_000_000,
-                    ..Default::default()
+/// A collector over TCP and HTTP on loopback, on a thread of its own, judging
+/// `continuous` if given; its agents' and HTTP addresses, and how to stop it.
+struct BenchCollector {
+    agents: std::net::SocketAddr,
+    http: std::net::SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl BenchCollector {
+    fn start(continuous: Option<roce_trace::verdicts::ContinuousOptions>) -> anyhow::Result<Self> {
+        use roce_trace::collector::{CollectorOptions, run};
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || -> anyhow::Result<()> {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(run(
+                CollectorOptions {
+                    listen: "127.0.0.1:0".parse()?,
+                    http: Some("127.0.0.1:0".parse()?),
+                    token: "bench".into(),
+                    report: None,
+                    tls: None,
+                    agent_timeout: roce_trace::collector::AGENT_TIMEOUT,
+                    report_every: Duration::ZERO,
+                    join: roce_trace_correlate::JoinConfig {
+                        max_flows: 2_000_000,
+                        max_pending: 10_000_000,
+                        ..Default::default()
+                    },
+                    live: false,
+                    trace: false,
+                    interval: Duration::from_secs(2),
+                    fleet: None,
+                    continuous,
+                    http_token: None,
                 },
-                live: false,
-                trace: false,
-                interval: Duration::from_secs(2),
-                fleet: None,
-                continuous: None,
-                http_token: None,
-            },
-            async {
-                let _ = stop_rx.await;
-            },
-            move |a, h| {
-                let _ = addr_tx.send((a, h.expect("http")));
-            },
-        ))?;
-        Ok(())
-    });
-    let (agents, http) = addr_rx.recv_timeout(Duration::from_secs(10))?;
-    let decl = |direction| PointDecl {
-        index: 0,
-        node: String::new(),
-        iface: "eth0".into(),
-        ifindex: 2,
-        direction,
-        mtu: 4200,
-    };
-    let mut out = WireAgent::connect(agents, "sender", decl(1))?;
-    let mut inn = WireAgent::connect(agents, "receiver", decl(0))?;
-    let flow = |i: u32| {
+                async {
+                    let _ = stop_rx.await;
+                },
+                move |a, h| {
+                    let _ = addr_tx.send((a, h.expect("http")));
+                },
+            ))?;
+            Ok(())
+        });
+        let (agents, http) = addr_rx.recv_timeout(Duration::from_secs(10))?;
+        Ok(Self {
+            agents,
+            http,
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        })
+    }
+
+    fn stop(mut self) -> anyhow::Result<()> {
+        let _ = self.stop.take().expect("running").send(());
+        self.thread
+            .take()
+            .expect("running")
+            .join()
+            .map_err(|_| anyhow::anyhow!("collector thread panicked"))?
+    }
+}
+
+/// Two agents (a sender's egress, a receiver's ingress) feeding `n` flows of 4 sampled
+/// packets at a time, and their counters.
+struct BenchFeed {
+    out: WireAgent,
+    inn: WireAgent,
+    n: u32,
+}
+
+impl BenchFeed {
+    fn connect(agents: std::net::SocketAddr, n: u32) -> anyhow::Result<Self> {
+        use roce_trace::observation::PointDecl;
+        let decl = |direction| PointDecl {
+            index: 0,
+            node: String::new(),
+            iface: "eth0".into(),
+            ifindex: 2,
+            direction,
+            mtu: 4200,
+        };
+        Ok(Self {
+            out: WireAgent::connect(agents, "sender", decl(1))?,
+            inn: WireAgent::connect(agents, "receiver", decl(0))?,
+            n,
+        })
+    }
+
+    fn flow(i: u32) -> roce_trace_common::flow::FlowId {
         let mut src = [0u8; 16];
         src[..4].copy_from_slice(&(i / 16).to_be_bytes());
         let mut dst = src;
         dst[15] = 1;
-        FlowId {
+        roce_trace_common::flow::FlowId {
             src,
             dst,
             ip_version: 6,
             udp_sport: 49152 + (i % 16) as u16,
             dest_qp: i & 0xff_ffff,
         }
-    };
-    let t_feed = std::time::Instant::now();
-    let mut batch = (Vec::new(), Vec::new());
-    for i in 0..n {
-        for psn in 0..4u32 {
-            let o = Observation {
-                point: 0,
-                time_ns: 1_000_000_000 + u64::from(i) * 100 + u64::from(psn) * 10,
-                id: PacketId {
-                    flow: flow(i),
-                    psn,
-                    opcode: 7,
-                    icrc: (i ^ psn).to_le_bytes(),
-                },
-                udp_dport: 4791,
-                frame_len: 1100,
-                dscp: 26,
-                ecn: 2,
-                ttl: 64,
-                reasons: REASON_HASH as u8,
-                ..Default::default()
-            };
-            batch.0.push(o);
-            batch.1.push(Observation {
-                ttl: 63,
-                time_ns: o.time_ns + 2000,
-                ..o
-            });
-        }
-        if batch.0.len() >= MAX_BATCH - 4 || i + 1 == n {
-            out.send(&Frame::Observations(std::mem::take(&mut batch.0)))?;
-            inn.send(&Frame::Observations(std::mem::take(&mut batch.1)))?;
-        }
     }
-    for chunk in (0..n).collect::<Vec<_>>().chunks(MAX_BATCH) {
-        for (a, ttl) in [(&mut out, 64), (&mut inn, 63)] {
-            let deltas = chunk
-                .iter()
-                .map(|&i| CounterDelta {
+
+    /// Round `round` (0, 1, …): PSNs 4·round … 4·round+3 of every flow at both points, a
+    /// second of time later than the round before, and each flow's counters for that
+    /// second.
+    fn round(&mut self, round: u32) -> anyhow::Result<()> {
+        use roce_trace::{
+            observation::{CounterDelta, Counts, Observation},
+            protocol::{Frame, MAX_BATCH},
+        };
+        use roce_trace_common::{datapath::REASON_HASH, flow::PacketId};
+        let n = self.n;
+        let base_ns = 1_000_000_000 * (1 + u64::from(round));
+        let mut batch = (Vec::new(), Vec::new());
+        for i in 0..n {
+            for k in 0..4u32 {
+                let psn = 4 * round + k;
+                let o = Observation {
                     point: 0,
-                    flow: flow(i),
-                    start_ns: 1_000_000_000,
-                    end_ns: 2_000_000_000,
-                    counts: Counts {
-                        packets: 1000,
-                        bytes: 1_100_000,
-                        ecn: [0, 0, 1000, 0],
-                        ..Default::default()
+                    time_ns: base_ns + u64::from(i) * 100 + u64::from(k) * 10,
+                    id: PacketId {
+                        flow: Self::flow(i),
+                        psn,
+                        opcode: 7,
+                        icrc: (i ^ psn).to_le_bytes(),
                     },
-                    last_dscp: 26,
-                    last_pcp: 0xff,
-                    last_ttl: ttl,
-                })
-                .collect();
-            a.send(&Frame::Counters(deltas))?;
+                    udp_dport: 4791,
+                    frame_len: 1100,
+                    dscp: 26,
+                    ecn: 2,
+                    ttl: 64,
+                    reasons: REASON_HASH as u8,
+                    ..Default::default()
+                };
+                batch.0.push(o);
+                batch.1.push(Observation {
+                    ttl: 63,
+                    time_ns: o.time_ns + 2000,
+                    ..o
+                });
+            }
+            if batch.0.len() >= MAX_BATCH - 4 || i + 1 == n {
+                self.out.send(&Frame::Observations(std::mem::take(&mut batch.0)))?;
+                self.inn.send(&Frame::Observations(std::mem::take(&mut batch.1)))?;
+            }
         }
+        for chunk in (0..n).collect::<Vec<_>>().chunks(MAX_BATCH) {
+            for (a, ttl) in [(&mut self.out, 64), (&mut self.inn, 63)] {
+                let deltas = chunk
+                    .iter()
+                    .map(|&i| CounterDelta {
+                        point: 0,
+                        flow: Self::flow(i),
+                        start_ns: base_ns,
+                        end_ns: base_ns + 1_000_000_000,
+                        counts: Counts {
+                            packets: 1000,
+                            bytes: 1_100_000,
+                            ecn: [0, 0, 1000, 0],
+                            ..Default::default()
+                        },
+                        last_dscp: 26,
+                        last_pcp: 0xff,
+                        last_ttl: ttl,
+                    })
+                    .collect();
+                a.send(&Frame::Counters(deltas))?;
+            }
+        }
+        Ok(())
     }
-    // Everything is in once the stats say so; trajectories complete a timeout later.
-    let want = u64::from(n) * 8;
+}
+
+/// Waits until the collector at `http` took `rounds` rounds of `n` flows (every
+/// observation in, nothing pending, twice in a row: the pending count is the last
+/// tick's, 200 ms at most); its `/stats`.
+fn settled(http: std::net::SocketAddr, n: u32, rounds: u32) -> anyhow::Result<Value> {
+    let want = u64::from(n) * 8 * u64::from(rounds);
     let deadline = std::time::Instant::now() + Duration::from_secs(600);
-    // (Twice in a row: the pending count is the last tick's, 200 ms at most.)
     let mut settled = 0;
-    let stats = loop {
+    loop {
         let v: Value = roce_trace::http::get_json(http, "/stats")?;
         settled = if v["observations"].as_u64() == Some(want) && v["pending"].as_u64() == Some(0) {
             settled + 1
@@ -1881,23 +1941,38 @@ fn collector_views(n: u32) -> anyhow::Result<()> {
             0
         };
         if settled == 2 {
-            break v;
+            ensure!(
+                v["flows"].as_u64() == Some(u64::from(n)),
+                "every flow tracked: {v}"
+            );
+            ensure!(
+                v["trajectories"].as_u64() == Some(u64::from(n) * 4 * u64::from(rounds)),
+                "every packet joined once, at both points: {v}"
+            );
+            return Ok(v);
         }
         ensure!(
             std::time::Instant::now() < deadline,
             "the collector did not take it all: {v}"
         );
         std::thread::sleep(Duration::from_millis(200));
-    };
+    }
+}
+
+fn collector_views(n: u32) -> anyhow::Result<()> {
+    // What earlier runs freed goes back to the system first: the collector hands freed
+    // memory back after a burst, which would otherwise count against this run.
+    roce_trace::collector::release_freed_memory();
+    let rss0 = rss_bytes();
+    let heap0 = live_bytes();
+    let c = BenchCollector::start(None)?;
+    let http = c.http;
+    let mut feed = BenchFeed::connect(c.agents, n)?;
+    let t_feed = std::time::Instant::now();
+    feed.round(0)?;
+    // Everything is in once the stats say so; trajectories complete a timeout later.
+    settled(http, n, 1)?;
     let fed = t_feed.elapsed().as_secs_f64();
-    ensure!(
-        stats["flows"].as_u64() == Some(u64::from(n)),
-        "every flow tracked: {stats}"
-    );
-    ensure!(
-        stats["trajectories"].as_u64() == Some(u64::from(n) * 4),
-        "every packet joined once, at both points: {stats}"
-    );
     let (rss, heap) = (rss_bytes(), live_bytes());
     let best = |path: &str| -> anyhow::Result<(usize, f64)> {
         let mut v = Vec::new();
@@ -1910,7 +1985,7 @@ fn collector_views(n: u32) -> anyhow::Result<()> {
     let (metrics_len, metrics_s) = best("/metrics")?;
     let (_, one_s) = best(&format!(
         "/flow?id={}",
-        roce_trace::http::percent_encode(&flow(n / 2).to_string())
+        roce_trace::http::percent_encode(&BenchFeed::flow(n / 2).to_string())
     ))?;
     // The web view's map: built from the whole report once, then served again for a
     // while to every browser that refreshes.
@@ -1928,11 +2003,85 @@ fn collector_views(n: u32) -> anyhow::Result<()> {
         (heap - heap0) as f64 / f64::from(n),
         rss.saturating_sub(rss0) as f64 / f64::from(n),
     );
-    drop((out, inn));
-    let _ = stop_tx.send(());
-    collector
-        .join()
-        .map_err(|_| anyhow::anyhow!("collector thread panicked"))??;
+    drop(feed);
+    c.stop()
+}
+
+/// Continuous verification's cost at `n` flows: the same collector without and with
+/// `--policy` (the shipped policy, judged every second over 2 s), side by side. Each
+/// fills `n` flows, then takes `rounds` more rounds of every flow's packets and counters
+/// (a second of traffic each) as fast as it joins them: the join's throughput while the
+/// judge runs, the windows judged, the last judgement's time and the most memory held.
+fn collector_verify(n: u32, rounds: u32) -> anyhow::Result<()> {
+    let policy = roce_trace::local::load_policy(Path::new("dist/fabric-policy.toml"))?;
+    let dir = std::env::temp_dir().join(format!("roce-trace-bench-verify-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let mut rows = Vec::new();
+    for judge in [false, true] {
+        roce_trace::collector::release_freed_memory();
+        let rss0 = rss_bytes();
+        let continuous = judge.then(|| roce_trace::verdicts::ContinuousOptions {
+            policy: policy.clone(),
+            policy_name: "dist/fabric-policy.toml".into(),
+            every: Duration::from_secs(1),
+            window: Duration::from_secs(2),
+            fail_after: 2,
+            load: roce_trace::verify::checks::Load::Idle,
+            history: dir.join(format!("verdicts-{n}.jsonl")),
+            history_max: 1000,
+            alert_url: None,
+        });
+        let _ = std::fs::remove_file(dir.join(format!("verdicts-{n}.jsonl")));
+        let c = BenchCollector::start(continuous)?;
+        let mut feed = BenchFeed::connect(c.agents, n)?;
+        feed.round(0)?;
+        settled(c.http, n, 1)?;
+        let mut peak = rss_bytes();
+        let t = std::time::Instant::now();
+        for r in 1..=rounds {
+            feed.round(r)?;
+            peak = peak.max(rss_bytes());
+        }
+        settled(c.http, n, rounds + 1)?;
+        let took = t.elapsed().as_secs_f64();
+        peak = peak.max(rss_bytes());
+        let m = String::from_utf8(roce_trace::http::get(c.http, "/metrics", Duration::from_secs(30))?.1)?;
+        let metric = |name: &str| -> u64 {
+            m.lines()
+                .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0)
+        };
+        let windows = metric("roce_trace_verify_windows_total");
+        if judge {
+            ensure!(windows > 0, "no window judged while the traffic ran:
+{m}");
+        }
+        let obs = f64::from(n) * 8.0 * f64::from(rounds);
+        rows.push((
+            judge,
+            obs / took,
+            took,
+            windows,
+            metric("roce_trace_verify_judge_microseconds"),
+            metric("roce_trace_verify_windows_skipped_total{reason=\"busy\"}"),
+            peak.saturating_sub(rss0),
+        ));
+        drop(feed);
+        c.stop()?;
+    }
+    let base = rows[0].1;
+    for (judge, rate, took, windows, judge_us, busy, mem) in rows {
+        println!(
+            "{n:>8} flows, {}: {rounds} s of traffic joined in {took:.1} s, {:.2} M observations/s ({:+.1}% of without); windows judged {windows}, skipped busy {busy}, last judgement {:.0} ms; most memory {:.0} MB over the start",
+            if judge { "judging every 1 s over 2 s" } else { "no --policy             " },
+            rate / 1e6,
+            (rate / base - 1.0) * 100.0,
+            judge_us as f64 / 1e3,
+            mem as f64 / 1e6,
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
 

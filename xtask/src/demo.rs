@@ -140,6 +140,58 @@ fn group_report(lab: &Lab, https: &[String]) -> anyhow::Result<Value> {
     get("/report")
 }
 
+/// Continuous verification during the demo: the collector's verdict changes (at `http`,
+/// from the management network) printed with their time from the fault; what is wrong
+/// with them (none: `data_class` failed while s1 rewrote DSCP and passed again once the
+/// rewrite was cleared, while traffic still ran).
+fn continuous_events(lab: &Lab, http: &str, fault_at: u64, clear_at: u64) -> anyhow::Result<Vec<String>> {
+    let body = lab.exec("mgmt", &["curl", "-sS", "--fail-with-body", &format!("http://{http}/verdicts")])?;
+    let v: roce_trace::verify::continuous::Verdicts =
+        serde_json::from_str(&body).context("/verdicts: not the collector's verdicts")?;
+    say(&format!(
+        "continuous verification (collect --policy): {} windows of {} s judged every {} s; the verdict changes",
+        v.windows,
+        v.window_ms / 1000,
+        v.every_ms / 1000
+    ));
+    let rel = |t: u64| (t as f64 - fault_at as f64) / 1000.0;
+    println!(
+        "(times from the fault; the rewrite was cleared at {:+.1} s)",
+        rel(clear_at)
+    );
+    let (mut failed, mut passed) = (None, None);
+    for e in &v.events {
+        for c in &e.changes {
+            println!(
+                "  {:+6.1} s  {:<16} {:>7} -> {:<7} (its windows from {:+.1} s)  {}",
+                rel(e.at_ms),
+                c.check,
+                c.from.map_or("-", |s| s.name()),
+                c.to.name(),
+                rel(c.began_ms),
+                c.summary
+            );
+            if c.check == "data_class" {
+                use roce_trace::verify::checks::Status;
+                if c.to == Status::Fail && c.began_ms >= fault_at && failed.is_none() {
+                    failed = Some(e.at_ms);
+                }
+                if c.to == Status::Pass && c.from == Some(Status::Fail) && c.began_ms >= clear_at {
+                    passed = Some(e.at_ms);
+                }
+            }
+        }
+    }
+    let mut wrong = Vec::new();
+    match (failed, passed) {
+        (Some(f), Some(p)) if f < clear_at + 2_000 && p > f => {}
+        _ => wrong.push(format!(
+            "continuous verification: data_class should fail after the fault ({failed:?}) and pass after the repair ({passed:?}); fault at {fault_at}, cleared at {clear_at}"
+        )),
+    }
+    Ok(wrong)
+}
+
 /// Relays `127.0.0.1:PORT` on this host to `target` in network namespace `ns` (the lab's
 /// management network, where the collectors' HTTP listens): what makes the web view
 /// reachable from a browser on this machine. The address it listens on.
@@ -191,6 +243,10 @@ pub fn run(seconds: u64, nats: bool, keep: bool) -> anyhow::Result<()> {
         bin.display()
     );
     let bin = bin.canonicalize()?;
+    ensure!(
+        seconds >= 12,
+        "--seconds {seconds}: at least 12 (the rewrite must be on, and then off, for several of the continuous verification's windows)"
+    );
     let started = Instant::now();
     let lab = Lab::default();
     let run = Run { lab: lab.clone() };
@@ -214,7 +270,13 @@ pub fn run(seconds: u64, nats: bool, keep: bool) -> anyhow::Result<()> {
     // collectors; otherwise one collector the agents connect to.
     let nats_url = format!("nats://{MGMT_COLLECTOR}:4222");
     // What every collector of the demo is given; fleet mode adds its own.
+    // Continuous verification: the class rules judged every second over the last two,
+    // a window enough to turn a check (--fail-after 1), each member its own history.
+    let policy = dir.join("continuous-policy.toml");
+    std::fs::write(&policy, "[class]\ndata_dscp = 26\nno_change = true\n")?;
+    let policy = policy.to_string_lossy().into_owned();
     let collect_args = |listen: &str, report: &str| -> Vec<String> {
+        let history = format!("{}-verdicts.jsonl", report.trim_end_matches(".json"));
         [
             "collect",
             "--listen",
@@ -226,6 +288,16 @@ pub fn run(seconds: u64, nats: bool, keep: bool) -> anyhow::Result<()> {
             report,
             "--trajectory-timeout",
             "1s",
+            "--policy",
+            &policy,
+            "--verify-every",
+            "1s",
+            "--verify-window",
+            "2s",
+            "--fail-after",
+            "1",
+            "--verdict-history",
+            &history,
         ]
         .map(String::from)
         .to_vec()
@@ -384,18 +456,24 @@ pub fn run(seconds: u64, nats: bool, keep: bool) -> anyhow::Result<()> {
             "answering",
         )?);
     }
-    std::thread::sleep(Duration::from_secs(seconds / 2));
+    std::thread::sleep(Duration::from_secs(seconds / 4));
     say("fault injected: spine s1 remarks DSCP 26 -> 0; leaf l2 CE-marks 5% of what it sends to h4");
-    lab.apply(&Fault::DscpRewrite {
+    let rewrite = Fault::DscpRewrite {
         spine: 1,
         from: 26,
         to: 0,
-    })?;
+    };
+    let fault_at = roce_trace::verdicts::unix_ms();
+    lab.apply(&rewrite)?;
     lab.apply(&Fault::CeMark {
         node: "l2".into(),
         iface: "h4".into(),
         percent: 5,
     })?;
+    std::thread::sleep(Duration::from_secs(seconds * 3 / 8));
+    say("the rewrite cleared at s1 (CE marking stays): the collector's continuous verification must turn green again");
+    let clear_at = roce_trace::verdicts::unix_ms();
+    lab.clear(&rewrite)?;
 
     for c in senders {
         let out = c.wait_with_output()?;
@@ -406,6 +484,7 @@ pub fn run(seconds: u64, nats: bool, keep: bool) -> anyhow::Result<()> {
         ensure!(out.status.success(), "gen responder failed");
     }
     std::thread::sleep(Duration::from_millis(1500)); // the last counters and samples
+    let continuous = continuous_events(&lab, &https[0], fault_at, clear_at)?;
     // --keep: the agents and collectors stay up for a person to look; their report is
     // read over HTTP, as fleet mode's is.
     let mut kept = Vec::new();
@@ -484,7 +563,7 @@ pub fn run(seconds: u64, nats: bool, keep: bool) -> anyhow::Result<()> {
         "{:<10} {:>6} {:>6}  {:<36} {:<32} {:>8}  verdict",
         "FLOW", "SPORT", "SPINE", "CLASS CHANGE", "CE MARKS BEGIN", "CNP/CE"
     );
-    let mut failures = Vec::new();
+    let mut failures = continuous;
     // The two faults break exactly the class rules and the idle-fabric CE budget.
     let want: std::collections::BTreeSet<&str> = ["data_class", "no_class_change", "ce_fraction"].into();
     if out.status.code() != Some(1) || verify_failed != want {

@@ -44,8 +44,9 @@ enum Cmd {
     /// The lab, RoCEv2 between host pairs, roce-trace on every host, a DSCP rewrite and
     /// CE marking injected mid-run, and what roce-trace saw.
     Demo {
-        /// How long traffic runs.
-        #[arg(long, default_value_t = 10)]
+        /// How long traffic runs (the rewrite is on from a quarter of it to five eighths;
+        /// at least 12 s, for the continuous verification to see it come and go).
+        #[arg(long, default_value_t = 16)]
         seconds: u64,
         /// Fleet mode: a NATS JetStream server and three collectors as a group; agents
         /// publish to NATS, and the group's merged view is judged.
