@@ -653,8 +653,9 @@ async fn continuous(st: Shared, judge: Option<Arc<parking_lot::Mutex<crate::verd
         t.tick().await;
         let judging = {
             let s = st.lock();
+            // In a group, once the leases are read: the member with the least id.
             s.group.as_ref().is_none_or(|g| {
-                g.members.iter().map(|m| m.id.as_str()).min().is_none_or(|least| least >= g.id.as_str())
+                g.members.iter().map(|m| m.id.as_str()).min() == Some(g.id.as_str())
             })
         };
         let was = std::mem::replace(&mut judge.lock().judging, judging);
@@ -690,7 +691,7 @@ async fn continuous(st: Shared, judge: Option<Arc<parking_lot::Mutex<crate::verd
                     }
                 }
             }
-            let Some((w, report)) = snapshots2.lock().window(at_ms, now, window) else {
+            let Some((w, report)) = snapshots2.lock().window(at_ms, now, window, every / 2) else {
                 return;
             };
             let (policy, load) = {

@@ -80,12 +80,19 @@ pub struct Snapshots {
 }
 
 impl Snapshots {
-    /// `now` (taken at `at_ms`) less the newest report at least `window` older: the
-    /// window's report and its bounds; `None` for the first report (nothing to judge
+    /// `now` (taken at `at_ms`) less the newest report at least `window` older — within
+    /// `slack` (half a period: the ticks that took them are not exactly a period apart):
+    /// the window's report and its bounds; `None` for the first report (nothing to judge
     /// against yet). Reports no later window needs are let go.
-    pub fn window(&mut self, at_ms: u64, now: CollectorReport, window: Duration) -> Option<(Window, CollectorReport)> {
+    pub fn window(
+        &mut self,
+        at_ms: u64,
+        now: CollectorReport,
+        window: Duration,
+        slack: Duration,
+    ) -> Option<(Window, CollectorReport)> {
         let now = Arc::new(now);
-        let want = at_ms.saturating_sub(window.as_millis() as u64);
+        let want = (at_ms + slack.as_millis() as u64).saturating_sub(window.as_millis() as u64);
         let base = self
             .kept
             .iter()
@@ -882,31 +889,37 @@ mod tests {
         r
     }
 
+    const SLACK: Duration = Duration::from_millis(500);
+
     #[test]
     fn each_window_starts_at_the_newest_report_old_enough_and_old_reports_go() {
         let mut s = Snapshots::default();
         let w = Duration::from_secs(3);
-        assert!(s.window(1_000, report_with(0), w).is_none(), "nothing to judge against yet");
-        let (win, _) = s.window(2_000, report_with(1), w).unwrap();
+        assert!(s.window(1_000, report_with(0), w, SLACK).is_none(), "nothing to judge against yet");
+        let (win, _) = s.window(2_000, report_with(1), w, SLACK).unwrap();
         assert_eq!((win.start_ms, win.end_ms), (1_000, 2_000), "the oldest, while the window is not full");
-        s.window(3_000, report_with(1), w).unwrap();
-        let (win, _) = s.window(4_000, report_with(1), w).unwrap();
+        s.window(3_000, report_with(1), w, SLACK).unwrap();
+        let (win, _) = s.window(4_000, report_with(1), w, SLACK).unwrap();
         assert_eq!(win.start_ms, 1_000);
-        let (win, _) = s.window(5_000, report_with(1), w).unwrap();
+        let (win, _) = s.window(5_000, report_with(1), w, SLACK).unwrap();
         assert_eq!(win.start_ms, 2_000);
-        let (win, _) = s.window(6_500, report_with(1), w).unwrap();
+        // A tick late or early by less than half a period still takes the report a
+        // window before.
+        let (win, _) = s.window(6_300, report_with(1), w, SLACK).unwrap();
         assert_eq!(win.start_ms, 3_000);
+        let (win, _) = s.window(6_950, report_with(1), w, SLACK).unwrap();
+        assert_eq!(win.start_ms, 4_000, "2.95 s back is the window, within the slack");
         assert!(s.len() <= 4, "{} kept", s.len());
         // The window holds only what happened in it: the same report twice, nothing.
         let r = report_with(2);
         assert!(!r.flows.is_empty());
         let mut s = Snapshots::default();
-        s.window(10_000, r.clone(), w);
-        let (_, all) = s.window(11_000, r.clone(), w).unwrap();
+        s.window(10_000, r.clone(), w, SLACK);
+        let (_, all) = s.window(11_000, r.clone(), w, SLACK).unwrap();
         assert!(all.flows.is_empty(), "{} flows in a window where nothing happened", all.flows.len());
         let mut s = Snapshots::default();
-        s.window(10_000, report_with(0), w);
-        let (_, all) = s.window(11_000, r.clone(), w).unwrap();
+        s.window(10_000, report_with(0), w, SLACK);
+        let (_, all) = s.window(11_000, r.clone(), w, SLACK).unwrap();
         assert_eq!(all.flows.len(), r.flows.len());
     }
 }

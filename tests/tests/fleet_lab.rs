@@ -87,8 +87,22 @@ impl Fabric {
             format!("127.0.0.1:{}", 9470 + m),
         );
         let report = self.dir.path(&format!("{id}.json"));
+        let history = self.dir.path(&format!("{id}-verdicts.jsonl"));
+        let policy = self.dir.path("class-policy.toml");
+        std::fs::write(&policy, "[class]\ndata_dscp = 26\nno_change = true\n").unwrap();
         let url = Self::nats_url();
         let args = [
+            // Continuous verification of the group's merged view, by one member.
+            "--policy",
+            policy.to_str().unwrap(),
+            "--verify-every",
+            "1s",
+            "--verify-window",
+            "2s",
+            "--fail-after",
+            "1",
+            "--verdict-history",
+            history.to_str().unwrap(),
             "collect",
             "--listen",
             &listen,
@@ -218,6 +232,10 @@ fn observations_account(stderr: &str) -> (u64, u64, u64, u64) {
 }
 
 /// The data flows (h1 → h3, h2 → h4) by (source host, UDP source port).
+fn flows_by_id(flows: &Value, id: &str) -> Option<Value> {
+    flows.as_array()?.iter().find(|f| f["id"] == id).cloned()
+}
+
 fn data_flows(flows: &Value) -> BTreeMap<(u8, u16), Value> {
     let mut out = BTreeMap::new();
     for f in flows.as_array().unwrap() {
@@ -399,6 +417,40 @@ fn a_group_on_nats_locates_a_rewrite_through_losing_a_member_and_a_nats_restart(
     let survivor = fab.collectors.keys().next().unwrap().clone();
     let (flows, stats) = fab.group_joined(&survivor, acked);
     assert_eq!(stats["duplicates"], 0, "{stats}");
+
+    // Continuous verification: one member judges the group's view (the least id among
+    // the living, whichever died), and the group's history has the rewrite failing
+    // data_class with flows through s1 as evidence.
+    let judging: Vec<(String, u64)> = fab
+        .collectors
+        .keys()
+        .map(|id| (id.clone(), fab.metric(id, "roce_trace_verify_judging")))
+        .collect();
+    assert_eq!(
+        judging.iter().filter(|(_, j)| *j == 1).map(|(id, _)| id.as_str()).collect::<Vec<_>>(),
+        vec![fab.collectors.keys().next().unwrap().as_str()],
+        "{judging:?}"
+    );
+    let verdicts = fab.json(&survivor, "/verdicts?check=data_class");
+    let failed: Vec<&Value> = verdicts["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|e| e["changes"].as_array().unwrap())
+        .filter(|c| c["to"] == "fail")
+        .collect();
+    assert!(!failed.is_empty(), "data_class never failed in the group's history: {verdicts:#}");
+    for c in &failed {
+        assert!(!c["evidence"].as_array().unwrap().is_empty(), "{c:#}");
+        for e in c["evidence"].as_array().unwrap() {
+            let f = flows_by_id(&flows, e["flow"].as_str().unwrap());
+            assert!(
+                f.is_some_and(|f| f["path"].as_array().unwrap().iter().any(|p| p.as_str().unwrap().starts_with("s1:"))),
+                "{} is evidence but not through s1",
+                e["flow"]
+            );
+        }
+    }
 
     // Every flow once, with its path and the rewrite located at s1 for exactly the
     // flows through it.
