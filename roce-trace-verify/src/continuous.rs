@@ -217,7 +217,13 @@ impl Tracker {
     /// One window's results: each check's state moves on, and the changes it made are
     /// an event (`None`: nothing changed). A check the window does not judge keeps its
     /// state.
-    pub fn window(&mut self, window: Window, at_ms: u64, flows: usize, results: &[CheckResult]) -> Option<Event> {
+    pub fn window(
+        &mut self,
+        window: Window,
+        at_ms: u64,
+        flows: usize,
+        results: &[CheckResult],
+    ) -> Option<Event> {
         let fail_after = self.fail_after;
         let mut changes = Vec::new();
         for r in results {
@@ -443,9 +449,15 @@ mod tests {
         // A fault for fewer windows than fail_after, however often it comes back.
         assert_eq!(run(3, "PPPFFPFFPFPFFPPP"), vec![(2, None, Pass)]);
         // A repair that does not hold is not a recovery.
-        assert_eq!(run(2, "PPFFPFPFFPP"), vec![(1, None, Pass), (3, Some(Pass), Fail), (10, Some(Fail), Pass)]);
+        assert_eq!(
+            run(2, "PPFFPFPFFPP"),
+            vec![(1, None, Pass), (3, Some(Pass), Fail), (10, Some(Fail), Pass)]
+        );
         // fail_after 1: every window counts.
-        assert_eq!(run(1, "PFP"), vec![(0, None, Pass), (1, Some(Pass), Fail), (2, Some(Fail), Pass)]);
+        assert_eq!(
+            run(1, "PFP"),
+            vec![(0, None, Pass), (1, Some(Pass), Fail), (2, Some(Fail), Pass)]
+        );
     }
 
     #[test]
@@ -471,8 +483,13 @@ mod tests {
             end_ms: i * 1000 + 2000,
         };
         assert!(t.window(w(0), 10, 3, &[result("c", Pass, &[])]).is_none());
-        let first = t.window(w(1), 11, 3, &[result("c", Pass, &[])]).expect("first status");
-        assert!(first.alerting().is_none(), "a first status that is ok alerts nobody");
+        let first = t
+            .window(w(1), 11, 3, &[result("c", Pass, &[])])
+            .expect("first status");
+        assert!(
+            first.alerting().is_none(),
+            "a first status that is ok alerts nobody"
+        );
         assert_eq!(first.seq, 1);
         assert!(t.window(w(2), 12, 3, &[result("c", Fail, &["x"])]).is_none());
         let many: Vec<String> = (0..EVIDENCE_KEPT + 5).map(|i| format!("f{i}")).collect();
@@ -485,7 +502,10 @@ mod tests {
         assert_eq!(c.evidence_total, EVIDENCE_KEPT + 5);
         assert!(e.alerting().is_some());
         let s = t.states().next().unwrap();
-        assert_eq!((s.status, s.failing_windows, s.failing_items), (Some(Fail), 2, EVIDENCE_KEPT + 5));
+        assert_eq!(
+            (s.status, s.failing_windows, s.failing_items),
+            (Some(Fail), 2, EVIDENCE_KEPT + 5)
+        );
         assert_eq!(s.changed_ms, Some(13));
     }
 
@@ -493,12 +513,28 @@ mod tests {
     fn a_first_status_that_fails_alerts() {
         let mut t = Tracker::new(1);
         let e = t
-            .window(Window { start_ms: 0, end_ms: 1 }, 1, 1, &[result("c", Fail, &["x"])])
+            .window(
+                Window {
+                    start_ms: 0,
+                    end_ms: 1,
+                },
+                1,
+                1,
+                &[result("c", Fail, &["x"])],
+            )
             .unwrap();
         assert!(e.alerting().is_some());
         assert!(
-            t.window(Window { start_ms: 0, end_ms: 1 }, 1, 1, &[result("d", NoData, &[])])
-                .is_none(),
+            t.window(
+                Window {
+                    start_ms: 0,
+                    end_ms: 1
+                },
+                1,
+                1,
+                &[result("d", NoData, &[])]
+            )
+            .is_none(),
             "no data before the first judged window is pending, not a status"
         );
         assert_eq!(t.states().find(|s| s.check == "d").unwrap().status, None);
@@ -507,10 +543,22 @@ mod tests {
     #[test]
     fn changes_of_one_window_are_one_event_and_alerting_keeps_only_what_alerts() {
         let mut t = Tracker::new(1);
-        let w = Window { start_ms: 0, end_ms: 1 };
+        let w = Window {
+            start_ms: 0,
+            end_ms: 1,
+        };
         t.window(w, 1, 1, &[result("a", Pass, &[])]);
         let e = t
-            .window(w, 2, 1, &[result("a", Fail, &["x"]), result("b", Pass, &[]), result("c", Fail, &["y"])])
+            .window(
+                w,
+                2,
+                1,
+                &[
+                    result("a", Fail, &["x"]),
+                    result("b", Pass, &[]),
+                    result("c", Fail, &["y"]),
+                ],
+            )
             .unwrap();
         assert_eq!(e.changes.len(), 3);
         let a = e.alerting().unwrap();
@@ -532,7 +580,10 @@ mod tests {
         assert_eq!(history.len(), 2);
         // Restarted while still failing: no event, however long it fails.
         let mut r = Tracker::resume(2, &history);
-        let w = Window { start_ms: 9, end_ms: 10 };
+        let w = Window {
+            start_ms: 9,
+            end_ms: 10,
+        };
         assert!(r.window(w, 10, 1, &[result("c", Fail, &["x"])]).is_none());
         assert!(r.window(w, 11, 1, &[result("c", Fail, &["x"])]).is_none());
         assert_eq!(r.states().next().unwrap().status, Some(Fail));
@@ -546,9 +597,16 @@ mod tests {
     fn stretches_say_when_each_failure_began_and_ended() {
         let mut t = Tracker::new(1);
         let mut h = Vec::new();
-        for (i, (a, b)) in [(Pass, Pass), (Fail, Pass), (Fail, NoData), (Pass, NoData), (Pass, Pass), (Fail, Pass)]
-            .into_iter()
-            .enumerate()
+        for (i, (a, b)) in [
+            (Pass, Pass),
+            (Fail, Pass),
+            (Fail, NoData),
+            (Pass, NoData),
+            (Pass, Pass),
+            (Fail, Pass),
+        ]
+        .into_iter()
+        .enumerate()
         {
             let w = Window {
                 start_ms: i as u64 * 10,
@@ -557,8 +615,10 @@ mod tests {
             h.extend(t.window(w, w.end_ms, 1, &[result("a", a, &["x"]), result("b", b, &[])]));
         }
         let s = stretches(&h, 0);
-        let got: Vec<(&str, Health, u64, Option<u64>)> =
-            s.iter().map(|s| (s.check.as_str(), s.health, s.from_ms, s.until_ms)).collect();
+        let got: Vec<(&str, Health, u64, Option<u64>)> = s
+            .iter()
+            .map(|s| (s.check.as_str(), s.health, s.from_ms, s.until_ms))
+            .collect();
         assert_eq!(
             got,
             vec![

@@ -654,9 +654,9 @@ async fn continuous(st: Shared, judge: Option<Arc<parking_lot::Mutex<crate::verd
         let judging = {
             let s = st.lock();
             // In a group, once the leases are read: the member with the least id.
-            s.group.as_ref().is_none_or(|g| {
-                g.members.iter().map(|m| m.id.as_str()).min() == Some(g.id.as_str())
-            })
+            s.group
+                .as_ref()
+                .is_none_or(|g| g.members.iter().map(|m| m.id.as_str()).min() == Some(g.id.as_str()))
         };
         let was = std::mem::replace(&mut judge.lock().judging, judging);
         if !judging {
@@ -1381,7 +1381,11 @@ fn group_api(st: &Shared, path: &str, query: &str) -> Result<Option<Response>, R
             let (check, since) = verdicts_query(query)?;
             // Every member runs with the same --policy: one without it is an error here.
             let mut all: Vec<crate::verify::continuous::Verdicts> = local_verdicts(st).into_iter().collect();
-            all.extend(from_members::<crate::verify::continuous::Verdicts>(st, "/verdicts", "")?);
+            all.extend(from_members::<crate::verify::continuous::Verdicts>(
+                st,
+                "/verdicts",
+                "",
+            )?);
             match merge_verdicts(all) {
                 Some(v) => Response::json(&v.select(check.as_deref(), since)),
                 None => verdicts_off(),
@@ -1518,7 +1522,6 @@ fn verdicts_off() -> Response {
 }
 
 /// `/verdicts`' `check=NAME` and `since=` (Unix ms, or a duration back from now: `1h`).
-#[expect(clippy::result_large_err, reason = "the error is the answer")]
 fn verdicts_query(query: &str) -> Result<(Option<String>, Option<u64>), Response> {
     let mut check = None;
     let mut since = None;
@@ -1542,7 +1545,12 @@ fn verdicts_query(query: &str) -> Result<(Option<String>, Option<u64>), Response
                 })
             }
             "local" => {}
-            _ => return Err(Response::text(400, format!("/verdicts takes check= and since=, not `{k}`\n"))),
+            _ => {
+                return Err(Response::text(
+                    400,
+                    format!("/verdicts takes check= and since=, not `{k}`\n"),
+                ));
+            }
         }
     }
     Ok((check, since))
@@ -1550,7 +1558,9 @@ fn verdicts_query(query: &str) -> Result<(Option<String>, Option<u64>), Response
 
 /// A group's verdicts: the judging member's state, every member's history (each
 /// member keeps the changes it judged), merged in time order.
-fn merge_verdicts(all: Vec<crate::verify::continuous::Verdicts>) -> Option<crate::verify::continuous::Verdicts> {
+fn merge_verdicts(
+    all: Vec<crate::verify::continuous::Verdicts>,
+) -> Option<crate::verify::continuous::Verdicts> {
     let mut events = Vec::new();
     let mut lead: Option<crate::verify::continuous::Verdicts> = None;
     for mut v in all {

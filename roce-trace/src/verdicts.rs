@@ -147,7 +147,8 @@ impl History {
                 let mut lines = std::io::BufReader::new(f).split(b'\n').enumerate().peekable();
                 let mut cut = false;
                 while let Some((i, line)) = lines.next() {
-                    let line = line.with_context(|| format!("reading the verdict history {}", path.display()))?;
+                    let line =
+                        line.with_context(|| format!("reading the verdict history {}", path.display()))?;
                     let last = lines.peek().is_none();
                     if line.iter().all(u8::is_ascii_whitespace) {
                         continue;
@@ -288,7 +289,10 @@ impl std::str::FromStr for AlertUrl {
             None => (rest, "/"),
         };
         ensure!(!hostport.is_empty(), "--alert-url {s}: no host");
-        ensure!(!hostport.contains('@'), "--alert-url {s}: credentials in the URL are not supported");
+        ensure!(
+            !hostport.contains('@'),
+            "--alert-url {s}: credentials in the URL are not supported"
+        );
         let (host, port) = match hostport.rsplit_once(':') {
             Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => match p.parse::<u16>() {
                 Ok(p) if !h.is_empty() => (h.trim_start_matches('[').trim_end_matches(']'), p),
@@ -364,7 +368,10 @@ impl Alerter {
                             }
                             Err(err) if attempt == ALERT_TRIES => {
                                 c.gave_up.fetch_add(1, Ordering::Relaxed);
-                                tracing::warn!("alert {} to {url}: given up after {attempt} tries: {err:#}", e.seq);
+                                tracing::warn!(
+                                    "alert {} to {url}: given up after {attempt} tries: {err:#}",
+                                    e.seq
+                                );
                             }
                             Err(err) => {
                                 c.retried.fetch_add(1, Ordering::Relaxed);
@@ -424,7 +431,8 @@ fn post_to(addr: std::net::SocketAddr, url: &AlertUrl, body: &[u8]) -> anyhow::R
         body.len()
     )?;
     s.write_all(body)?;
-    let (status, _) = crate::http::read_answer(std::io::BufReader::new(s)).with_context(|| format!("reading {addr}'s answer"))?;
+    let (status, _) = crate::http::read_answer(std::io::BufReader::new(s))
+        .with_context(|| format!("reading {addr}'s answer"))?;
     Ok(status)
 }
 
@@ -505,9 +513,7 @@ impl Judge {
                 c.check,
                 from,
                 c.to.name(),
-                humantime::format_rfc3339_millis(
-                    std::time::UNIX_EPOCH + Duration::from_millis(c.began_ms)
-                ),
+                humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + Duration::from_millis(c.began_ms)),
                 c.summary
             );
             if c.to == crate::verify::checks::Status::Fail {
@@ -684,10 +690,9 @@ impl VerifyMetrics {
         m.gauge(
             "roce_trace_verify_check_last_change_timestamp_seconds",
             "When each check's established status last changed (Unix time).",
-            self.checks.iter().filter_map(|c| {
-                c.changed_ms
-                    .map(|t| (labels(&[("check", &c.check)]), t / 1000))
-            }),
+            self.checks
+                .iter()
+                .filter_map(|c| c.changed_ms.map(|t| (labels(&[("check", &c.check)]), t / 1000))),
         );
         m.gauge(
             "roce_trace_verify_failing_item",
@@ -775,7 +780,10 @@ mod tests {
         drop(f);
         let h = History::open(&p, 10).unwrap();
         assert_eq!(h.events().len(), 2);
-        assert!(std::fs::read_to_string(&p).unwrap().ends_with("\n"), "rewritten without the torn line");
+        assert!(
+            std::fs::read_to_string(&p).unwrap().ends_with("\n"),
+            "rewritten without the torn line"
+        );
         // A broken line in the middle (or a whole line that is something else).
         let good = std::fs::read_to_string(&p).unwrap();
         let bad = format!("garbage\n{good}");
@@ -795,17 +803,32 @@ mod tests {
     #[test]
     fn alert_urls() {
         let u: AlertUrl = "http://alerts.example:9093/hook?x=1".parse().unwrap();
-        assert_eq!((u.host.as_str(), u.port, u.path.as_str()), ("alerts.example", 9093, "/hook?x=1"));
+        assert_eq!(
+            (u.host.as_str(), u.port, u.path.as_str()),
+            ("alerts.example", 9093, "/hook?x=1")
+        );
         let u: AlertUrl = "http://10.0.0.1".parse().unwrap();
         assert_eq!((u.port, u.path.as_str()), (80, "/"));
         let u: AlertUrl = "http://[::1]:8080/a".parse().unwrap();
         assert_eq!((u.host.as_str(), u.port), ("::1", 8080));
         assert_eq!(u.to_string(), "http://[::1]:8080/a");
-        for bad in ["https://x/", "ftp://x", "http://", "http://x:port/", "http://u:p@x/", "http://x/a b", "x"] {
+        for bad in [
+            "https://x/",
+            "ftp://x",
+            "http://",
+            "http://x:port/",
+            "http://u:p@x/",
+            "http://x/a b",
+            "x",
+        ] {
             assert!(bad.parse::<AlertUrl>().is_err(), "{bad}");
         }
         assert!(
-            "https://x/".parse::<AlertUrl>().unwrap_err().to_string().contains("https is not supported")
+            "https://x/"
+                .parse::<AlertUrl>()
+                .unwrap_err()
+                .to_string()
+                .contains("https is not supported")
         );
     }
 
@@ -843,7 +866,10 @@ mod tests {
                     }
                 };
                 let status = statuses.next().unwrap_or(200);
-                let _ = write!(s, "HTTP/1.1 {status} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+                let _ = write!(
+                    s,
+                    "HTTP/1.1 {status} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                );
                 if status == 200 {
                     tx.send(body).unwrap();
                 }
@@ -864,14 +890,19 @@ mod tests {
         assert_eq!(got, [event(1, "c", Status::Fail), event(2, "c", Status::Pass)]);
         assert_eq!(a.counts.retried.load(Ordering::Relaxed), 2);
         assert_eq!(a.counts.delivered.load(Ordering::Relaxed), 2);
-        assert!(rx.recv_timeout(Duration::from_millis(300)).is_err(), "each delivered once");
+        assert!(
+            rx.recv_timeout(Duration::from_millis(300)).is_err(),
+            "each delivered once"
+        );
     }
 
     #[test]
     fn a_full_alert_queue_drops_and_counts_without_waiting() {
         // Nobody listens: every send fails and is retried, so the queue fills.
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let url: AlertUrl = format!("http://127.0.0.1:{}/hook", l.local_addr().unwrap().port()).parse().unwrap();
+        let url: AlertUrl = format!("http://127.0.0.1:{}/hook", l.local_addr().unwrap().port())
+            .parse()
+            .unwrap();
         drop(l);
         let a = Alerter::start(url);
         let t = std::time::Instant::now();
@@ -884,7 +915,8 @@ mod tests {
     }
 
     fn report_with(flows: usize) -> CollectorReport {
-        let mut r: CollectorReport = serde_json::from_str(include_str!("../../tests/golden/collector-report.json")).unwrap();
+        let mut r: CollectorReport =
+            serde_json::from_str(include_str!("../../tests/golden/collector-report.json")).unwrap();
         r.flows.truncate(flows);
         r
     }
@@ -895,9 +927,16 @@ mod tests {
     fn each_window_starts_at_the_newest_report_old_enough_and_old_reports_go() {
         let mut s = Snapshots::default();
         let w = Duration::from_secs(3);
-        assert!(s.window(1_000, report_with(0), w, SLACK).is_none(), "nothing to judge against yet");
+        assert!(
+            s.window(1_000, report_with(0), w, SLACK).is_none(),
+            "nothing to judge against yet"
+        );
         let (win, _) = s.window(2_000, report_with(1), w, SLACK).unwrap();
-        assert_eq!((win.start_ms, win.end_ms), (1_000, 2_000), "the oldest, while the window is not full");
+        assert_eq!(
+            (win.start_ms, win.end_ms),
+            (1_000, 2_000),
+            "the oldest, while the window is not full"
+        );
         s.window(3_000, report_with(1), w, SLACK).unwrap();
         let (win, _) = s.window(4_000, report_with(1), w, SLACK).unwrap();
         assert_eq!(win.start_ms, 1_000);
@@ -916,7 +955,11 @@ mod tests {
         let mut s = Snapshots::default();
         s.window(10_000, r.clone(), w, SLACK);
         let (_, all) = s.window(11_000, r.clone(), w, SLACK).unwrap();
-        assert!(all.flows.is_empty(), "{} flows in a window where nothing happened", all.flows.len());
+        assert!(
+            all.flows.is_empty(),
+            "{} flows in a window where nothing happened",
+            all.flows.len()
+        );
         let mut s = Snapshots::default();
         s.window(10_000, report_with(0), w, SLACK);
         let (_, all) = s.window(11_000, r.clone(), w, SLACK).unwrap();

@@ -32,7 +32,10 @@ fn promtool(args: &[&str], dir: &Path) -> String {
 
 #[test]
 fn the_rules_are_valid_and_fire_as_written() {
-    let t = promtool(&["check", "rules", dist("roce-trace-alerts.yml").to_str().unwrap()], Path::new("."));
+    let t = promtool(
+        &["check", "rules", dist("roce-trace-alerts.yml").to_str().unwrap()],
+        Path::new("."),
+    );
     assert!(t.contains("SUCCESS: 6 rules found"), "{t}");
     let t = promtool(
         &["test", "rules", "alerts.test.yml"],
@@ -51,8 +54,14 @@ fn the_rules_query_only_what_the_collector_exports() {
     let token = dir.path("token");
     std::fs::write(&token, "alert-rules-token\n").unwrap();
     std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
-    let http = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-    let listen = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let http = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let listen = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
     let (http_s, listen_s) = (http.to_string(), listen.to_string());
     let report = dir.path("report.json");
     let history = dir.path("verdicts.jsonl");
@@ -78,7 +87,10 @@ fn the_rules_query_only_what_the_collector_exports() {
             Ok((200, body)) => {
                 let text = String::from_utf8(body).unwrap();
                 // A window judged: the judge runs.
-                if text.lines().any(|l| l.starts_with("roce_trace_verify_windows_total ") && !l.ends_with(" 0")) {
+                if text
+                    .lines()
+                    .any(|l| l.starts_with("roce_trace_verify_windows_total ") && !l.ends_with(" 0"))
+                {
                     break text;
                 }
             }

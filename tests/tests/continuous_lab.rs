@@ -51,7 +51,9 @@ fn policy(dir: &TempDir) -> PathBuf {
 /// A webhook receiver in the management namespace: it refuses the first POST (503),
 /// then takes every one (200); the bodies it took.
 fn receiver(lab: &Lab) -> Arc<Mutex<Vec<Value>>> {
-    let l: TcpListener = in_netns(&lab.ns("mgmt"), || TcpListener::bind(HOOK).expect("binding the receiver"));
+    let l: TcpListener = in_netns(&lab.ns("mgmt"), || {
+        TcpListener::bind(HOOK).expect("binding the receiver")
+    });
     let got = Arc::new(Mutex::new(Vec::new()));
     let g = got.clone();
     std::thread::spawn(move || {
@@ -89,7 +91,9 @@ fn receiver(lab: &Lab) -> Arc<Mutex<Vec<Value>>> {
                 continue;
             }
             let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
-            g.lock().unwrap().push(serde_json::from_slice(&body).expect("the alert is JSON"));
+            g.lock()
+                .unwrap()
+                .push(serde_json::from_slice(&body).expect("the alert is JSON"));
         }
     });
     got
@@ -135,7 +139,12 @@ fn traffic(lab: &Lab, secs: u64) -> Vec<Proc> {
     for (from, to) in [(1u8, 3u8), (2, 4)] {
         v.push(spawn_gen(
             &lab.ns(&format!("h{to}")),
-            &["--bind", &format!("10.10.{to}.2"), "--duration", &format!("{}s", secs + 3)],
+            &[
+                "--bind",
+                &format!("10.10.{to}.2"),
+                "--duration",
+                &format!("{}s", secs + 3),
+            ],
         ));
         std::thread::sleep(Duration::from_millis(300));
         v.push(spawn_gen(
@@ -165,7 +174,12 @@ fn changes(e: &Value) -> BTreeMap<String, (Value, Value)> {
         .as_array()
         .unwrap()
         .iter()
-        .map(|c| (c["check"].as_str().unwrap().to_owned(), (c["from"].clone(), c["to"].clone())))
+        .map(|c| {
+            (
+                c["check"].as_str().unwrap().to_owned(),
+                (c["from"].clone(), c["to"].clone()),
+            )
+        })
         .collect()
 }
 
@@ -219,19 +233,30 @@ fn a_fault_that_comes_and_goes_fails_its_checks_and_recovers_with_two_alerts() {
     let windows = v["windows"].as_u64().unwrap();
     for e in v["events"].as_array().unwrap() {
         for (check, (from, to)) in changes(e) {
-            assert!(from.is_null() && (to == "pass" || to == "skip"), "{check}: {from} -> {to} on a healthy fabric:\n{e:#}");
+            assert!(
+                from.is_null() && (to == "pass" || to == "skip"),
+                "{check}: {from} -> {to} on a healthy fabric:\n{e:#}"
+            );
         }
     }
     std::thread::sleep(Duration::from_secs(12));
     let v = verdicts(&lab.0);
-    assert!(v["windows"].as_u64().unwrap() >= windows + 10, "{} windows", v["windows"]);
+    assert!(
+        v["windows"].as_u64().unwrap() >= windows + 10,
+        "{} windows",
+        v["windows"]
+    );
     assert_eq!(
         v["events"].as_array().unwrap().len(),
         first_events,
         "a healthy fabric made events:\n{:#}",
         v["events"]
     );
-    assert!(got.lock().unwrap().is_empty(), "alerts from a healthy fabric: {:?}", got.lock().unwrap());
+    assert!(
+        got.lock().unwrap().is_empty(),
+        "alerts from a healthy fabric: {:?}",
+        got.lock().unwrap()
+    );
 
     // The fault comes: the class checks fail within the windows configured.
     let fault = Fault::DscpRewrite {
@@ -252,7 +277,13 @@ fn a_fault_that_comes_and_goes_fails_its_checks_and_recovers_with_two_alerts() {
         .as_array()
         .unwrap()
         .iter()
-        .filter(|f| f["path"].as_array().unwrap().iter().any(|p| p.as_str().unwrap().starts_with("s1:")))
+        .filter(|f| {
+            f["path"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|p| p.as_str().unwrap().starts_with("s1:"))
+        })
         .map(|f| f["id"].as_str().unwrap().to_owned())
         .collect();
     std::thread::sleep(Duration::from_secs(4));
@@ -267,7 +298,9 @@ fn a_fault_that_comes_and_goes_fails_its_checks_and_recovers_with_two_alerts() {
     std::thread::sleep(Duration::from_secs(5));
 
     // Exactly two alerts: the failure (refused once, retried) and the recovery.
-    wait_for("two alerts delivered", Duration::from_secs(10), || got.lock().unwrap().len() >= 2);
+    wait_for("two alerts delivered", Duration::from_secs(10), || {
+        got.lock().unwrap().len() >= 2
+    });
     std::thread::sleep(Duration::from_secs(2));
     let alerts = got.lock().unwrap().clone();
     assert_eq!(alerts.len(), 2, "alerts: {alerts:#?}");
@@ -276,50 +309,100 @@ fn a_fault_that_comes_and_goes_fails_its_checks_and_recovers_with_two_alerts() {
     let failed = changes(fail);
     assert_eq!(failed.keys().collect::<Vec<_>>(), ["data_class"], "{fail:#}");
     for (check, (from, to)) in &failed {
-        assert_eq!((from.as_str(), to.as_str()), (Some("pass"), Some("fail")), "{check}");
+        assert_eq!(
+            (from.as_str(), to.as_str()),
+            (Some("pass"), Some("fail")),
+            "{check}"
+        );
     }
     for c in fail["changes"].as_array().unwrap() {
         let began = c["began_ms"].as_u64().unwrap();
-        assert!(began >= fault_at && began < clear_at, "{}: began {began}, fault at {fault_at}", c["check"]);
-        let flows: BTreeSet<&str> = c["evidence"].as_array().unwrap().iter().map(|e| e["flow"].as_str().unwrap()).collect();
+        assert!(
+            began >= fault_at && began < clear_at,
+            "{}: began {began}, fault at {fault_at}",
+            c["check"]
+        );
+        let flows: BTreeSet<&str> = c["evidence"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["flow"].as_str().unwrap())
+            .collect();
         assert!(!flows.is_empty(), "{c:#}");
         for f in &flows {
-            assert!(through_s1.contains(*f), "{f} is evidence of {} but not through s1", c["check"]);
+            assert!(
+                through_s1.contains(*f),
+                "{f} is evidence of {} but not through s1",
+                c["check"]
+            );
         }
         // Each flow's evidence starts at s1: the wrong class from s1's egress on, never
         // before it (h1, l1, s1's ingress still see 26).
         for f in &flows {
-            let of: Vec<&Value> = c["evidence"].as_array().unwrap().iter().filter(|e| e["flow"] == *f).collect();
-            let at: Vec<&str> = of.iter().flat_map(|e| e["at"].as_array().unwrap()).map(|p| p.as_str().unwrap()).collect();
-            assert!(at.iter().any(|p| p.starts_with("s1:") && p.ends_with(":egress")), "{f}: not at s1's egress: {at:?}");
+            let of: Vec<&Value> = c["evidence"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| e["flow"] == *f)
+                .collect();
+            let at: Vec<&str> = of
+                .iter()
+                .flat_map(|e| e["at"].as_array().unwrap())
+                .map(|p| p.as_str().unwrap())
+                .collect();
             assert!(
-                !at.iter().any(|p| ["h1:", "h2:", "l1:", "s1:l1:ingress"].iter().any(|b| p.starts_with(b))),
+                at.iter().any(|p| p.starts_with("s1:") && p.ends_with(":egress")),
+                "{f}: not at s1's egress: {at:?}"
+            );
+            assert!(
+                !at.iter().any(|p| ["h1:", "h2:", "l1:", "s1:l1:ingress"]
+                    .iter()
+                    .any(|b| p.starts_with(b))),
                 "{f}: the wrong class before s1: {at:?}"
             );
         }
     }
     let passed = changes(pass);
-    assert_eq!(passed.keys().collect::<Vec<_>>(), failed.keys().collect::<Vec<_>>(), "{pass:#}");
+    assert_eq!(
+        passed.keys().collect::<Vec<_>>(),
+        failed.keys().collect::<Vec<_>>(),
+        "{pass:#}"
+    );
     for (check, (from, to)) in &passed {
-        assert_eq!((from.as_str(), to.as_str()), (Some("fail"), Some("pass")), "{check}");
+        assert_eq!(
+            (from.as_str(), to.as_str()),
+            (Some("fail"), Some("pass")),
+            "{check}"
+        );
     }
     for c in pass["changes"].as_array().unwrap() {
         assert!(c["began_ms"].as_u64().unwrap() >= clear_at, "{c:#}");
     }
     let (_, metrics) = get(&lab.0, "/metrics");
-    assert!(metrics.contains("roce_trace_verify_alerts_total{outcome=\"delivered\"} 2"), "{metrics}");
-    assert!(metrics.contains("roce_trace_verify_alerts_total{outcome=\"retried\"} 1"), "{metrics}");
+    assert!(
+        metrics.contains("roce_trace_verify_alerts_total{outcome=\"delivered\"} 2"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("roce_trace_verify_alerts_total{outcome=\"retried\"} 1"),
+        "{metrics}"
+    );
     // The shipped alert rules query what this collector exports, labels included.
-    let rules = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../dist/roce-trace-alerts.yml")).unwrap();
+    let rules = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../dist/roce-trace-alerts.yml"
+    ))
+    .unwrap();
     promql::check_exprs(&promql::rule_exprs(&rules), &promql::exported(&metrics)).unwrap();
-    let by_check: Value = serde_json::from_str(&get(&lab.0, "/verdicts?check=data_class&since=10m").1).unwrap();
+    let by_check: Value =
+        serde_json::from_str(&get(&lab.0, "/verdicts?check=data_class&since=10m").1).unwrap();
     assert_eq!(by_check["checks"].as_array().unwrap().len(), 1);
     assert!(
-        by_check["events"]
+        by_check["events"].as_array().unwrap().iter().all(|e| e["changes"]
             .as_array()
             .unwrap()
             .iter()
-            .all(|e| e["changes"].as_array().unwrap().iter().all(|c| c["check"] == "data_class")),
+            .all(|c| c["check"] == "data_class")),
         "{by_check:#}"
     );
     assert_eq!(get(&lab.0, "/verdicts?since=later").0, 400);
@@ -327,9 +410,11 @@ fn a_fault_that_comes_and_goes_fails_its_checks_and_recovers_with_two_alerts() {
 
     // A restart keeps the history and repeats no alert.
     obs.restart_collector();
-    wait_for("windows judged after the restart", Duration::from_secs(20), || {
-        verdicts(&lab.0)["windows"].as_u64().unwrap() >= 8
-    });
+    wait_for(
+        "windows judged after the restart",
+        Duration::from_secs(20),
+        || verdicts(&lab.0)["windows"].as_u64().unwrap() >= 8,
+    );
     let after = verdicts(&lab.0);
     assert_eq!(after["events"], before, "the history after the restart");
     for c in checks {
@@ -349,20 +434,43 @@ fn a_fault_that_comes_and_goes_fails_its_checks_and_recovers_with_two_alerts() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(1), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let lines: Vec<&str> = text.lines().filter(|l| l.starts_with("data_class ")).collect();
     assert_eq!(lines.len(), 1, "{text}");
-    assert!(lines.iter().all(|l| l.contains("FAIL") && !l.contains("still")), "{text}");
+    assert!(
+        lines.iter().all(|l| l.contains("FAIL") && !l.contains("still")),
+        "{text}"
+    );
     let out = std::process::Command::new("ip")
         .args(["netns", "exec", &lab.0.ns("mgmt")])
         .arg(roce_trace_bin())
-        .args(["verify", "--collector-http", HTTP, "--since", "10m", "--json-stdout"])
+        .args([
+            "verify",
+            "--collector-http",
+            HTTP,
+            "--since",
+            "10m",
+            "--json-stdout",
+        ])
         .output()
         .unwrap();
     let j: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let s: Vec<&Value> = j["stretches"].as_array().unwrap().iter().filter(|s| s["check"] == "data_class").collect();
+    let s: Vec<&Value> = j["stretches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["check"] == "data_class")
+        .collect();
     assert_eq!(s.len(), 1, "{j:#}");
-    let (from, until) = (s[0]["from_ms"].as_u64().unwrap(), s[0]["until_ms"].as_u64().unwrap());
+    let (from, until) = (
+        s[0]["from_ms"].as_u64().unwrap(),
+        s[0]["until_ms"].as_u64().unwrap(),
+    );
     assert!(from >= fault_at && from < clear_at && until >= clear_at, "{j:#}");
     // Nothing failed in the last second.
     let out = std::process::Command::new("ip")
@@ -371,7 +479,19 @@ fn a_fault_that_comes_and_goes_fails_its_checks_and_recovers_with_two_alerts() {
         .args(["verify", "--collector-http", HTTP, "--since", "1s"])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
-    eprintln!("{}", obs.collector_log().lines().filter(|l| l.contains("verdict")).collect::<Vec<_>>().join("\n"));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    eprintln!(
+        "{}",
+        obs.collector_log()
+            .lines()
+            .filter(|l| l.contains("verdict"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
     obs.stop();
 }

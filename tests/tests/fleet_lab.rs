@@ -427,7 +427,11 @@ fn a_group_on_nats_locates_a_rewrite_through_losing_a_member_and_a_nats_restart(
         .map(|id| (id.clone(), fab.metric(id, "roce_trace_verify_judging")))
         .collect();
     assert_eq!(
-        judging.iter().filter(|(_, j)| *j == 1).map(|(id, _)| id.as_str()).collect::<Vec<_>>(),
+        judging
+            .iter()
+            .filter(|(_, j)| *j == 1)
+            .map(|(id, _)| id.as_str())
+            .collect::<Vec<_>>(),
         vec![fab.collectors.keys().next().unwrap().as_str()],
         "{judging:?}"
     );
@@ -439,13 +443,20 @@ fn a_group_on_nats_locates_a_rewrite_through_losing_a_member_and_a_nats_restart(
         .flat_map(|e| e["changes"].as_array().unwrap())
         .filter(|c| c["to"] == "fail")
         .collect();
-    assert!(!failed.is_empty(), "data_class never failed in the group's history: {verdicts:#}");
+    assert!(
+        !failed.is_empty(),
+        "data_class never failed in the group's history: {verdicts:#}"
+    );
     for c in &failed {
         assert!(!c["evidence"].as_array().unwrap().is_empty(), "{c:#}");
         for e in c["evidence"].as_array().unwrap() {
             let f = flows_by_id(&flows, e["flow"].as_str().unwrap());
             assert!(
-                f.is_some_and(|f| f["path"].as_array().unwrap().iter().any(|p| p.as_str().unwrap().starts_with("s1:"))),
+                f.is_some_and(|f| f["path"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|p| p.as_str().unwrap().starts_with("s1:"))),
                 "{} is evidence but not through s1",
                 e["flow"]
             );

@@ -449,8 +449,9 @@ fn the_map_and_the_report_show_a_dscp_rewrite_at_its_spine_in_a_browser() {
         assert_eq!(status, 200);
         String::from_utf8(body).unwrap()
     };
-    let mut names =
-        promql::exported(&(scrape("h1", "127.0.0.1:9464") + &scrape("l1", "127.0.0.1:9464") + &scrape("mgmt", HTTP)));
+    let mut names = promql::exported(
+        &(scrape("h1", "127.0.0.1:9464") + &scrape("l1", "127.0.0.1:9464") + &scrape("mgmt", HTTP)),
+    );
     // NIC counters appear once a port reports them (no NIC here): their names come from
     // the vocabulary the agent renders them by, with the labels it gives them.
     for spec in roce_trace_common::nic::SPECS {

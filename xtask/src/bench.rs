@@ -1895,8 +1895,10 @@ impl BenchFeed {
                 });
             }
             if batch.0.len() >= MAX_BATCH - 4 || i + 1 == n {
-                self.out.send(&Frame::Observations(std::mem::take(&mut batch.0)))?;
-                self.inn.send(&Frame::Observations(std::mem::take(&mut batch.1)))?;
+                self.out
+                    .send(&Frame::Observations(std::mem::take(&mut batch.0)))?;
+                self.inn
+                    .send(&Frame::Observations(std::mem::take(&mut batch.1)))?;
             }
         }
         for chunk in (0..n).collect::<Vec<_>>().chunks(MAX_BATCH) {
@@ -2054,8 +2056,11 @@ fn collector_verify(n: u32, rounds: u32) -> anyhow::Result<()> {
         };
         let windows = metric("roce_trace_verify_windows_total");
         if judge {
-            ensure!(windows > 0, "no window judged while the traffic ran:
-{m}");
+            ensure!(
+                windows > 0,
+                "no window judged while the traffic ran:
+{m}"
+            );
         }
         let obs = f64::from(n) * 8.0 * f64::from(rounds);
         rows.push((
@@ -2074,7 +2079,11 @@ fn collector_verify(n: u32, rounds: u32) -> anyhow::Result<()> {
     for (judge, rate, took, windows, judge_us, busy, mem) in rows {
         println!(
             "{n:>8} flows, {}: {rounds} s of traffic joined in {took:.1} s, {:.2} M observations/s ({:+.1}% of without); windows judged {windows}, skipped busy {busy}, last judgement {:.0} ms; most memory {:.0} MB over the start",
-            if judge { "judging every 1 s over 2 s" } else { "no --policy             " },
+            if judge {
+                "judging every 1 s over 2 s"
+            } else {
+                "no --policy             "
+            },
             rate / 1e6,
             (rate / base - 1.0) * 100.0,
             judge_us as f64 / 1e3,

@@ -145,7 +145,15 @@ fn group_report(lab: &Lab, https: &[String]) -> anyhow::Result<Value> {
 /// with them (none: `data_class` failed while s1 rewrote DSCP and passed again once the
 /// rewrite was cleared, while traffic still ran).
 fn continuous_events(lab: &Lab, http: &str, fault_at: u64, clear_at: u64) -> anyhow::Result<Vec<String>> {
-    let body = lab.exec("mgmt", &["curl", "-sS", "--fail-with-body", &format!("http://{http}/verdicts")])?;
+    let body = lab.exec(
+        "mgmt",
+        &[
+            "curl",
+            "-sS",
+            "--fail-with-body",
+            &format!("http://{http}/verdicts"),
+        ],
+    )?;
     let v: roce_trace::verify::continuous::Verdicts =
         serde_json::from_str(&body).context("/verdicts: not the collector's verdicts")?;
     say(&format!(
@@ -471,7 +479,9 @@ pub fn run(seconds: u64, nats: bool, keep: bool) -> anyhow::Result<()> {
         percent: 5,
     })?;
     std::thread::sleep(Duration::from_secs(seconds * 3 / 8));
-    say("the rewrite cleared at s1 (CE marking stays): the collector's continuous verification must turn green again");
+    say(
+        "the rewrite cleared at s1 (CE marking stays): the collector's continuous verification must turn green again",
+    );
     let clear_at = roce_trace::verdicts::unix_ms();
     lab.clear(&rewrite)?;
 

@@ -217,7 +217,12 @@ pub(super) fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
 }
 
 /// `verify --since`: the collector's history of verdict changes over the last `since`.
-fn run_since(http: std::net::SocketAddr, bearer: Option<&str>, since: Duration, json: bool) -> anyhow::Result<u8> {
+fn run_since(
+    http: std::net::SocketAddr,
+    bearer: Option<&str>,
+    since: Duration,
+    json: bool,
+) -> anyhow::Result<u8> {
     use roce_trace::verify::continuous::{self, Health, Verdicts};
     let now = roce_trace::verdicts::unix_ms();
     let from = now.saturating_sub(since.as_millis() as u64);
@@ -230,8 +235,8 @@ fn run_since(http: std::net::SocketAddr, bearer: Option<&str>, since: Duration, 
         "{http}/verdicts: {status} {}",
         String::from_utf8_lossy(&body).trim()
     );
-    let v: Verdicts =
-        serde_json::from_slice(&body).with_context(|| format!("{http}/verdicts: not the collector's verdicts"))?;
+    let v: Verdicts = serde_json::from_slice(&body)
+        .with_context(|| format!("{http}/verdicts: not the collector's verdicts"))?;
     let stretches = continuous::stretches(&v.events, from);
     let worst = if stretches.iter().any(|s| s.health == Health::Failing) {
         1
@@ -261,7 +266,9 @@ fn run_since(http: std::net::SocketAddr, bearer: Option<&str>, since: Duration, 
         );
         return Ok(worst);
     }
-    let t = |ms: u64| humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_millis(ms)).to_string();
+    let t = |ms: u64| {
+        humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+    };
     println!(
         "{http}: policy {} judged every {} over {} (fail after {} window(s)), {} window(s); since {}",
         v.policy,
@@ -279,12 +286,26 @@ fn run_since(http: std::net::SocketAddr, bearer: Option<&str>, since: Duration, 
         return Ok(0);
     }
     let w = stretches.iter().map(|s| s.check.len()).max().unwrap_or(5).max(5);
-    println!("{:<w$}  {:<7}  {:<20}  {:<20}  EVIDENCE", "CHECK", "STATUS", "FROM", "UNTIL");
+    println!(
+        "{:<w$}  {:<7}  {:<20}  {:<20}  EVIDENCE",
+        "CHECK", "STATUS", "FROM", "UNTIL"
+    );
     for s in &stretches {
         let until = s.until_ms.map_or_else(|| "still".to_owned(), t);
-        println!("{:<w$}  {:<7}  {:<20}  {:<20}  {}", s.check, s.began.to.name(), t(s.from_ms), until, s.began.summary);
+        println!(
+            "{:<w$}  {:<7}  {:<20}  {:<20}  {}",
+            s.check,
+            s.began.to.name(),
+            t(s.from_ms),
+            until,
+            s.began.summary
+        );
         for e in s.began.evidence.iter().take(6) {
-            let at = if e.at.is_empty() { String::new() } else { format!("at {}: ", e.at.join(" .. ")) };
+            let at = if e.at.is_empty() {
+                String::new()
+            } else {
+                format!("at {}: ", e.at.join(" .. "))
+            };
             println!("{:<w$}  {:<7}    {} {at}{}", "", "", e.flow, e.detail);
         }
         if s.began.evidence_total > 6 {
