@@ -92,6 +92,7 @@ impl Fabric {
         std::fs::write(&policy, "[class]\ndata_dscp = 26\nno_change = true\n").unwrap();
         let url = Self::nats_url();
         let args = [
+            "collect",
             // Continuous verification of the group's merged view, by one member.
             "--policy",
             policy.to_str().unwrap(),
@@ -103,7 +104,6 @@ impl Fabric {
             "1",
             "--verdict-history",
             history.to_str().unwrap(),
-            "collect",
             "--listen",
             &listen,
             "--http",
