@@ -119,3 +119,72 @@ pub fn since(start: &CollectorReport, mut end: CollectorReport) -> CollectorRepo
     });
     end
 }
+
+/// Of a report, only what [`since`] reads of a window's start: per flow its counters,
+/// trajectories, losses, classes seen, unobserved, class changes, CE onsets, CNPs and the
+/// end of its delivery log; per port its MTUs and its last NIC interval. A continuous
+/// judge keeps these between windows instead of whole reports: `since(&base(a), b)` is
+/// `since(&a, b)`, at a fraction of the memory (paths, delays, path history and the
+/// delivery and NIC logs are most of a report).
+pub fn base(r: &CollectorReport) -> CollectorReport {
+    let flows = r
+        .flows
+        .iter()
+        .map(|f| FlowReport {
+            id: f.id.clone(),
+            src_ip: f.src_ip,
+            dst_ip: f.dst_ip,
+            udp_sport: f.udp_sport,
+            dest_qp: f.dest_qp,
+            path: Vec::new(),
+            hops: Vec::new(),
+            class: Vec::new(),
+            cnp_class: Vec::new(),
+            cnp_delivery: f.cnp_delivery.clone(),
+            max_frame: Default::default(),
+            class_seen: f.class_seen.clone(),
+            delivery: f.delivery.iter().max_by_key(|d| d.end_ns).cloned().into_iter().collect(),
+            class_changes: f.class_changes.clone(),
+            ce_onset: f.ce_onset.clone(),
+            lost: f.lost.clone(),
+            unobserved: f.unobserved.clone(),
+            delays: Vec::new(),
+            path_history: Vec::new(),
+            counters: f.counters.clone(),
+            trajectories: f.trajectories,
+            answered_by: f.answered_by.clone(),
+            probe: None,
+        })
+        .collect();
+    let points = r
+        .points
+        .iter()
+        .map(|p| {
+            let mut p = p.clone();
+            let keep = p.mtu_history.len().saturating_sub(1);
+            p.mtu_history.drain(..keep);
+            p
+        })
+        .collect();
+    let nic = r
+        .nic
+        .iter()
+        .map(|p| {
+            let mut p = p.clone();
+            let keep = p.intervals.len().saturating_sub(1);
+            p.intervals.drain(..keep);
+            p
+        })
+        .collect();
+    CollectorReport {
+        kind: r.kind.clone(),
+        stats: r.stats,
+        refused_connections: r.refused_connections,
+        agents: Vec::new(),
+        points,
+        health: Vec::new(),
+        flows,
+        anomalies: Vec::new(),
+        nic,
+    }
+}
