@@ -852,7 +852,10 @@ fn a_window_counts_only_what_happened_in_it() {
     let w = since(&report(start.clone()), report(end.clone()));
     // What a continuous judge keeps of a window's start makes the same window.
     let from_base = since(&crate::window::base(&report(start.clone())), report(end.clone()));
-    assert_eq!(serde_json::to_value(&from_base).unwrap(), serde_json::to_value(&w).unwrap());
+    assert_eq!(
+        serde_json::to_value(&from_base).unwrap(),
+        serde_json::to_value(&w).unwrap()
+    );
     assert_eq!(w.flows.len(), start.len() - 1, "the idle flow is left out");
     assert!(!w.flows.iter().any(|f| f.id == start[2].id));
     let f0 = w.flows.iter().find(|f| f.id == start[0].id).unwrap();
@@ -1487,7 +1490,10 @@ mod nic_checks {
         start.nic[0].intervals.truncate(1);
         let w = since(&start, with_nic(vec![p.clone()]));
         let from_base = since(&crate::window::base(&start), with_nic(vec![p]));
-        assert_eq!(serde_json::to_value(&from_base).unwrap(), serde_json::to_value(&w).unwrap());
+        assert_eq!(
+            serde_json::to_value(&from_base).unwrap(),
+            serde_json::to_value(&w).unwrap()
+        );
         assert_eq!(w.nic[0].intervals.len(), 1);
         assert_eq!(w.nic[0].intervals[0].deltas["rx_prio3_pause"], 7);
     }

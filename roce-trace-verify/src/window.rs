@@ -143,7 +143,13 @@ pub fn base(r: &CollectorReport) -> CollectorReport {
             cnp_delivery: f.cnp_delivery.clone(),
             max_frame: Default::default(),
             class_seen: f.class_seen.clone(),
-            delivery: f.delivery.iter().max_by_key(|d| d.end_ns).cloned().into_iter().collect(),
+            delivery: f
+                .delivery
+                .iter()
+                .max_by_key(|d| d.end_ns)
+                .cloned()
+                .into_iter()
+                .collect(),
             class_changes: f.class_changes.clone(),
             ce_onset: f.ce_onset.clone(),
             lost: f.lost.clone(),

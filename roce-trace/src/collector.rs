@@ -673,11 +673,10 @@ async fn continuous(st: Shared, judge: Option<Arc<parking_lot::Mutex<crate::verd
         }
         let at_ms = crate::verdicts::unix_ms();
         let started = Instant::now();
-        let taken = Taken::of(&st.lock());
         let grouped = st.lock().group.is_some();
         let (st2, judge2, snapshots2) = (st.clone(), judge.clone(), snapshots.clone());
         running = Some(tokio::task::spawn_blocking(move || {
-            let mut now = taken.report();
+            let mut now = judged_report(&st2);
             if grouped {
                 match from_members::<CollectorReport>(&st2, "/report", "") {
                     Ok(others) => {
@@ -702,6 +701,28 @@ async fn continuous(st: Shared, judge: Option<Arc<parking_lot::Mutex<crate::verd
             let took = started.elapsed().as_micros() as u64;
             judge2.lock().record(w, at_ms, report.flows.len(), checks, took);
         }));
+    }
+}
+
+/// The report a window is judged on: every flow's report read a chunk at a time (as
+/// `/flows` reads them: the join copies a flow it changes only while that flow's chunk
+/// is being built, so judging a large table costs the agents' ingest next to nothing;
+/// each flow as of its chunk), the points and the NIC ports — not the anomalies, agents
+/// or health, which no check reads.
+fn judged_report(st: &Shared) -> CollectorReport {
+    let flows = flows_a_chunk_at_a_time(st);
+    let s = st.lock();
+    let j = s.joiner.as_ref().expect("joiner");
+    CollectorReport {
+        kind: "collector_report".into(),
+        stats: j.stats,
+        refused_connections: s.refused,
+        agents: Vec::new(),
+        points: j.points().to_vec(),
+        health: Vec::new(),
+        flows,
+        anomalies: Vec::new(),
+        nic: s.nic.report(),
     }
 }
 

@@ -72,11 +72,12 @@ pub fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// The reports the windows are cut from: one per `--verify-every`, back to the start of
-/// the next window ([`MAX_WINDOWS_KEPT`] + 2 at most).
+/// What the windows are cut from: of each report, one per `--verify-every` back to the
+/// start of the next window ([`MAX_WINDOWS_KEPT`] + 2 at most), only what a window's
+/// start needs ([`crate::verify::window::base`]).
 #[derive(Default)]
 pub struct Snapshots {
-    kept: VecDeque<(u64, Arc<CollectorReport>)>,
+    kept: VecDeque<(u64, CollectorReport)>,
 }
 
 impl Snapshots {
@@ -91,7 +92,7 @@ impl Snapshots {
         window: Duration,
         slack: Duration,
     ) -> Option<(Window, CollectorReport)> {
-        let now = Arc::new(now);
+        let kept = crate::verify::window::base(&now);
         let want = (at_ms + slack.as_millis() as u64).saturating_sub(window.as_millis() as u64);
         let base = self
             .kept
@@ -105,13 +106,13 @@ impl Snapshots {
                     start_ms: start,
                     end_ms: at_ms,
                 },
-                crate::verify::window::since(b, (*now).clone()),
+                crate::verify::window::since(b, now),
             )
         });
         if let Some(i) = base {
             self.kept.drain(..i);
         }
-        self.kept.push_back((at_ms, now));
+        self.kept.push_back((at_ms, kept));
         out
     }
 
