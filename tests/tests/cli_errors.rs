@@ -245,3 +245,165 @@ fn outputs_are_never_written_through_a_symbolic_link() {
         "{err}"
     );
 }
+
+/// Continuous verification's flags and files: refused with the reason before anything is
+/// collected, and a broken history is left as it was.
+#[test]
+fn continuous_verification_flags_and_files_are_checked_before_collecting() {
+    let dir = TempDir::new("cli-continuous");
+    let policy = dir.path("p.toml");
+    std::fs::write(&policy, "[class]\ndata_dscp = 26\n").unwrap();
+    let token = dir.path("token");
+    std::fs::write(&token, "t\n").unwrap();
+    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let history = dir.path("h.jsonl");
+    let (p, t, h, r) = (
+        policy.to_str().unwrap(),
+        token.to_str().unwrap(),
+        history.to_str().unwrap(),
+        dir.path("r.json"),
+    );
+    let r = r.to_str().unwrap();
+    let collect = |extra: &[&str]| {
+        let mut a = vec![
+            "collect",
+            "--quiet",
+            "--listen",
+            "127.0.0.1:0",
+            "--token-file",
+            t,
+            "--report",
+            r,
+            "--duration",
+            "1s",
+        ];
+        a.extend_from_slice(extra);
+        run(&a)
+    };
+    let (code, err) = collect(&["--verify-every", "1s"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--policy"), "{err}");
+    let (code, err) = collect(&[
+        "--policy",
+        p,
+        "--verify-every",
+        "2s",
+        "--verify-window",
+        "1s",
+        "--verdict-history",
+        h,
+    ]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("--verify-window (1s) must be at least --verify-every (2s)"),
+        "{err}"
+    );
+    let (code, err) = collect(&[
+        "--policy",
+        p,
+        "--verify-every",
+        "1s",
+        "--verify-window",
+        "11s",
+        "--verdict-history",
+        h,
+    ]);
+    assert_ne!(code, 0);
+    assert!(err.contains("at most 10 times"), "{err}");
+    let (code, err) = collect(&["--policy", p, "--fail-after", "0", "--verdict-history", h]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--fail-after must be at least 1"), "{err}");
+    let (code, err) = collect(&[
+        "--policy",
+        p,
+        "--alert-url",
+        "https://alerts.example/x",
+        "--verdict-history",
+        h,
+    ]);
+    assert_eq!(code, 2);
+    assert!(err.contains("https is not supported"), "{err}");
+    let bad = dir.path("bad.toml");
+    std::fs::write(&bad, "[class]\ndata_dscp = 99\n").unwrap();
+    let (code, err) = collect(&["--policy", bad.to_str().unwrap(), "--verdict-history", h]);
+    assert_ne!(code, 0);
+    assert!(err.contains("99") && err.contains("line 2"), "{err}");
+    // A history that is not one: named with its line, and left as it was.
+    let text = "{\"type\":\"verdict_change\",\"seq\":1,\"at_ms\":1,\"window\":{\"start_ms\":0,\"end_ms\":1},\"flows\":0,\"changes\":[]}\nnot json\n";
+    std::fs::write(&history, text).unwrap();
+    let (code, err) = collect(&["--policy", p, "--verdict-history", h]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains(&format!("{h}:2:")) && err.contains("move the file aside"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_to_string(&history).unwrap(), text);
+    // A good one is taken, and the collector runs.
+    std::fs::write(&history, text.lines().next().unwrap().to_owned() + "\n").unwrap();
+    let (code, err) = collect(&["--policy", p, "--verdict-history", h]);
+    assert_eq!(code, 0, "{err}");
+    // verify --since needs a collector, and one that judges.
+    let (code, err) = run(&["verify", "--since", "1h"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--collector-http"), "{err}");
+    let (code, err) = run(&[
+        "verify",
+        "--since",
+        "1h",
+        "--collector-http",
+        "127.0.0.1:9",
+        "--report",
+        r,
+    ]);
+    assert_eq!(code, 2, "{err}");
+}
+
+/// `verify --since` against a collector that does not judge says so.
+#[test]
+fn verify_since_asks_a_collector_that_judges() {
+    let dir = TempDir::new("cli-since");
+    let token = dir.path("token");
+    std::fs::write(&token, "t\n").unwrap();
+    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let http = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    let c = Proc::spawn(
+        Command::new(roce_trace_bin())
+            .args([
+                "collect",
+                "--quiet",
+                "--listen",
+                "127.0.0.1:0",
+                "--http",
+                &http,
+                "--token-file",
+            ])
+            .arg(&token)
+            .arg("--report")
+            .arg(dir.path("r.json"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null()),
+    );
+    let t = std::time::Instant::now();
+    while roce_trace::http::get(http.parse().unwrap(), "/stats", std::time::Duration::from_secs(2)).is_err() {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(20),
+            "the collector did not start"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let (code, err) = run(&["verify", "--since", "1h", "--collector-http", &http]);
+    assert_ne!(code, 0);
+    assert!(err.contains("continuous verification is off"), "{err}");
+    let (s, body) = roce_trace::http::get(
+        http.parse().unwrap(),
+        "/verdicts",
+        std::time::Duration::from_secs(2),
+    )
+    .unwrap();
+    assert_eq!(s, 404, "{}", String::from_utf8_lossy(&body));
+    c.interrupt();
+}
