@@ -98,3 +98,40 @@ impl Drop for Observers {
         }
     }
 }
+
+/// h1 → h3 and h2 → h4 on 8 QPs each at 2 Mbit/s for `secs` (every host, leaf and spine
+/// on some path; the responders outlive the senders by 3 s), QPs 0x100… and 0x200…,
+/// source ports 49252… and 49352….
+pub fn two_pairs_traffic(lab: &Lab, secs: u64) -> Vec<crate::Proc> {
+    let mut v = Vec::new();
+    for (from, to) in [(1u8, 3u8), (2, 4)] {
+        v.push(crate::spawn_gen(
+            &lab.ns(&format!("h{to}")),
+            &[
+                "--bind",
+                &format!("10.10.{to}.2"),
+                "--duration",
+                &format!("{}s", secs + 3),
+            ],
+        ));
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        v.push(crate::spawn_gen(
+            &lab.ns(&format!("h{from}")),
+            &[
+                "--to",
+                &format!("10.10.{to}.2"),
+                "--qps",
+                "8",
+                "--rate",
+                "2mbit",
+                "--duration",
+                &format!("{secs}s"),
+                "--sport-base",
+                &format!("{}", 49152 + 100 * u32::from(from)),
+                "--qp-base",
+                &format!("{:#x}", 0x100 * u32::from(from)),
+            ],
+        ));
+    }
+    v
+}

@@ -124,6 +124,17 @@ fn status(lab: &Lab, check: &str) -> Option<String> {
         .map(|rest| rest.split('"').next().unwrap().to_owned())
 }
 
+/// `roce-trace verify ARGS` in the management namespace.
+fn verify(lab: &Lab, args: &[&str]) -> std::process::Output {
+    std::process::Command::new("ip")
+        .args(["netns", "exec", &lab.ns("mgmt")])
+        .arg(roce_trace_bin())
+        .arg("verify")
+        .args(args)
+        .output()
+        .unwrap()
+}
+
 fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) -> Duration {
     let t = Instant::now();
     while !f() {
@@ -131,41 +142,6 @@ fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) -> Duratio
         std::thread::sleep(Duration::from_millis(200));
     }
     t.elapsed()
-}
-
-/// h1 → h3 and h2 → h4 on 8 QPs each for `secs` (both spines carry some).
-fn traffic(lab: &Lab, secs: u64) -> Vec<Proc> {
-    let mut v = Vec::new();
-    for (from, to) in [(1u8, 3u8), (2, 4)] {
-        v.push(spawn_gen(
-            &lab.ns(&format!("h{to}")),
-            &[
-                "--bind",
-                &format!("10.10.{to}.2"),
-                "--duration",
-                &format!("{}s", secs + 3),
-            ],
-        ));
-        std::thread::sleep(Duration::from_millis(300));
-        v.push(spawn_gen(
-            &lab.ns(&format!("h{from}")),
-            &[
-                "--to",
-                &format!("10.10.{to}.2"),
-                "--qps",
-                "8",
-                "--rate",
-                "2mbit",
-                "--duration",
-                &format!("{secs}s"),
-                "--sport-base",
-                &format!("{}", 49152 + 100 * u32::from(from)),
-                "--qp-base",
-                &format!("{:#x}", 0x100 * u32::from(from)),
-            ],
-        ));
-    }
-    v
 }
 
 /// The changes of an event, by check: (from, to).
@@ -218,7 +194,7 @@ fn a_fault_that_comes_and_goes_fails_its_checks_and_recovers_with_two_alerts() {
             &hook,
         ],
     );
-    let _gens = traffic(&lab.0, 150);
+    let _gens = lab::two_pairs_traffic(&lab.0, 150);
     let checks = ["data_class", "data_ect", "ce_fraction", "naks"];
 
     // Healthy: every check established ok once the traffic is seen, then many windows
@@ -427,12 +403,7 @@ fn a_fault_that_comes_and_goes_fails_its_checks_and_recovers_with_two_alerts() {
     assert_eq!(got.lock().unwrap().len(), 2, "{:#?}", got.lock().unwrap());
 
     // verify --since: the failure, when it began and when it ended.
-    let out = std::process::Command::new("ip")
-        .args(["netns", "exec", &lab.0.ns("mgmt")])
-        .arg(roce_trace_bin())
-        .args(["verify", "--collector-http", HTTP, "--since", "10m"])
-        .output()
-        .unwrap();
+    let out = verify(&lab.0, &["--collector-http", HTTP, "--since", "10m"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(
         out.status.code(),
@@ -446,19 +417,10 @@ fn a_fault_that_comes_and_goes_fails_its_checks_and_recovers_with_two_alerts() {
         lines.iter().all(|l| l.contains("FAIL") && !l.contains("still")),
         "{text}"
     );
-    let out = std::process::Command::new("ip")
-        .args(["netns", "exec", &lab.0.ns("mgmt")])
-        .arg(roce_trace_bin())
-        .args([
-            "verify",
-            "--collector-http",
-            HTTP,
-            "--since",
-            "10m",
-            "--json-stdout",
-        ])
-        .output()
-        .unwrap();
+    let out = verify(
+        &lab.0,
+        &["--collector-http", HTTP, "--since", "10m", "--json-stdout"],
+    );
     let j: Value = serde_json::from_slice(&out.stdout).unwrap();
     let s: Vec<&Value> = j["stretches"]
         .as_array()
@@ -473,12 +435,7 @@ fn a_fault_that_comes_and_goes_fails_its_checks_and_recovers_with_two_alerts() {
     );
     assert!(from >= fault_at && from < clear_at && until >= clear_at, "{j:#}");
     // Nothing failed in the last second.
-    let out = std::process::Command::new("ip")
-        .args(["netns", "exec", &lab.0.ns("mgmt")])
-        .arg(roce_trace_bin())
-        .args(["verify", "--collector-http", HTTP, "--since", "1s"])
-        .output()
-        .unwrap();
+    let out = verify(&lab.0, &["--collector-http", HTTP, "--since", "1s"]);
     assert_eq!(
         out.status.code(),
         Some(0),

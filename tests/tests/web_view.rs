@@ -214,42 +214,6 @@ fn images() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/images")
 }
 
-/// h1 → h3 and h2 → h4 on 8 QPs each (every host, leaf and spine on some path) for
-/// `secs`.
-fn traffic(lab: &Lab, secs: u64) -> Vec<Proc> {
-    let mut v = Vec::new();
-    for (from, to) in [(1u8, 3u8), (2, 4)] {
-        v.push(spawn_gen(
-            &lab.ns(&format!("h{to}")),
-            &[
-                "--bind",
-                &format!("10.10.{to}.2"),
-                "--duration",
-                &format!("{}s", secs + 3),
-            ],
-        ));
-        std::thread::sleep(Duration::from_millis(300));
-        v.push(spawn_gen(
-            &lab.ns(&format!("h{from}")),
-            &[
-                "--to",
-                &format!("10.10.{to}.2"),
-                "--qps",
-                "8",
-                "--rate",
-                "2mbit",
-                "--duration",
-                &format!("{secs}s"),
-                "--sport-base",
-                &format!("{}", 49152 + 100 * u32::from(from)),
-                "--qp-base",
-                &format!("{:#x}", 0x100 * u32::from(from)),
-            ],
-        ));
-    }
-    v
-}
-
 /// chromedriver in the management namespace (where the collector listens), stopped on
 /// drop.
 fn chromedriver(lab: &Lab) -> Proc {
@@ -295,7 +259,7 @@ fn the_map_and_the_report_show_a_dscp_rewrite_at_its_spine_in_a_browser() {
             to: 0,
         })
         .unwrap();
-    let gens = traffic(&lab.0, 20);
+    let gens = lab::two_pairs_traffic(&lab.0, 20);
     // The collector has seen the rewrite, and traffic on every host, before we look.
     let mgmt = lab.0.ns("mgmt");
     let t = Instant::now();
