@@ -635,8 +635,8 @@ pub async fn run(
 
 /// Continuous verification: every `--verify-every` a report (in a group, the group's,
 /// by the member that judges: the one with the least id), the window since the report
-/// `--verify-window` before it, judged on a thread of its own — one at a time, never
-/// under the join's lock for longer than taking the report.
+/// `--verify-window` before it, judged on a thread of its own — one at a time, reading
+/// the join a chunk of flows at a time ([`judged_report`]).
 async fn continuous(st: Shared, judge: Option<Arc<parking_lot::Mutex<crate::verdicts::Judge>>>) {
     let Some(judge) = judge else {
         return std::future::pending().await;
