@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 
 use roce_trace_correlate::report::{AgentInfo, Anomaly, CollectorReport, DeliveryAt, FlowReport, Point};
-use roce_trace_verify::{checks::Status, output::Verdict};
+use roce_trace_verify::{checks::Status, continuous::Verdicts, output::Verdict};
 
 use crate::{
     MAX_LISTED, esc,
@@ -384,6 +384,86 @@ pub fn unix_time(ns: u64) -> String {
         s / 60 % 60,
         s % 60
     )
+}
+
+/// `main` (a [`main_fragment`]) with the continuously judged checks after its map,
+/// before the anomalies: the map stays the first thing seen.
+pub fn main_with_verdicts(main: &str, v: &Verdicts) -> String {
+    let checks = verdicts_section(v);
+    let end = "</section>";
+    match main
+        .find(r#"<section id="map">"#)
+        .and_then(|i| main[i..].find(end).map(|j| i + j + end.len()))
+    {
+        Some(at) => format!("{}{checks}{}", &main[..at], &main[at..]),
+        None => checks + main,
+    }
+}
+
+/// Changes listed under the continuously judged checks, newest first.
+pub const CHANGES_LISTED: usize = 10;
+
+/// The checks a collector judges all the time (`collect --policy`), for the web view
+/// above its map: each check's established status (after `--fail-after` windows agree, or
+/// pending), since when, the last window's own status and summary and how many flows or
+/// items fail it, and the latest changes.
+pub fn verdicts_section(v: &Verdicts) -> String {
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        r#"<section id="verdicts"><h2>Checks, judged continuously</h2><p class="summary">{} every {} s over the last {} s, a change after {} window(s) agree; {} window(s) judged{}.</p>"#,
+        esc(&v.policy),
+        v.every_ms as f64 / 1000.0,
+        v.window_ms as f64 / 1000.0,
+        v.fail_after,
+        v.windows,
+        if v.judging { "" } else { "; not judging now" }
+    );
+    s.push_str(r#"<table><thead><tr><th>check</th><th>status</th><th>since</th><th>last window</th><th>failing</th><th>rule</th></tr></thead><tbody>"#);
+    for c in &v.checks {
+        let (class, name) = c
+            .status
+            .map_or(("pending", "PENDING"), |st| (status_class(st), st.name()));
+        let _ = write!(
+            s,
+            r#"<tr class="check {class}" data-check="{}" data-status="{class}"><td>{}</td><td>{name}</td><td>{}</td><td>{}: {}</td><td>{}</td><td>{}</td></tr>"#,
+            esc(&c.check),
+            esc(&c.check),
+            c.since_ms.map_or("–".into(), |t| unix_time(t * 1_000_000)),
+            c.latest.name(),
+            esc(&c.summary),
+            c.failing_items,
+            esc(&c.rule)
+        );
+    }
+    s.push_str("</tbody></table>");
+    let changes: Vec<_> = v
+        .events
+        .iter()
+        .rev()
+        .flat_map(|e| e.changes.iter().map(move |c| (e.at_ms, c)))
+        .take(CHANGES_LISTED)
+        .collect();
+    if !changes.is_empty() {
+        s.push_str(r#"<h3>Latest changes</h3><ul class="events changes">"#);
+        for (at, c) in changes {
+            let _ = write!(
+                s,
+                r#"<li class="change {}" data-check="{}">{} <b>{}</b> {} → {} (its windows from {}): {}</li>"#,
+                status_class(c.to),
+                esc(&c.check),
+                unix_time(at * 1_000_000),
+                esc(&c.check),
+                c.from.map_or("–", |f| f.name()),
+                c.to.name(),
+                unix_time(c.began_ms * 1_000_000),
+                esc(&c.summary)
+            );
+        }
+        s.push_str("</ul>");
+    }
+    s.push_str("</section>");
+    s
 }
 
 /// The flows carrying `f`'s CNPs, from the report.

@@ -435,3 +435,86 @@ fn a_fabric_built_flow_by_flow_is_the_fabric_of_the_whole_report() {
     }
     assert_eq!(bare, whole);
 }
+
+/// The continuously judged checks above the map: each check's established status (or
+/// pending), the latest changes newest first and at most [`html::CHANGES_LISTED`],
+/// names escaped.
+#[test]
+fn the_checks_judged_continuously_show_their_status_and_latest_changes() {
+    use roce_trace_verify::continuous::{Tracker, Window};
+    let mut t = Tracker::new(1);
+    let r = |check: &str, status: Status| CheckResult {
+        check: check.into(),
+        rule: format!("rule <{check}>"),
+        status,
+        checked: 3,
+        summary: format!("{check} is {}", status.name()),
+        evidence: if status == Status::Fail {
+            vec![Evidence {
+                flow: "f1".into(),
+                at: vec!["s1:l2:egress".into()],
+                detail: "DSCP 0".into(),
+            }]
+        } else {
+            vec![]
+        },
+    };
+    let mut events = Vec::new();
+    for i in 0..20u64 {
+        let s = if i % 2 == 0 { Status::Pass } else { Status::Fail };
+        let w = Window {
+            start_ms: i * 1000,
+            end_ms: i * 1000 + 1000,
+        };
+        events.extend(t.window(
+            w,
+            w.end_ms,
+            3,
+            &[
+                r("data_class", s),
+                r("<script>", Status::Pass),
+                r("hops", Status::NoData),
+            ],
+        ));
+    }
+    let v = roce_trace_verify::continuous::Verdicts {
+        kind: "verdicts".into(),
+        judging: true,
+        policy: "fabric.toml".into(),
+        every_ms: 1000,
+        window_ms: 2000,
+        fail_after: 1,
+        load: Load::Idle,
+        windows: 20,
+        last_window: None,
+        checks: t.states().cloned().collect(),
+        events,
+    };
+    let h = html::verdicts_section(&v);
+    assert!(
+        h.contains(r#"<tr class="check fail" data-check="data_class" data-status="fail"><td>data_class</td><td>FAIL</td>"#),
+        "{h}"
+    );
+    assert!(h.contains(r#"data-check="hops" data-status="pending""#), "{h}");
+    assert!(h.contains("&lt;script&gt;") && !h.contains("<script>"), "{h}");
+    assert!(h.contains("rule &lt;data_class&gt;"));
+    assert_eq!(
+        h.matches(r#"<li class="change"#).count(),
+        html::CHANGES_LISTED,
+        "{h}"
+    );
+    // Below the map, above the anomalies.
+    let page = html::main_with_verdicts(&html::main_fragment(&fabric_report()), &v);
+    let (map, checks, anomalies) = (
+        page.find(r#"<section id="map">"#).unwrap(),
+        page.find(r#"<section id="verdicts">"#).unwrap(),
+        page.find(r#"<section id="anomalies">"#).unwrap(),
+    );
+    assert!(map < checks && checks < anomalies, "{page}");
+    // Newest first: the last window's change (data_class to FAIL, at 20 s) heads the list.
+    let first = h.split(r#"<li class="change"#).nth(1).unwrap();
+    assert!(
+        first.starts_with(r#" fail" data-check="data_class">00:00:20.000 UTC"#),
+        "{first}"
+    );
+}

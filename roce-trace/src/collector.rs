@@ -156,7 +156,11 @@ fn ui_cached(st: &Shared) -> Option<Arc<String>> {
 
 /// Keeps a `/ui/main` built from `started` on.
 fn ui_keep(st: &Shared, started: Instant, page: String) -> Arc<String> {
-    let page = Arc::new(page);
+    // The checks judged continuously (`--policy`), below the map.
+    let page = Arc::new(match ui_verdicts(st) {
+        Some(v) => crate::pictures::html::main_with_verdicts(&page, &v),
+        None => page,
+    });
     st.lock().ui_main = Some((Instant::now(), started.elapsed(), page.clone()));
     page
 }
@@ -1531,6 +1535,18 @@ fn local_api(st: &Shared, path: &str, query: &str) -> Response {
             "try / (the web view), /flows, /flow?id=…, /trace?id=…, /anomalies, /agents, /stats, /report, /verdicts, /verdict, /metrics, /metrics.json\n".into(),
         ),
     }
+}
+
+/// The verdicts the web view shows: this collector's, or in a group the group's (none
+/// when a member does not answer: the map is shown without them).
+fn ui_verdicts(st: &Shared) -> Option<crate::verify::continuous::Verdicts> {
+    let local = local_verdicts(st)?;
+    if st.lock().group.is_none() {
+        return Some(local);
+    }
+    let mut all = vec![local];
+    all.extend(from_members::<crate::verify::continuous::Verdicts>(st, "/verdicts", "").ok()?);
+    merge_verdicts(all)
 }
 
 fn local_verdicts(st: &Shared) -> Option<crate::verify::continuous::Verdicts> {

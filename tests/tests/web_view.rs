@@ -249,9 +249,29 @@ fn the_map_and_the_report_show_a_dscp_rewrite_at_its_spine_in_a_browser() {
     }
     let lab = LabGuard::up("rtwv");
     let dir = TempDir::new("web-view");
-    let obs = Observers::start_with(&lab.0, dir.path("report.json"), TOKEN, &["--http", HTTP], |_| {
-        vec!["--metrics".into(), "127.0.0.1:9464".into()]
-    });
+    // The collector judges the shipped policy continuously too: its checks above the map.
+    let policy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../dist/fabric-policy.toml");
+    let history = dir.path("verdicts.jsonl");
+    let obs = Observers::start_with(
+        &lab.0,
+        dir.path("report.json"),
+        TOKEN,
+        &[
+            "--http",
+            HTTP,
+            "--policy",
+            policy.to_str().unwrap(),
+            "--verify-every",
+            "1s",
+            "--verify-window",
+            "2s",
+            "--fail-after",
+            "1",
+            "--verdict-history",
+            history.to_str().unwrap(),
+        ],
+        |_| vec!["--metrics".into(), "127.0.0.1:9464".into()],
+    );
     lab.0
         .apply(&Fault::DscpRewrite {
             spine: 1,
@@ -348,6 +368,15 @@ fn the_map_and_the_report_show_a_dscp_rewrite_at_its_spine_in_a_browser() {
         let fill =
             b.js("return getComputedStyle(document.querySelector('#map .node[data-node=\"s1\"] rect')).fill");
         assert_eq!(fill, json!("rgb(194, 24, 91)"));
+        // Above the map, the checks judged continuously: data_class failing (s1 rewrites
+        // from the start), the CE budget not (nothing CE-marks here).
+        b.wait_for(
+            "data_class failing in the continuous checks",
+            "return document.querySelector('#verdicts tr[data-check=\"data_class\"]')?.dataset.status === 'fail'",
+        );
+        let ce =
+            b.js("return document.querySelector('#verdicts tr[data-check=\"ce_fraction\"]')?.dataset.status");
+        assert_eq!(ce, json!("pass"));
         b.screenshot(&shots.join("web-map.png"));
         // Click s1: its flows are listed; follow the first to its page.
         b.click("#map .node[data-node=\"s1\"]");
