@@ -215,7 +215,7 @@ fn a_fault_that_comes_and_goes_fails_its_checks_and_recovers_with_two_alerts() {
             );
         }
     }
-    std::thread::sleep(Duration::from_secs(12));
+    std::thread::sleep(Duration::from_secs(13));
     let v = verdicts(&lab.0);
     assert!(
         v["windows"].as_u64().unwrap() >= windows + 10,
