@@ -80,6 +80,27 @@ pub struct CheckState {
     pub moving: Option<(Health, u32, u64)>,
 }
 
+impl CheckState {
+    /// A check first seen, with no established status yet (its other fields are set by
+    /// the window or the history entry that names it).
+    fn new(check: &str, rule: &str, latest: Status) -> Self {
+        Self {
+            check: check.into(),
+            rule: rule.into(),
+            status: None,
+            since_ms: None,
+            changed_ms: None,
+            latest,
+            summary: String::new(),
+            checked: 0,
+            failing_items: 0,
+            failing_windows: 0,
+            items: Vec::new(),
+            moving: None,
+        }
+    }
+}
+
 /// A check's established status changing.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Change {
@@ -168,25 +189,15 @@ impl Tracker {
     /// status is its last change's, and events are numbered after the last. A check that
     /// was failing when the history ended is still failing until `fail_after` windows
     /// say otherwise: a restart neither repeats its alert nor forgets it.
-    pub fn resume(fail_after: u32, history: &[Event]) -> Self {
+    pub fn resume<'a>(fail_after: u32, history: impl IntoIterator<Item = &'a Event>) -> Self {
         let mut t = Self::new(fail_after);
         for e in history {
             t.next_seq = t.next_seq.max(e.seq + 1);
             for c in &e.changes {
-                let s = t.checks.entry(c.check.clone()).or_insert_with(|| CheckState {
-                    check: c.check.clone(),
-                    rule: c.rule.clone(),
-                    status: None,
-                    since_ms: None,
-                    changed_ms: None,
-                    latest: c.to,
-                    summary: c.summary.clone(),
-                    checked: c.checked,
-                    failing_items: 0,
-                    failing_windows: 0,
-                    items: Vec::new(),
-                    moving: None,
-                });
+                let s = t
+                    .checks
+                    .entry(c.check.clone())
+                    .or_insert_with(|| CheckState::new(&c.check, &c.rule, c.to));
                 s.status = Some(c.to);
                 s.since_ms = Some(c.began_ms);
                 s.changed_ms = Some(e.at_ms);
@@ -203,10 +214,6 @@ impl Tracker {
             }
         }
         t
-    }
-
-    pub fn fail_after(&self) -> u32 {
-        self.fail_after
     }
 
     /// Every check seen, by name.
@@ -227,20 +234,10 @@ impl Tracker {
         let fail_after = self.fail_after;
         let mut changes = Vec::new();
         for r in results {
-            let s = self.checks.entry(r.check.clone()).or_insert_with(|| CheckState {
-                check: r.check.clone(),
-                rule: r.rule.clone(),
-                status: None,
-                since_ms: None,
-                changed_ms: None,
-                latest: r.status,
-                summary: String::new(),
-                checked: 0,
-                failing_items: 0,
-                failing_windows: 0,
-                items: Vec::new(),
-                moving: None,
-            });
+            let s = self
+                .checks
+                .entry(r.check.clone())
+                .or_insert_with(|| CheckState::new(&r.check, &r.rule, r.status));
             let items = failing_items(&r.evidence);
             s.rule = r.rule.clone();
             s.latest = r.status;

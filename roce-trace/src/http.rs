@@ -303,6 +303,22 @@ pub fn get_as(
     timeout: std::time::Duration,
     bearer: Option<&str>,
 ) -> anyhow::Result<(u16, Vec<u8>)> {
+    let auth = bearer.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    request(addr, "GET", &addr.to_string(), path, &auth, &[], timeout)
+}
+
+/// One HTTP/1.1 request to `addr` over a fresh connection (`Connection: close`), `headers`
+/// (whole lines) after `Host: host`, then `body`: the answer's status and body (see
+/// [`get`]), each read and write within `timeout`.
+pub fn request(
+    addr: SocketAddr,
+    method: &str,
+    host: &str,
+    path: &str,
+    headers: &str,
+    body: &[u8],
+    timeout: std::time::Duration,
+) -> anyhow::Result<(u16, Vec<u8>)> {
     use std::io::Write as _;
 
     use anyhow::Context as _;
@@ -310,11 +326,11 @@ pub fn get_as(
         .with_context(|| format!("connecting to {addr}"))?;
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
-    let auth = bearer.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{headers}Connection: close\r\n\r\n"
     )?;
+    s.write_all(body)?;
     read_answer(std::io::BufReader::new(s)).with_context(|| format!("reading {addr}{path}"))
 }
 

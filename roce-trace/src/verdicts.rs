@@ -67,9 +67,7 @@ impl ContinuousOptions {
 
 /// Unix time now, in ms.
 pub fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+    crate::protocol::unix_now_ns() / 1_000_000
 }
 
 /// What the windows are cut from: of each report, one per `--verify-every` back to the
@@ -313,13 +311,20 @@ impl std::str::FromStr for AlertUrl {
     }
 }
 
+impl AlertUrl {
+    /// `host:port` as a URL and a `Host:` header write it (an IPv6 address bracketed).
+    pub fn authority(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+}
+
 impl std::fmt::Display for AlertUrl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.host.contains(':') {
-            write!(f, "http://[{}]:{}{}", self.host, self.port, self.path)
-        } else {
-            write!(f, "http://{}:{}{}", self.host, self.port, self.path)
-        }
+        write!(f, "http://{}{}", self.authority(), self.path)
     }
 }
 
@@ -415,25 +420,19 @@ fn post(url: &AlertUrl, body: &[u8]) -> anyhow::Result<()> {
 }
 
 fn post_to(addr: std::net::SocketAddr, url: &AlertUrl, body: &[u8]) -> anyhow::Result<u16> {
-    let timeout = Duration::from_secs(10);
-    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(3))
-        .with_context(|| format!("connecting to {addr}"))?;
-    s.set_read_timeout(Some(timeout))?;
-    s.set_write_timeout(Some(timeout))?;
-    let host = if url.host.contains(':') {
-        format!("[{}]:{}", url.host, url.port)
-    } else {
-        format!("{}:{}", url.host, url.port)
-    };
-    write!(
-        s,
-        "POST {} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nUser-Agent: roce-trace\r\nConnection: close\r\n\r\n",
-        url.path,
+    let headers = format!(
+        "Content-Type: application/json\r\nContent-Length: {}\r\nUser-Agent: roce-trace\r\n",
         body.len()
+    );
+    let (status, _) = crate::http::request(
+        addr,
+        "POST",
+        &url.authority(),
+        &url.path,
+        &headers,
+        body,
+        Duration::from_secs(10),
     )?;
-    s.write_all(body)?;
-    let (status, _) = crate::http::read_answer(std::io::BufReader::new(s))
-        .with_context(|| format!("reading {addr}'s answer"))?;
     Ok(status)
 }
 
@@ -464,8 +463,7 @@ impl Judge {
     pub fn new(opts: ContinuousOptions) -> anyhow::Result<Self> {
         opts.validate()?;
         let history = History::open(&opts.history, opts.history_max)?;
-        let events: Vec<Event> = history.events().iter().cloned().collect();
-        let tracker = Tracker::resume(opts.fail_after, &events);
+        let tracker = Tracker::resume(opts.fail_after, history.events());
         let alerter = opts.alert_url.clone().map(Alerter::start);
         Ok(Self {
             opts,
