@@ -17,27 +17,31 @@ pub fn flow_key(p: &Parsed, ifindex: u32, direction: u8) -> FlowKey {
     k
 }
 
-/// [`flow_key`] written in place (the kernel's scratch slot): the addresses go over as
-/// words, with no copy of the key on the stack between.
+/// [`flow_key`] written in place (the kernel's scratch slot), as the six words
+/// [`FlowKey::slot_of`] hashes and [`FlowKey::same_words`] compares, which it returns:
+/// each word is one store, so reading it back right away is forwarded from that store
+/// (a load spanning several narrower stores just made waits for them to reach the cache).
 #[inline(always)]
-pub fn set_flow_key(k: &mut FlowKey, p: &Parsed, ifindex: u32, direction: u8) {
-    // SAFETY: `FlowKey` is repr(C, align(8)) with `src` and `dst` at offsets 0 and 16:
-    // valid, aligned `[u32; 4]` places; any bytes are valid `u8`s.
-    unsafe {
-        core::ptr::from_mut(&mut k.src)
-            .cast::<[u32; 4]>()
-            .write(p.src_words());
-        core::ptr::from_mut(&mut k.dst)
-            .cast::<[u32; 4]>()
-            .write(p.dst_words());
-    }
-    k.ifindex = ifindex;
-    k.dest_qp = p.bth.dest_qp();
-    k.udp_sport = p.udp_sport;
-    k.direction = direction;
-    k.ip_version = p.ip_version;
+pub fn set_flow_key(k: &mut FlowKey, p: &Parsed, ifindex: u32, direction: u8) -> [u64; 6] {
+    let [s0, s1] = p.src_dwords();
+    let [d0, d1] = p.dst_dwords();
     // Zero unless mirrored (the parser clears it), so one key per mirror session.
-    k.mirror = p.mirror_id;
+    let w = [
+        s0,
+        s1,
+        d0,
+        d1,
+        FlowKey::word(ifindex, p.bth.dest_qp()),
+        FlowKey::word(
+            p.mirror_id,
+            {
+                let [a, b] = p.udp_sport.to_ne_bytes();
+                u32::from_ne_bytes([a, b, direction, p.ip_version])
+            },
+        ),
+    ];
+    *k.words_mut() = w;
+    w
 }
 
 #[inline(always)]

@@ -155,21 +155,52 @@ impl FlowKey {
         unsafe { &*core::ptr::from_ref(self).cast::<[u64; 6]>() }
     }
 
+    /// The key's words to write: any six words are a valid key (no padding, every field
+    /// an integer or bytes).
+    #[inline(always)]
+    pub fn words_mut(&mut self) -> &mut [u64; 6] {
+        // SAFETY: as in `words`; any bit pattern is a valid `FlowKey`.
+        unsafe { &mut *core::ptr::from_mut(self).cast::<[u64; 6]>() }
+    }
+
+    /// The word holding two adjacent 32-bit fields, `first` at the lower address (the
+    /// key's memory layout whatever the byte order).
+    #[inline(always)]
+    pub const fn word(first: u32, second: u32) -> u64 {
+        if cfg!(target_endian = "little") {
+            first as u64 | (second as u64) << 32
+        } else {
+            (first as u64) << 32 | second as u64
+        }
+    }
+
     /// Whether two keys are the same flow: six word compares (`==` on the byte arrays
     /// would be a `bcmp` call, which BPF has not).
     #[inline(always)]
     pub fn same(&self, other: &FlowKey) -> bool {
-        let (a, b) = (self.words(), other.words());
+        self.same_words(other.words())
+    }
+
+    /// Whether this key's words are `b` ([`FlowKey::words`] of another key).
+    #[inline(always)]
+    pub fn same_words(&self, b: &[u64; 6]) -> bool {
+        let a = self.words();
         (a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3]) | (a[4] ^ b[4]) | (a[5] ^ b[5]) == 0
     }
 
     /// The key's slot in the direct-mapped flow table (`FLOW_SLOTS`) of `1 << bits`
-    /// slots (`bits` < 32): the top `bits` bits of a multiplicative hash of the six words
-    /// (only the top bits depend on every bit of every word).
+    /// slots (`bits` < 32).
     #[inline(always)]
     pub fn slot(&self, bits: u32) -> u32 {
+        Self::slot_of(self.words(), bits)
+    }
+
+    /// [`FlowKey::slot`] of the key whose words are `w`: the top `bits` bits of a
+    /// multiplicative hash of the six words (only the top bits depend on every bit of
+    /// every word).
+    #[inline(always)]
+    pub fn slot_of(w: &[u64; 6], bits: u32) -> u32 {
         const K: u64 = 0x9E37_79B9_7F4A_7C15;
-        let w = self.words();
         let mut h = w[0].wrapping_mul(K);
         h = (h ^ w[1]).wrapping_mul(K);
         h = (h ^ w[2]).wrapping_mul(K);

@@ -5,7 +5,7 @@
 
 use crate::datapath::{
     FlowKey, GlobalCounter, HAS_AETH, HAS_DETH, HAS_ICRC, HAS_MIRROR, HAS_PCP, HAS_RETH, MIRROR_ERSPAN_I,
-    MIRROR_ERSPAN_II, MIRROR_ERSPAN_III, MIRROR_GRE, MirrorInfo, SAMPLE_HEAD_LEN, Sample, words_of_addr,
+    MIRROR_ERSPAN_II, MIRROR_ERSPAN_III, MIRROR_GRE, MirrorInfo, SAMPLE_HEAD_LEN, Sample,
 };
 use crate::roce::{self, ext_layout};
 use crate::wire::*;
@@ -96,7 +96,7 @@ impl Packet for InnerPacket<'_> {
 /// The fields of one RoCEv2 packet that the datapath records. `repr(C)` with the
 /// addresses first, so they sit word-aligned: the kernel build then writes and copies them
 /// with word stores instead of calls to byte-loop `memset`/`memmove`.
-#[repr(C)]
+#[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Parsed {
     /// IPv6, or IPv4 mapped as `::ffff:a.b.c.d`.
@@ -142,25 +142,43 @@ pub struct Parsed {
 pub type Skip = GlobalCounter;
 
 impl Parsed {
-    /// Sets both addresses from their words in memory order, as word stores.
+    /// Sets both addresses from their 64-bit words in memory order, as two stores each:
+    /// the flow key reads them back as the same words, and a load that spans two
+    /// narrower stores just made cannot be forwarded from them (the CPU waits for the
+    /// stores to reach the cache, on every packet).
     #[inline(always)]
-    fn set_addrs(&mut self, src: [u32; 4], dst: [u32; 4]) {
-        // SAFETY: `Parsed` is repr(C) with `src` and `dst` at offsets 0 and 16 and an
-        // alignment of at least 4 (asserted below), so both are valid, aligned `[u32; 4]`
-        // places; any bytes are valid `u8`s.
+    fn set_addrs(&mut self, src: [u64; 2], dst: [u64; 2]) {
+        // SAFETY: `Parsed` is repr(C, align(8)) with `src` and `dst` at offsets 0 and 16
+        // (asserted below), so both are valid, aligned `[u64; 2]` places; any bytes are
+        // valid `u8`s.
         unsafe {
-            core::ptr::from_mut(&mut self.src).cast::<[u32; 4]>().write(src);
-            core::ptr::from_mut(&mut self.dst).cast::<[u32; 4]>().write(dst);
+            core::ptr::from_mut(&mut self.src).cast::<[u64; 2]>().write(src);
+            core::ptr::from_mut(&mut self.dst).cast::<[u64; 2]>().write(dst);
         }
     }
 
-    /// The source address as words in memory order, read back as words: the kernel build
-    /// then loads four words where it would take sixteen bytes apart and put them back
-    /// together (and spill the pieces).
+    /// The source address as two 64-bit words in memory order (as [`Parsed::set_addrs`]
+    /// wrote them).
+    #[inline(always)]
+    pub fn src_dwords(&self) -> [u64; 2] {
+        // SAFETY: `src` is at offset 0 of a repr(C) struct aligned to 8 (asserted
+        // below): a valid, aligned `[u64; 2]` place; any bytes are valid `u64`s.
+        unsafe { core::ptr::from_ref(&self.src).cast::<[u64; 2]>().read() }
+    }
+
+    /// The destination address, likewise.
+    #[inline(always)]
+    pub fn dst_dwords(&self) -> [u64; 2] {
+        // SAFETY: `dst` is at offset 16, as above.
+        unsafe { core::ptr::from_ref(&self.dst).cast::<[u64; 2]>().read() }
+    }
+
+    /// The source address as 32-bit words in memory order (each inside one of the
+    /// stores [`Parsed::set_addrs`] made).
     #[inline(always)]
     pub fn src_words(&self) -> [u32; 4] {
-        // SAFETY: `src` is at offset 0 of a repr(C) struct aligned to at least 4 (asserted
-        // below): a valid, aligned `[u32; 4]` place; any bytes are valid `u32`s.
+        // SAFETY: `src` is at offset 0 of a repr(C) struct aligned to 8: a valid, aligned
+        // `[u32; 4]` place; any bytes are valid `u32`s.
         unsafe { core::ptr::from_ref(&self.src).cast::<[u32; 4]>().read() }
     }
 
@@ -175,18 +193,20 @@ impl Parsed {
 const _: () = {
     assert!(core::mem::offset_of!(Parsed, src) == 0);
     assert!(core::mem::offset_of!(Parsed, dst) == 16);
-    assert!(core::mem::align_of::<Parsed>() >= 4);
+    assert!(core::mem::align_of::<Parsed>() == 8);
 };
 
-/// An IPv4 address mapped as `::ffff:a.b.c.d`, as words in memory order.
+/// An IPv4 address mapped as `::ffff:a.b.c.d`, as 64-bit words in memory order.
 #[inline(always)]
-fn mapped_v4(a: [u8; 4]) -> [u32; 4] {
-    [
-        0,
-        0,
-        u32::from_ne_bytes([0, 0, 0xff, 0xff]),
-        u32::from_ne_bytes(a),
-    ]
+fn mapped_v4(a: [u8; 4]) -> [u64; 2] {
+    [0, u64::from_ne_bytes([0, 0, 0xff, 0xff, a[0], a[1], a[2], a[3]])]
+}
+
+/// 16 address bytes as two 64-bit words in memory order.
+#[inline(always)]
+fn dwords_of_addr(a: [u8; 16]) -> [u64; 2] {
+    let w = |i: usize| u64::from_ne_bytes([a[i], a[i + 1], a[i + 2], a[i + 3], a[i + 4], a[i + 5], a[i + 6], a[i + 7]]);
+    [w(0), w(8)]
 }
 
 /// Parses `p` into a new [`Parsed`], ICRC included (host use; the kernel uses
@@ -510,7 +530,7 @@ fn parse_ip<P: Packet>(
                 return Err(Skip::BadIpHeader);
             }
             out.ip_version = 6;
-            out.set_addrs(words_of_addr(ip.src), words_of_addr(ip.dst));
+            out.set_addrs(dwords_of_addr(ip.src), dwords_of_addr(ip.dst));
             tos = ip.traffic_class();
             out.ttl = ip.hop_limit;
             let mut next = ip.next_hdr;

@@ -233,12 +233,12 @@ fn account(
     now: u64,
 ) -> u32 {
     let p = &work.parsed;
-    account::set_flow_key(&mut work.key, p, ifindex, dir);
+    let words = account::set_flow_key(&mut work.key, p, ifindex, dir);
     let key = &work.key;
 
-    let flow = match flow_slot(key.slot(cfg.slot_bits)) {
+    let flow = match flow_slot(FlowKey::slot_of(&words, cfg.slot_bits)) {
         // SAFETY: per-CPU slot: only this CPU writes this copy.
-        Some(slot) if unsafe { (*slot).counters.counts.packets != 0 && (*slot).key.same(key) } => {
+        Some(slot) if unsafe { (*slot).counters.counts.packets != 0 && (*slot).key.same_words(&words) } => {
             // SAFETY: as above.
             Some(unsafe { core::ptr::addr_of_mut!((*slot).counters) })
         }

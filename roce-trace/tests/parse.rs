@@ -578,3 +578,78 @@ fn the_first_test_lets_by_only_what_the_parser_calls_non_roce() {
         "{let_by} let by and {plain} plain IPv4 of {checked}"
     );
 }
+
+/// The kernel writes a packet's flow key as six words and hashes and compares those words
+/// (`account::set_flow_key`): each field lands where `FlowKey` declares it, for IPv4,
+/// IPv6, tagged and mirrored frames, and the slot of the words is the slot of the key.
+#[test]
+fn the_flow_key_written_as_words_is_the_key_field_by_field() {
+    use roce_trace::frame::Mirror;
+    use roce_trace_common::{
+        account::set_flow_key,
+        datapath::{FlowKey, MAX_FLOW_SLOTS},
+    };
+    let base = RoceFrame {
+        opcode: op::SEND_ONLY,
+        udp_sport: 0xc1f3,
+        dest_qp: 0xa1b2c3,
+        payload: vec![7; 64],
+        ..Default::default()
+    };
+    let v6 = RoceFrame {
+        src: "fd00::1:2:3".parse().unwrap(),
+        dst: "fd00:9::8".parse().unwrap(),
+        udp_sport: 0x1234,
+        dest_qp: 0x00fe01,
+        vlans: vec![(ETH_P_8021Q, 3 << 13 | 100)],
+        ..base.clone()
+    };
+    let frames = [
+        base.build(),
+        v6.build(),
+        Mirror::ErspanII {
+            session: 5,
+            seq: 1,
+            index: 1,
+        }
+        .encapsulate(
+            "198.51.100.7".parse().unwrap(),
+            "198.51.100.1".parse().unwrap(),
+            &base.build(),
+        ),
+    ];
+    for f in &frames {
+        let parsed = p(f).expect("parses");
+        for (ifindex, dir) in [(1u32, 0u8), (0x8765_4321, 1)] {
+            let mut k = FlowKey {
+                src: [0xee; 16],
+                dst: [0xee; 16],
+                ifindex: 7,
+                dest_qp: 7,
+                mirror: 7,
+                udp_sport: 7,
+                direction: 7,
+                ip_version: 7,
+            };
+            let words = set_flow_key(&mut k, &parsed, ifindex, dir);
+            let want = FlowKey {
+                src: parsed.src,
+                dst: parsed.dst,
+                ifindex,
+                dest_qp: parsed.bth.dest_qp(),
+                mirror: parsed.mirror_id,
+                udp_sport: parsed.udp_sport,
+                direction: dir,
+                ip_version: parsed.ip_version,
+            };
+            assert_eq!(k, want);
+            assert_eq!(&words, k.words());
+            assert!(k.same_words(want.words()));
+            for bits in [0, 1, 7, 11, 31] {
+                assert_eq!(FlowKey::slot_of(&words, bits), want.slot(bits));
+            }
+            assert!(want.slot(MAX_FLOW_SLOTS.trailing_zeros()) < MAX_FLOW_SLOTS);
+        }
+    }
+    assert_ne!(p(&frames[2]).unwrap().mirror_id, 0, "the mirrored frame keys its session");
+}
