@@ -196,17 +196,22 @@ impl FlowKey {
     }
 
     /// [`FlowKey::slot`] of the key whose words are `w`: the top `bits` bits of a
-    /// multiplicative hash of the six words (only the top bits depend on every bit of
-    /// every word).
+    /// multiplicative hash. The words are mixed independently (an IPv4 address or IPv6
+    /// interface id each, the interface and QP, the port, direction and mirror session,
+    /// the two IPv6 prefixes together), then together. A product's top bits depend on
+    /// every bit of its factor only through the factor's low bits, so each factor first
+    /// folds its high half onto its low half (a bijection): without the fold, flows to
+    /// consecutive hosts (an IPv4 address sits in a word's high half) used half the slots.
     #[inline(always)]
     pub fn slot_of(w: &[u64; 6], bits: u32) -> u32 {
         const K: u64 = 0x9E37_79B9_7F4A_7C15;
-        let mut h = w[0].wrapping_mul(K);
-        h = (h ^ w[1]).wrapping_mul(K);
-        h = (h ^ w[2]).wrapping_mul(K);
-        h = (h ^ w[3]).wrapping_mul(K);
-        h = (h ^ w[4]).wrapping_mul(K);
-        h = (h ^ w[5]).wrapping_mul(K);
+        let mix = |x: u64| (x ^ (x >> 32)).wrapping_mul(K);
+        let x = mix(w[1])
+            ^ mix(w[3]).rotate_left(13)
+            ^ mix(w[4]).rotate_left(26)
+            ^ mix(w[5]).rotate_left(39)
+            ^ mix(w[0] ^ w[2].rotate_left(32)).rotate_left(52);
+        let h = mix(x);
         // In two steps, so that 0 bits is slot 0 without a shift by 64.
         ((h >> (63 - bits)) >> 1) as u32
     }
@@ -856,5 +861,85 @@ mod tests {
         assert_ne!(other_way.slot(bits), slot);
         assert_eq!(key.slot(0), 0, "one slot");
         assert!(key.slot(1) < 2);
+    }
+
+    /// Flows that differ the way a fabric's flows do (consecutive QPs, consecutive hosts,
+    /// UDP source ports, interfaces and directions, host pairs, mirror sessions, IPv6
+    /// hosts of one prefix) spread over the slots at least as well as random keys:
+    /// 2,048 random keys in 2,048 slots fill about 1 − 1/e of them (1,295 ± 20), and no
+    /// slot holds a pile.
+    #[test]
+    fn structured_flows_spread_like_random_keys() {
+        let bits = MAX_FLOW_SLOTS.trailing_zeros();
+        let n = MAX_FLOW_SLOTS;
+        let v4 = |host: u32| {
+            let mut a = [0u8; 16];
+            a[10] = 0xff;
+            a[11] = 0xff;
+            a[12..].copy_from_slice(&(0x0a00_0000 | host).to_be_bytes());
+            a
+        };
+        let base = FlowKey {
+            src: v4(1),
+            dst: v4(2),
+            ifindex: 3,
+            dest_qp: 0x100,
+            mirror: 0,
+            udp_sport: 0xc000,
+            direction: DIR_EGRESS,
+            ip_version: 4,
+        };
+        let sets: [(&str, fn(FlowKey, u32) -> FlowKey); 7] = [
+            ("QPs", |k, i| FlowKey {
+                dest_qp: 0x100 + i,
+                ..k
+            }),
+            ("hosts", |k, i| {
+                let mut dst = k.dst;
+                dst[14..].copy_from_slice(&(i as u16).to_be_bytes());
+                FlowKey { dst, ..k }
+            }),
+            ("ports", |k, i| FlowKey {
+                udp_sport: 0xc000 + i as u16,
+                ..k
+            }),
+            ("interfaces and directions", |k, i| FlowKey {
+                ifindex: i / 2,
+                direction: (i % 2) as u8,
+                ..k
+            }),
+            ("host pairs", |k, i| {
+                let (mut src, mut dst) = (k.src, k.dst);
+                src[15] = (i % 64) as u8;
+                dst[15] = (i / 64) as u8;
+                FlowKey { src, dst, ..k }
+            }),
+            ("mirror sessions", |k, i| FlowKey {
+                mirror: i.wrapping_mul(0x9E37_79B9) | 1,
+                ..k
+            }),
+            ("IPv6 hosts", |k, i| {
+                let mut src = [0u8; 16];
+                src[..8].copy_from_slice(&0xfd00_0000_0000_0001u64.to_be_bytes());
+                src[8..].copy_from_slice(&u64::from(i).to_be_bytes());
+                FlowKey {
+                    src,
+                    ip_version: 6,
+                    ..k
+                }
+            }),
+        ];
+        for (name, make) in sets {
+            let mut per_slot = [0u32; MAX_FLOW_SLOTS as usize];
+            for i in 0..n {
+                per_slot[make(base, i).slot(bits) as usize] += 1;
+            }
+            let used = per_slot.iter().filter(|c| **c != 0).count();
+            let deepest = per_slot.iter().max().copied().unwrap_or(0);
+            assert!(
+                used >= 1_220 && deepest <= 7,
+                "{name}: {used} of {n} slots used, up to {deepest} flows in one"
+            );
+        }
     }
 }
