@@ -32,13 +32,10 @@ pub fn set_flow_key(k: &mut FlowKey, p: &Parsed, ifindex: u32, direction: u8) ->
         d0,
         d1,
         FlowKey::word(ifindex, p.bth.dest_qp()),
-        FlowKey::word(
-            p.mirror_id,
-            {
-                let [a, b] = p.udp_sport.to_ne_bytes();
-                u32::from_ne_bytes([a, b, direction, p.ip_version])
-            },
-        ),
+        FlowKey::word(p.mirror_id, {
+            let [a, b] = p.udp_sport.to_ne_bytes();
+            u32::from_ne_bytes([a, b, direction, p.ip_version])
+        }),
     ];
     *k.words_mut() = w;
     w

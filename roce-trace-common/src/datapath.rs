@@ -889,7 +889,9 @@ mod tests {
             direction: DIR_EGRESS,
             ip_version: 4,
         };
-        let sets: [(&str, fn(FlowKey, u32) -> FlowKey); 7] = [
+        /// The `i`th flow of a kind, from a base key.
+        type Flow = fn(FlowKey, u32) -> FlowKey;
+        let sets: [(&str, Flow); 7] = [
             ("QPs", |k, i| FlowKey {
                 dest_qp: 0x100 + i,
                 ..k

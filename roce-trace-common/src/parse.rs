@@ -205,7 +205,18 @@ fn mapped_v4(a: [u8; 4]) -> [u64; 2] {
 /// 16 address bytes as two 64-bit words in memory order.
 #[inline(always)]
 fn dwords_of_addr(a: [u8; 16]) -> [u64; 2] {
-    let w = |i: usize| u64::from_ne_bytes([a[i], a[i + 1], a[i + 2], a[i + 3], a[i + 4], a[i + 5], a[i + 6], a[i + 7]]);
+    let w = |i: usize| {
+        u64::from_ne_bytes([
+            a[i],
+            a[i + 1],
+            a[i + 2],
+            a[i + 3],
+            a[i + 4],
+            a[i + 5],
+            a[i + 6],
+            a[i + 7],
+        ])
+    };
     [w(0), w(8)]
 }
 

@@ -651,5 +651,9 @@ fn the_flow_key_written_as_words_is_the_key_field_by_field() {
             assert!(want.slot(MAX_FLOW_SLOTS.trailing_zeros()) < MAX_FLOW_SLOTS);
         }
     }
-    assert_ne!(p(&frames[2]).unwrap().mirror_id, 0, "the mirrored frame keys its session");
+    assert_ne!(
+        p(&frames[2]).unwrap().mirror_id,
+        0,
+        "the mirrored frame keys its session"
+    );
 }
