@@ -341,15 +341,13 @@ impl Counts {
     }
 }
 
-/// Exact per-flow counters, one copy per CPU (summed in userspace).
+/// Exact per-flow counters, one copy per CPU (summed in userspace). What every packet reads
+/// or writes comes first, so that in a flow slot ([`FlowSlot`]) the key, the sequence
+/// state and the class fill the first 64 bytes and the times, packets, bytes and ECN
+/// counts the next 64: a data packet in sequence touches those 128 bytes and no others.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FlowCounters {
-    pub counts: Counts,
-    /// First and last packet, `CLOCK_MONOTONIC` to a scheduler tick (the kernel's coarse
-    /// clock; samples carry precise times).
-    pub first_ns: u64,
-    pub last_ns: u64,
     /// The flow's PSN sequence and first DSCP as this CPU last left them (kernel
     /// bookkeeping, not a counter: merging per-CPU copies drops it).
     pub state: FlowState,
@@ -358,6 +356,11 @@ pub struct FlowCounters {
     pub last_pcp: u8,
     pub last_ttl: u8,
     pub _pad: [u8; 1],
+    /// Last and first packet, `CLOCK_MONOTONIC` to a scheduler tick (the kernel's coarse
+    /// clock; samples carry precise times).
+    pub last_ns: u64,
+    pub first_ns: u64,
+    pub counts: Counts,
 }
 
 pub const PCP_NONE: u8 = 0xff;
@@ -734,6 +737,14 @@ const _: () = {
     assert!(core::mem::offset_of!(Sample, head) + SAMPLE_HEAD_LEN == core::mem::size_of::<Sample>());
     assert!(core::mem::size_of::<DatapathConfig>() == 40);
     assert!(core::mem::size_of::<FlowSlot>() == 184);
+    // The hot part of a slot: key, state and class; then times, packets, bytes and ECN.
+    assert!(core::mem::offset_of!(FlowSlot, counters) + core::mem::offset_of!(FlowCounters, last_ns) == 64);
+    assert!(
+        core::mem::offset_of!(FlowSlot, counters)
+            + core::mem::offset_of!(FlowCounters, counts)
+            + core::mem::offset_of!(Counts, cnp)
+            == 128
+    );
     assert!(core::mem::offset_of!(CpuGlobals<u64>, counters) == 16);
     // The counters every packet bumps share the clock's cache line.
     assert!(16 + 8 * (GlobalCounter::RoceV2 as usize * 2 + 2) <= 64);

@@ -90,6 +90,19 @@ fn count_pull(pkt: &TcPacket, dir: u8) {
 
 /// Inserted for a new flow; a static so the 128 bytes never sit on the BPF stack.
 static ZERO_COUNTERS: FlowCounters = FlowCounters {
+    state: FlowState {
+        next_psn: 0,
+        sample_state: 0,
+        first_dscp: 0,
+        flags: 0,
+        _pad: [0; 2],
+    },
+    last_dscp: 0,
+    last_pcp: 0,
+    last_ttl: 0,
+    _pad: [0; 1],
+    last_ns: 0,
+    first_ns: 0,
     counts: Counts {
         packets: 0,
         bytes: 0,
@@ -102,19 +115,6 @@ static ZERO_COUNTERS: FlowCounters = FlowCounters {
         psn_gaps: 0,
         dscp_changed: 0,
     },
-    first_ns: 0,
-    last_ns: 0,
-    state: FlowState {
-        next_psn: 0,
-        sample_state: 0,
-        first_dscp: 0,
-        flags: 0,
-        _pad: [0; 2],
-    },
-    last_dscp: 0,
-    last_pcp: 0,
-    last_ttl: 0,
-    _pad: [0; 1],
 };
 
 /// This CPU's global counters (`CpuGlobals::counters`), passed down from `observe`.
