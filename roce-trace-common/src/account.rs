@@ -25,13 +25,14 @@ pub fn flow_key(p: &Parsed, ifindex: u32, direction: u8) -> FlowKey {
 pub fn set_flow_key(k: &mut FlowKey, p: &Parsed, ifindex: u32, direction: u8) -> [u64; 6] {
     let [s0, s1] = p.src_dwords();
     let [d0, d1] = p.dst_dwords();
-    // Zero unless mirrored (the parser clears it), so one key per mirror session.
     let w = [
         s0,
         s1,
         d0,
         d1,
         FlowKey::word(ifindex, p.bth.dest_qp()),
+        // `mirror_id` is zero unless mirrored (the parser clears it), so one key per
+        // mirror session.
         FlowKey::word(p.mirror_id, {
             let [a, b] = p.udp_sport.to_ne_bytes();
             u32::from_ne_bytes([a, b, direction, p.ip_version])
