@@ -1014,6 +1014,11 @@ struct Charged {
     rt_veth_copy: Duration,
     td_process: Duration,
     td_kernel: Duration,
+    /// roce-trace's hook samples by the innermost frame (the JIT'd program itself, a
+    /// helper it called, or the hook's entry around it): where its kernel time goes.
+    rt_bpf_at: std::collections::BTreeMap<String, Duration>,
+    /// roce-trace's process samples by the innermost frame.
+    rt_process_at: std::collections::BTreeMap<String, Duration>,
 }
 
 impl Charged {
@@ -1107,25 +1112,41 @@ fn charge(script: &str, rt_pid: u32, td_pid: u32) -> Charged {
     let mut c = Charged::default();
     let mut sample: Option<(u32, u64)> = None;
     let mut to: Option<To> = None;
-    let settle = |sample: Option<(u32, u64)>, to: Option<To>, c: &mut Charged| {
+    let mut innermost: Option<String> = None;
+    let settle = |sample: Option<(u32, u64)>, to: Option<To>, innermost: Option<String>, c: &mut Charged| {
         let Some((pid, period)) = sample else { return };
         c.samples += 1;
         let d = Duration::from_nanos(period);
         match to {
-            Some(To::RtBpf) => c.rt_bpf += d,
+            Some(To::RtBpf) => {
+                c.rt_bpf += d;
+                // JIT symbols carry the program's tag: one name per program.
+                let at = innermost.unwrap_or_default();
+                let at = match at.strip_prefix("bpf_prog_").and_then(|s| s.split_once('_')) {
+                    Some((_, name)) => format!("program {name}"),
+                    None => at,
+                };
+                *c.rt_bpf_at.entry(at).or_default() += d;
+            }
             Some(To::RtVethCopy) => c.rt_veth_copy += d,
             Some(To::TdKernel) => c.td_kernel += d,
-            None if pid == rt_pid => c.rt_process += d,
+            None if pid == rt_pid => {
+                c.rt_process += d;
+                *c.rt_process_at.entry(innermost.unwrap_or_default()).or_default() += d;
+            }
             None if pid == td_pid => c.td_process += d,
             None => {}
         }
     };
     for line in script.lines() {
         if line.trim().is_empty() {
-            settle(sample.take(), to.take(), &mut c);
+            settle(sample.take(), to.take(), innermost.take(), &mut c);
         } else if line.starts_with('\t') {
             // `ip symbol`: the first hook found from the innermost frame decides.
             let sym = line.split_whitespace().nth(1).unwrap_or("");
+            if innermost.is_none() {
+                innermost = Some(sym.to_string());
+            }
             if to.is_none() {
                 to = hook(sym);
             }
@@ -1133,12 +1154,29 @@ fn charge(script: &str, rt_pid: u32, td_pid: u32) -> Charged {
             let mut f = line.split_whitespace();
             let pid = f.next().and_then(|x| x.parse().ok());
             let period = f.next().and_then(|x| x.parse().ok());
-            settle(sample.take(), to.take(), &mut c);
+            settle(sample.take(), to.take(), innermost.take(), &mut c);
             sample = pid.zip(period);
         }
     }
-    settle(sample, to, &mut c);
+    settle(sample, to, innermost, &mut c);
     c
+}
+
+/// The eight largest shares of `total`, largest first: `symbol N %, …`.
+fn top_frames(at: &std::collections::BTreeMap<String, Duration>, total: Duration) -> String {
+    let mut at: Vec<(&String, &Duration)> = at.iter().collect();
+    at.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+    let at: Vec<String> = at
+        .iter()
+        .take(8)
+        .map(|(s, d)| {
+            format!(
+                "{s} {:.0} %",
+                100.0 * d.as_secs_f64() / total.as_secs_f64().max(1e-9)
+            )
+        })
+        .collect();
+    at.join(", ")
 }
 
 /// CPU time (user + system) a running process has used so far, from /proc.
@@ -1362,6 +1400,14 @@ fn capture_run(lab: &Lab, bin: &Path, mbit: u32, run: u32, dir: &Path) -> anyhow
         c.rt_veth_copy.as_secs_f64(),
         c.roce_trace().as_secs_f64(),
         per_m(c.roce_trace(), counted),
+    );
+    println!(
+        "    its hooks' time by innermost frame: {}",
+        top_frames(&c.rt_bpf_at, c.rt_bpf)
+    );
+    println!(
+        "    its process time by innermost frame: {}",
+        top_frames(&c.rt_process_at, c.rt_process)
     );
     println!(
         "  tcpdump:    process {:.3}s + packet socket (filter, copy to the ring, clones of sent packets) {:.3}s = {:.3}s = {:.3} CPU s per million packets",
@@ -2326,5 +2372,18 @@ mod tests {
         assert_eq!(c.td_process, Duration::from_micros(100));
         assert_eq!(c.roce_trace(), Duration::from_micros(1000));
         assert_eq!(c.tcpdump(), Duration::from_micros(300));
+        let at: Vec<(&str, u128)> = c
+            .rt_bpf_at
+            .iter()
+            .map(|(s, d)| (s.as_str(), d.as_micros()))
+            .collect();
+        assert_eq!(
+            at,
+            [
+                ("lookup_nulls_elem_raw", 200),
+                ("program roce_tc_in", 200),
+                ("sch_handle_ingress", 100)
+            ]
+        );
     }
 }
