@@ -71,8 +71,13 @@ pub type FlowSlotChunk = [FlowSlot; SLOTS_PER_CHUNK as usize];
 /// `FLOWS`). Far longer than any reader's interval between reads.
 pub const DEFAULT_SLOT_IDLE_MS: u32 = 30_000;
 pub const SAMPLE_RING_BYTES: u32 = 4 << 20;
-/// The sample reader drains the ring this often besides when the kernel wakes it.
+/// Capture drains the sample ring this often besides when the kernel wakes it: with
+/// batched wake-ups, the longest a sample waits below a batch.
 pub const SAMPLE_DRAIN_MS: u64 = 250;
+/// The agent's drain period: it batches wake-ups too (a wake-up per sample is an IRQ-work
+/// self-IPI, about 27 µs in a VM without posted interrupts: `bench datapath`, cold rows),
+/// and delivers a sample at most this late.
+pub const AGENT_SAMPLE_DRAIN_MS: u64 = 20;
 /// [`DatapathConfig::wakeup_bytes`] of a reader that batches: about 480 samples.
 pub const SAMPLE_BATCH_BYTES: u32 = 128 << 10;
 /// A [`Sample`] in the ring: its 8-byte record header and the sample.

@@ -68,9 +68,10 @@ pub struct DatapathOptions {
     pub flow_slots: u32,
     /// A flow-table slot idle this long goes to a new flow that hashes to it.
     pub slot_idle_ms: u32,
-    /// Wake the sample reader once a batch waits rather than as soon as it has caught up:
-    /// for a reader to which a quarter second's delay does not matter (capture); agents
-    /// deliver promptly, for the collector joins observations in time.
+    /// Wake the sample reader once a batch waits rather than as soon as it has caught up
+    /// (a wake-up per sample costs the packet an IRQ-work self-IPI): for a reader that
+    /// also drains on a timer, which bounds how late a sample is read (capture every
+    /// `SAMPLE_DRAIN_MS`, the agent every `AGENT_SAMPLE_DRAIN_MS`).
     pub batch_wakeups: bool,
     /// Mirrored copies (GRE/ERSPAN) only from these ranges, checked in the datapath
     /// before a session is remembered (empty: from any source); at most
@@ -501,8 +502,8 @@ impl Datapath {
 
     /// The timer on which a sample reader drains the ring besides when woken: a backstop
     /// for a lost wake-up, and the only wake-up of a batching reader below its batch.
-    pub fn drain_timer() -> tokio::time::Interval {
-        let mut t = tokio::time::interval(std::time::Duration::from_millis(SAMPLE_DRAIN_MS));
+    pub fn drain_timer(every_ms: u64) -> tokio::time::Interval {
+        let mut t = tokio::time::interval(std::time::Duration::from_millis(every_ms));
         t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         t
     }

@@ -465,8 +465,10 @@ fn emit<P: Packet>(
     let s = unsafe { &mut *entry.as_mut_ptr() };
     s.fill(pkt, p, key, now, frame_len, reasons);
     // By default the kernel's own policy: wake the reader when it had caught up, so a busy
-    // reader is not woken per sample. A batching reader (capture) is woken once a batch
-    // waits, as this sample takes the fill past `wakeup_bytes`, and drains on a timer.
+    // reader is not woken per sample. A batching reader (capture, the agent) is woken once
+    // a batch waits, as this sample takes the fill past `wakeup_bytes`, and drains on a
+    // timer: a reader that keeps up would otherwise cost every sample a wake-up (an
+    // IRQ-work self-IPI).
     let flags = if wakeup_bytes == 0 {
         0
     } else {

@@ -267,7 +267,7 @@ pub async fn run(
     }
     let mut tick = tokio::time::interval(opts.interval);
     tick.tick().await;
-    let mut drain_tick = Datapath::drain_timer();
+    let mut drain_tick = Datapath::drain_timer(roce_trace_common::datapath::AGENT_SAMPLE_DRAIN_MS);
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -281,7 +281,8 @@ pub async fn run(
                     shared.notify.notify_one();
                 }
             }
-            // A backstop for a wake-up lost all the same.
+            // Wake-ups are batched: below a batch, samples are read here, at most
+            // AGENT_SAMPLE_DRAIN_MS after they were taken.
             _ = drain_tick.tick() => {
                 if drain(ring.get_mut(), &clock, &shared) > 0 {
                     shared.notify.notify_one();

@@ -202,7 +202,7 @@ pub async fn run(
     let mut tick = tokio::time::interval(opts.interval);
     tick.tick().await;
     let mut poll = tokio::time::interval(Duration::from_millis(50));
-    let mut drain_tick = Datapath::drain_timer();
+    let mut drain_tick = Datapath::drain_timer(roce_trace_common::datapath::SAMPLE_DRAIN_MS);
     let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
     let sleep_until = async {
         match deadline {

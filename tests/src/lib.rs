@@ -282,6 +282,12 @@ impl ProgTest {
         prog.test_run(opts).expect("tc test run").duration
     }
 
+    /// The sample ring's descriptor, to wait on as a reader does (epoll).
+    pub fn ring_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::{AsFd, AsRawFd};
+        self.ring.as_fd().as_raw_fd()
+    }
+
     /// Reads the samples waiting and drops them; how many (whatever their size: another
     /// build's).
     pub fn drain_samples(&mut self) -> usize {

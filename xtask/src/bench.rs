@@ -321,6 +321,8 @@ fn datapath(repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
         }
     );
     print_header(baseline.is_some());
+    let mut cold = Vec::new();
+    let mut evict = vec![0u8; EVICT_BYTES];
     // ROCE_TRACE_BENCH_ROWS=text: only the rows whose name holds it (while working on one
     // path).
     let only = std::env::var("ROCE_TRACE_BENCH_ROWS").ok();
@@ -432,6 +434,30 @@ fn datapath(repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
             },
         };
         check_path(&t, r, per_hook, sampled, expected)?;
+        // Cold after the path is checked: these packets are not in its counts. A stream
+        // goes on from the PSN the hot runs reached.
+        let first_psn = r.specs.first().map(|s| s.psn + RUNS as u32 * n);
+        cold.push((
+            r.name.to_string(),
+            cold_row(&mut t, r, first_psn, &empty_xdp, &empty_tc, &mut evict, false)?,
+        ));
+        if r.path == Taken::EveryPacketReported {
+            // A reader that keeps up (an agent's, with the kernel's default wake-up
+            // policy) has read everything before the next sample: each one wakes it.
+            t.drain_samples();
+            let mut p = opts.clone();
+            p.batch_wakeups = false;
+            let mut w = ProgTest::new(&p);
+            let caught_up = cold_row(&mut w, r, first_psn, &empty_xdp, &empty_tc, &mut evict, true)?;
+            cold.push((
+                "  the reader kept up: woken for each sample".to_string(),
+                caught_up,
+            ));
+            p.batch_wakeups = true;
+            let mut w = ProgTest::new(&p);
+            let batched = cold_row(&mut w, r, first_psn, &empty_xdp, &empty_tc, &mut evict, true)?;
+            cold.push(("  the reader kept up: wake-ups batched".to_string(), batched));
+        }
         let m = |v: &mut [Vec<u64>; 3]| {
             v.each_mut().map(|v| {
                 if v.is_empty() {
@@ -449,7 +475,80 @@ fn datapath(repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
          it took: not-RoCE rows moved no counter, in-sequence rows no PSN regression or gap\n \
          and exactly the samples the identity hash selects, and so on.)"
     );
+    println!(
+        "\n== the same frames with cold caches: before each packet the bench writes {} MiB (the CPU's L1 and L2 \n   \
+         over again; this VM reports 2 MiB of L2 and an L3 too large to flush), then times one packet (repeat 1);\n   \
+         median of {COLD_RUNS}, each program alternating with the empty one. A live hook sits between this\n   \
+         and the cache-hot table: what runs between two of our packets evicts some of our lines.\n   \
+         Sampled rows also as a reader that keeps up sees them, woken for each sample (the kernel's default)\n   \
+         or with wake-ups batched (a wake-up is an IRQ-work self-IPI).",
+        EVICT_BYTES >> 20
+    );
+    println!(
+        "{:<52} {:>9} {:>7} {:>6} {:>9} {:>7} {:>6}",
+        "frame", "empty XDP", "XDP ns", "over", "empty TC", "TC ns", "over"
+    );
+    for (name, [x, t]) in cold {
+        print_row(&name, [Some(x.0), None, Some(x.1)], [Some(t.0), None, Some(t.1)]);
+    }
     verifier_stats()
+}
+
+/// Bytes written between cold packets: twice the L2 this VM reports.
+const EVICT_BYTES: usize = 4 << 20;
+const COLD_RUNS: usize = 301;
+
+/// A row's packets one at a time after `evict` is rewritten: `[(empty, datapath)]` medians
+/// for XDP and for TC. A stream's packets carry increasing PSNs from `first_psn` (each run
+/// is its own frame: the stepper cannot carry a PSN across runs of one packet).
+fn cold_row(
+    t: &mut ProgTest,
+    r: &Row,
+    first_psn: Option<u32>,
+    empty_xdp: &EmptyProg,
+    empty_tc: &EmptyProg,
+    evict: &mut [u8],
+    drain_each: bool,
+) -> anyhow::Result<[(u64, u64); 2]> {
+    use roce_trace_common::datapath::PROG_TC;
+    let mut frame = r.frames[0].clone();
+    let psn_off = if r.stepped {
+        Some(psn_offset(&frame)?)
+    } else {
+        None
+    };
+    let mut out = [[Vec::new(), Vec::new()], [Vec::new(), Vec::new()]];
+    let mut pass = 0u8;
+    for i in 0..COLD_RUNS as u32 {
+        if let (Some(off), Some(psn)) = (psn_off, first_psn) {
+            // The same PSN on both hooks: XDP counts ingress, TC egress, two flows.
+            let psn = (psn + i) & 0xff_ffff;
+            frame[off..off + 3].copy_from_slice(&psn.to_be_bytes()[1..]);
+        }
+        for (hook, empty) in [(0, empty_xdp), (1, empty_tc)] {
+            for which in [0, 1] {
+                // A different value each pass, so no write is skipped as already there.
+                pass = pass.wrapping_add(1);
+                for line in evict.chunks_mut(64) {
+                    line[0] = pass;
+                }
+                std::hint::black_box(&evict);
+                let ns = if which == 0 {
+                    empty.time(&frame, 1)?
+                } else if hook == 0 {
+                    test_run(t.dp.xdp()?.fd()?, &frame, 1)?.0
+                } else {
+                    test_run(t.dp.tc(PROG_TC)?.fd()?, &frame, 1)?.0
+                };
+                out[hook][which].push(ns);
+                if drain_each {
+                    t.drain_samples();
+                }
+            }
+        }
+    }
+    t.drain_samples();
+    Ok(out.map(|[e, d]| (median(e), median(d))))
 }
 
 /// Where a RoCEv2 frame's 24-bit PSN is: the BTH's last three bytes, found by the
@@ -896,11 +995,11 @@ fn prog_load(prog_type: u32, insns: &[[u8; 8]], name: &str) -> anyhow::Result<st
 }
 
 /// BPF_PROG_TEST_RUN of `fd` on `frame`, `repeat` times: mean ns per run and the return.
-fn test_run(fd: &std::os::fd::OwnedFd, frame: &[u8], repeat: u32) -> anyhow::Result<(u64, u32)> {
+fn test_run(fd: impl std::os::fd::AsFd, frame: &[u8], repeat: u32) -> anyhow::Result<(u64, u32)> {
     use std::os::fd::AsRawFd;
     let mut out = vec![0u8; frame.len() + 512];
     let mut attr = TestRunAttr {
-        prog_fd: fd.as_raw_fd() as u32,
+        prog_fd: fd.as_fd().as_raw_fd() as u32,
         data_size_in: frame.len() as u32,
         data_size_out: out.len() as u32,
         data_in: frame.as_ptr() as u64,

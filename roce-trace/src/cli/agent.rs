@@ -153,7 +153,7 @@ pub(super) async fn run_agent(a: AgentArgs) -> anyhow::Result<()> {
             } else {
                 a.expect_dscp
             },
-            batch_wakeups: false,
+            batch_wakeups: true,
             mirror_from: a.mirror_from.iter().map(|c| c.prefix()).collect(),
             ..DatapathOptions::default()
         },

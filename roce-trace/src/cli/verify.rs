@@ -134,7 +134,7 @@ pub(super) fn run_verify(a: VerifyArgs) -> anyhow::Result<u8> {
                     sample_rate: a.sample_rate,
                     seed: 0,
                     expected_dscp: Vec::new(),
-                    batch_wakeups: false,
+                    batch_wakeups: true,
                     ..DatapathOptions::default()
                 },
                 interval: Duration::from_millis(500),
