@@ -47,22 +47,34 @@ pub const DEFAULT_MAX_FLOWS: u32 = 65_536;
 /// Slots of the direct-mapped flow table per CPU (a power of two): a host's busy flows
 /// fit many times over; a flow whose slot is taken is counted in `FLOWS`.
 pub const MAX_FLOW_SLOTS: u32 = 2048;
-/// Slots per element of `FLOW_SLOTS` (24 KiB, under the kernel's 32 KiB per-CPU value
-/// limit): few elements, so the element pointers the lookup loads stay in cache.
+/// Slots per element of `FLOW_SLOTS` (24 KiB): element `cpu << chunk_bits | chunk` is
+/// CPU `cpu`'s chunk (see [`flow_chunk_bits`]).
 pub const SLOTS_PER_CHUNK: u32 = 128;
-/// Each CPU's one value of `GLOBALS`: the global counters userspace reads and, beside
-/// them, the programs' working memory `W` (userspace reads it as bytes), so a packet
-/// touches one per-CPU value, whose first cache line holds the coarse clock and the
-/// counters every packet bumps (`RoceV2` of both directions).
+/// Each CPU's element of `GLOBALS` (a plain array indexed by CPU, not a per-CPU map: its
+/// lookup is arithmetic on immediates, where a per-CPU map's loads the element's pointer
+/// from the map, one more cache line a packet). The lines every RoCE packet touches come
+/// first and together: the coarse clock, the flow key and the parsed headers (the
+/// programs' hot working memory `W`), then the global counters (`RoceV2` of both
+/// directions in the fourth line), then the cold working memory `C` (a mirrored copy's
+/// inner frame). Userspace reads `W` and `C` as bytes. A multiple of 64 bytes, so no two
+/// CPUs share a line.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct CpuGlobals<W> {
+pub struct CpuGlobals<W, C> {
     /// `jiffies` when `coarse_ns` was read: the coarse clock is read once a tick per CPU.
     pub clock_jiffies: u64,
     pub coarse_ns: u64,
+    pub work: W,
     /// Indexed by [`GlobalCounter::index`].
     pub counters: [u64; GLOBAL_COUNTERS_LEN as usize],
-    pub work: W,
+    pub cold: C,
+}
+
+/// `log2` of the chunks of `FLOW_SLOTS` each CPU has with `1 << slot_bits` slots (at least
+/// one chunk): CPU `cpu`'s chunk `c` is element `cpu << chunk_bits | c`.
+#[inline(always)]
+pub const fn flow_chunk_bits(slot_bits: u32) -> u32 {
+    slot_bits.saturating_sub(SLOTS_PER_CHUNK.trailing_zeros())
 }
 
 /// A chunk of the flow table: one element of `FLOW_SLOTS`.
@@ -222,13 +234,17 @@ impl FlowKey {
     }
 }
 
-/// One entry of the kernel's direct-mapped flow table (`FLOW_SLOTS`, per CPU): the flow
-/// that holds it and its counters on that CPU. Empty while `counters.counts.packets` is 0.
+/// One entry of the kernel's direct-mapped flow table (`FLOW_SLOTS`, one table per CPU):
+/// the flow that holds it and its counters on that CPU. Empty while
+/// `counters.counts.packets` is 0. Three cache lines: the table starts on a page and each
+/// slot on a line, so a packet's 128 hot bytes (key, state, class, times, packets, bytes,
+/// ECN) are two lines, never three.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FlowSlot {
     pub key: FlowKey,
     pub counters: FlowCounters,
+    pub _pad: [u8; 8],
 }
 
 /// A mirror session: the switch that mirrored a copy (its outer source), the session id
@@ -741,7 +757,7 @@ const _: () = {
     assert!(core::mem::offset_of!(Sample, head) == 136);
     assert!(core::mem::offset_of!(Sample, head) + SAMPLE_HEAD_LEN == core::mem::size_of::<Sample>());
     assert!(core::mem::size_of::<DatapathConfig>() == 40);
-    assert!(core::mem::size_of::<FlowSlot>() == 184);
+    assert!(core::mem::size_of::<FlowSlot>() == 192);
     // The hot part of a slot: key, state and class; then times, packets, bytes and ECN.
     assert!(core::mem::offset_of!(FlowSlot, counters) + core::mem::offset_of!(FlowCounters, last_ns) == 64);
     assert!(
@@ -750,12 +766,10 @@ const _: () = {
             + core::mem::offset_of!(Counts, cnp)
             == 128
     );
-    assert!(core::mem::offset_of!(CpuGlobals<u64>, counters) == 16);
-    // The counters every packet bumps share the clock's cache line.
-    assert!(16 + 8 * (GlobalCounter::RoceV2 as usize * 2 + 2) <= 64);
     assert!(MAX_FLOW_SLOTS.is_power_of_two() && SLOTS_PER_CHUNK.is_power_of_two());
     assert!(MAX_FLOW_SLOTS.is_multiple_of(SLOTS_PER_CHUNK));
-    assert!(core::mem::size_of::<FlowSlotChunk>() <= 32 << 10);
+    // Each CPU's chunks start on a page (the map's values do).
+    assert!(core::mem::size_of::<FlowSlotChunk>().is_multiple_of(4096));
     assert!((GlobalCounter::ALL.len() as u32) < GLOBAL_COUNTERS_PER_DIR);
     // The table's values are its order: `ALL[i]` is index `i`.
     let mut i = 0;
@@ -775,7 +789,7 @@ mod pod {
     unsafe impl aya::Pod for MirrorInfo {}
     // SAFETY: as above.
     unsafe impl aya::Pod for FlowCounters {}
-    // SAFETY: repr(C) of Pod fields, no padding (184 bytes asserted).
+    // SAFETY: repr(C) of Pod fields and explicit padding (192 bytes asserted).
     unsafe impl aya::Pod for FlowSlot {}
     // SAFETY: as above.
     unsafe impl aya::Pod for FlowState {}

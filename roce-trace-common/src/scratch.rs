@@ -3,28 +3,58 @@
 //! parser), which both stand below it.
 
 use crate::{
-    datapath::{CpuGlobals, FlowKey},
+    datapath::{CpuGlobals, FlowKey, GlobalCounter},
     parse::{INNER_HEAD_LEN, Parsed},
 };
 
-/// The programs' working memory for one packet (too big for the 512-byte BPF stack once
-/// the compiler makes its copies).
+/// The programs' working memory for one packet, written by every RoCE packet (too big for
+/// the 512-byte BPF stack once the compiler makes its copies). The key first, so it
+/// shares the clock's cache line; the parsed headers in the next two.
 #[repr(C)]
 pub struct Work {
-    pub parsed: Parsed,
-    /// The inner frame of a mirrored copy, copied out for parsing. Not last: the parser
-    /// checks each header against the frame's length, but the verifier bounds some reads
-    /// only by the buffer's start, and `key` after it keeps those inside the value.
-    pub inner: [u8; INNER_HEAD_LEN],
     pub key: FlowKey,
+    pub parsed: Parsed,
 }
 
+/// Working memory only a mirrored copy touches, after the counters.
+#[repr(C)]
+pub struct Cold {
+    /// The inner frame of a mirrored copy, copied out for parsing. Not last: the parser
+    /// checks each header against the frame's length, but the verifier bounds some reads
+    /// only by the buffer's start, and `_tail` after it keeps those inside the value.
+    pub inner: [u8; INNER_HEAD_LEN],
+    pub _tail: [u8; COLD_TAIL],
+}
+
+/// Bytes after the inner frame: at least the longest header the parser reads from it (an
+/// IPv6 header), and enough to make a CPU's globals a whole number of cache lines.
+const COLD_TAIL: usize = {
+    let used = 16
+        + core::mem::size_of::<Work>()
+        + 8 * crate::datapath::GLOBAL_COUNTERS_LEN as usize
+        + INNER_HEAD_LEN;
+    let min = used + 48;
+    min.div_ceil(64) * 64 - used
+};
+
+/// A CPU's element of `GLOBALS` as the programs use it.
+pub type Globals = CpuGlobals<Work, Cold>;
+
 /// [`CpuGlobals`] as userspace reads it.
-pub type CpuGlobalsBytes = CpuGlobals<[u8; core::mem::size_of::<Work>()]>;
+pub type CpuGlobalsBytes = CpuGlobals<[u8; core::mem::size_of::<Work>()], [u8; core::mem::size_of::<Cold>()]>;
 
 const _: () = {
-    assert!(core::mem::size_of::<CpuGlobals<Work>>() == core::mem::size_of::<CpuGlobalsBytes>());
-    assert!(core::mem::offset_of!(CpuGlobals<Work>, counters) == 16);
+    assert!(core::mem::size_of::<Globals>() == core::mem::size_of::<CpuGlobalsBytes>());
+    assert!(core::mem::offset_of!(Globals, counters) == core::mem::offset_of!(CpuGlobalsBytes, counters));
+    // Whole lines: the array's elements (one per CPU) share none.
+    assert!(core::mem::size_of::<Globals>().is_multiple_of(64));
+    // What every RoCE packet writes is the first four lines: clock, key, parsed headers
+    // and the `RoceV2` counters of both directions.
+    assert!(core::mem::offset_of!(Globals, work) + core::mem::offset_of!(Work, key) == 16);
+    assert!(core::mem::offset_of!(Globals, work) + core::mem::size_of::<Work>() <= 192);
+    assert!(
+        core::mem::offset_of!(Globals, counters) + 8 * GlobalCounter::RoceV2.index(1) as usize + 8 <= 256
+    );
 };
 
 #[cfg(feature = "user")]

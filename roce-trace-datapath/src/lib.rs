@@ -5,6 +5,7 @@
 //! ([`netstat`]). The only crate whose build script builds the eBPF object.
 
 pub mod loader;
+pub mod mapped;
 pub mod mirror;
 pub mod netstat;
 pub mod nic;

@@ -5,13 +5,13 @@ use std::collections::HashMap;
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap, RingBuf},
+    maps::{HashMap as BpfHashMap, MapData, PerCpuHashMap, RingBuf},
     programs::{SchedClassifier, TcAttachType, Xdp, XdpMode, tc},
 };
 use roce_trace_common::{datapath::*, sampling::threshold_for_rate, scratch::CpuGlobalsBytes};
 use thiserror::Error;
 
-use crate::{mirror::MirrorTable, sys};
+use crate::{mapped::MappedArray, mirror::MirrorTable, sys};
 
 /// The datapath object, built by this crate's build.rs and embedded in the binary.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/roce-trace"));
@@ -42,6 +42,12 @@ pub enum DatapathError {
         name: &'static str,
         #[source]
         source: aya::maps::MapError,
+    },
+    #[error("mapping map `{name}` into memory failed")]
+    Mmap {
+        name: &'static str,
+        #[source]
+        source: std::io::Error,
     },
     #[error("invalid option: {0}")]
     InvalidOption(String),
@@ -99,7 +105,7 @@ impl DatapathOptions {
     /// Slots of the per-CPU flow table as loaded on a host with `cpus` possible CPUs:
     /// `flow_slots` rounded up to a power of two, at most `MAX_FLOW_SLOTS`, and few enough
     /// that the whole table (every CPU's copy, which a reader copies out each interval)
-    /// stays within `FLOW_TABLE_BUDGET`: 2048 slots a CPU up to 44 CPUs, 256 at 256.
+    /// stays within `FLOW_TABLE_BUDGET`: 2048 slots a CPU up to 42 CPUs, 256 at 256.
     pub fn table_slots(&self, cpus: usize) -> u32 {
         let budget = FLOW_TABLE_BUDGET / (cpus.max(1) * size_of::<FlowSlot>());
         let fits = if budget == 0 { 1 } else { 1 << budget.ilog2() };
@@ -147,6 +153,18 @@ impl DatapathOptions {
     }
 }
 
+/// The array map `name` of a loaded object.
+fn array_map<'a>(ebpf: &'a Ebpf, name: &'static str) -> Result<&'a MapData, DatapathError> {
+    match ebpf.map(name) {
+        Some(aya::maps::Map::Array(data)) => Ok(data),
+        Some(_) => Err(DatapathError::Mmap {
+            name,
+            source: std::io::Error::other("not an array map"),
+        }),
+        None => Err(DatapathError::MissingMap(name)),
+    }
+}
+
 /// Which XDP attachment to ask for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum XdpModeChoice {
@@ -184,6 +202,11 @@ pub struct Attachment {
 
 pub struct Datapath {
     ebpf: Ebpf,
+    /// `FLOW_SLOTS` and `GLOBALS`, mapped once at load and read in place.
+    slots: MappedArray<FlowSlotChunk>,
+    globals: MappedArray<CpuGlobalsBytes>,
+    /// Chunks of `FLOW_SLOTS` per CPU, a power of two (`flow_chunk_bits`).
+    chunks_per_cpu: usize,
 }
 
 impl Datapath {
@@ -213,7 +236,8 @@ impl Datapath {
                 MAP_FLOW_OWNER,
                 opts.max_flows.saturating_add(slots.saturating_mul(cpus as u32)),
             )
-            .map_max_entries(MAP_FLOW_SLOTS, slots.div_ceil(SLOTS_PER_CHUNK))
+            .map_max_entries(MAP_FLOW_SLOTS, (cpus as u32) << flow_chunk_bits(cfg.slot_bits))
+            .map_max_entries(MAP_GLOBALS, cpus as u32)
             .load(object)
             .map_err(DatapathError::Load)?;
         if !opts.mirror_from.is_empty() {
@@ -232,7 +256,22 @@ impl Datapath {
                 })?;
             }
         }
-        Ok(Self { ebpf })
+        let slots =
+            MappedArray::new(array_map(&ebpf, MAP_FLOW_SLOTS)?).map_err(|source| DatapathError::Mmap {
+                name: MAP_FLOW_SLOTS,
+                source,
+            })?;
+        let globals =
+            MappedArray::new(array_map(&ebpf, MAP_GLOBALS)?).map_err(|source| DatapathError::Mmap {
+                name: MAP_GLOBALS,
+                source,
+            })?;
+        Ok(Self {
+            ebpf,
+            slots,
+            globals,
+            chunks_per_cpu: 1 << flow_chunk_bits(cfg.slot_bits),
+        })
     }
 
     pub fn xdp(&mut self) -> Result<&mut Xdp, DatapathError> {
@@ -401,19 +440,23 @@ impl Datapath {
     /// one in `FLOWS`): a move between the two reads is neither missed nor counted twice.
     pub fn flows(&self) -> Result<HashMap<FlowKey, FlowCounters>, DatapathError> {
         let err = |name| move |source| DatapathError::Map { name, source };
-        let slots = self
-            .ebpf
-            .map(MAP_FLOW_SLOTS)
-            .ok_or(DatapathError::MissingMap(MAP_FLOW_SLOTS))?;
-        let slots: PerCpuArray<&MapData, FlowSlotChunk> =
-            PerCpuArray::try_from(slots).map_err(err(MAP_FLOW_SLOTS))?;
         let mut copies = FlowCopies::default();
-        for i in 0..slots.len() {
-            let per_cpu = slots.get(&i, 0).map_err(err(MAP_FLOW_SLOTS))?;
-            for (cpu, chunk) in per_cpu.iter().enumerate() {
-                for slot in chunk {
-                    copies.slot(cpu, per_cpu.len(), slot);
-                }
+        let cpus = self.slots.len() / self.chunks_per_cpu;
+        for i in 0..self.slots.len() {
+            let Some(chunk) = self.slots.ptr(i) else { break };
+            let chunk = chunk.cast::<FlowSlot>();
+            for j in 0..SLOTS_PER_CHUNK as usize {
+                // SAFETY: slot j of a mapped chunk (a `FlowSlotChunk` is that many slots),
+                // read with volatile copies only; any bytes are a valid `FlowSlot`. The
+                // packet count first: most slots are empty and cost the reader one line.
+                let slot = unsafe {
+                    let slot = chunk.add(j);
+                    if core::ptr::addr_of!((*slot).counters.counts.packets).read_volatile() == 0 {
+                        continue;
+                    }
+                    slot.read_volatile()
+                };
+                copies.slot(i / self.chunks_per_cpu, cpus, &slot);
             }
         }
         let map = self
@@ -466,22 +509,10 @@ impl Datapath {
 
     /// Global counters summed over CPUs, indexed by `GlobalCounter::index(direction)`.
     pub fn globals(&self) -> Result<GlobalTotals, DatapathError> {
-        let map = self
-            .ebpf
-            .map(MAP_GLOBALS)
-            .ok_or(DatapathError::MissingMap(MAP_GLOBALS))?;
-        let map: PerCpuArray<&MapData, CpuGlobalsBytes> =
-            PerCpuArray::try_from(map).map_err(|source| DatapathError::Map {
-                name: MAP_GLOBALS,
-                source,
-            })?;
-        let per_cpu = map.get(&0, 0).map_err(|source| DatapathError::Map {
-            name: MAP_GLOBALS,
-            source,
-        })?;
         let mut totals = GlobalTotals::default();
-        for cpu in per_cpu.iter() {
-            for (slot, v) in totals.0.iter_mut().zip(&cpu.counters) {
+        for cpu in 0..self.globals.len() {
+            let Some(g) = self.globals.get(cpu) else { break };
+            for (slot, v) in totals.0.iter_mut().zip(&g.counters) {
                 *slot += v;
             }
         }
@@ -631,7 +662,8 @@ mod tests {
     fn the_flow_table_shrinks_with_the_cpu_count() {
         let o = DatapathOptions::default();
         assert_eq!(o.table_slots(2), 2048);
-        assert_eq!(o.table_slots(44), 2048);
+        assert_eq!(o.table_slots(42), 2048);
+        assert_eq!(o.table_slots(43), 1024);
         assert_eq!(o.table_slots(64), 1024);
         assert_eq!(o.table_slots(256), 256);
         assert_eq!(o.table_slots(1 << 20), 1);
@@ -669,6 +701,7 @@ mod tests {
         let slot = |qp, counters| FlowSlot {
             key: key(qp),
             counters,
+            ..FlowSlot::default()
         };
         let mut copies = FlowCopies::default();
         copies.slot(0, 2, &slot(1, c(5, 10))); // QP 1 on CPU 0, being moved

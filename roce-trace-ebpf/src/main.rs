@@ -81,9 +81,9 @@ fn tc(ctx: &TcContext, dir: u8) {
 #[inline(always)]
 fn count_pull(pkt: &TcPacket, dir: u8) {
     if pkt.pulled
-        && let Some(g) = GLOBALS.get_ptr_mut(0)
+        && let Some(g) = GLOBALS.get_ptr_mut(this_cpu())
     {
-        // SAFETY: per-CPU value; programs do not nest on one CPU for these hooks.
+        // SAFETY: this CPU's element; programs do not nest on one CPU for these hooks.
         bump(unsafe { &mut (*g).counters }, GlobalCounter::HeadersPulled, dir);
     }
 }
@@ -117,6 +117,15 @@ static ZERO_COUNTERS: FlowCounters = FlowCounters {
     },
 };
 
+/// The CPU the program runs on (the verifier inlines the helper: one per-CPU load). A
+/// program runs on one CPU from start to end, so its elements of `GLOBALS` and
+/// `FLOW_SLOTS` are its alone.
+#[inline(always)]
+fn this_cpu() -> u32 {
+    // SAFETY: no preconditions.
+    unsafe { bpf_get_smp_processor_id() }
+}
+
 /// This CPU's global counters (`CpuGlobals::counters`), passed down from `observe`.
 type Counters = [u64; GLOBAL_COUNTERS_LEN as usize];
 
@@ -131,16 +140,17 @@ fn bump(counters: &mut Counters, counter: GlobalCounter, dir: u8) {
 #[inline(always)]
 fn observe<P: Packet>(pkt: &P, look: Look, dir: u8, ifindex: u32, frame_len: u32) {
     let cfg = CONFIG.get();
-    let Some(g) = GLOBALS.get_ptr_mut(0) else {
+    let cpu = this_cpu();
+    let Some(g) = GLOBALS.get_ptr_mut(cpu) else {
         return;
     };
-    // SAFETY: per-CPU value; programs do not nest on one CPU for these hooks.
+    // SAFETY: this CPU's element; programs do not nest on one CPU for these hooks.
     let g = unsafe { &mut *g };
     // Every frame is counted once, by what became of it (`GlobalCounter::OUTCOMES`).
     let parsed = if look == Look::PlainV4 {
         parse_plain_v4_into(pkt, cfg.udp_port, &mut g.work.parsed)
     } else {
-        parse_into(pkt, cfg.udp_port, &mut g.work.parsed, &mut g.work.inner)
+        parse_into(pkt, cfg.udp_port, &mut g.work.parsed, &mut g.cold.inner)
     };
     match parsed {
         Ok(()) => {
@@ -168,7 +178,16 @@ fn observe<P: Packet>(pkt: &P, look: Look, dir: u8, ifindex: u32, frame_len: u32
                 g.coarse_ns = unsafe { bpf_ktime_get_coarse_ns() };
             }
             let coarse = g.coarse_ns;
-            let reasons = account(&mut g.work, &mut g.counters, cfg, dir, ifindex, frame_len, coarse);
+            let reasons = account(
+                &mut g.work,
+                &mut g.counters,
+                cfg,
+                cpu,
+                dir,
+                ifindex,
+                frame_len,
+                coarse,
+            );
             if reasons != 0 {
                 load_icrc(pkt, &mut g.work.parsed);
                 emit(
@@ -223,10 +242,15 @@ fn remember_mirror(p: &Parsed) {
 
 /// Counts the packet on its flow; returns why it must be reported (0: it need not be).
 #[inline(always)]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "what observe has in registers, passed flat rather than through the BPF stack"
+)]
 fn account(
     work: &mut Work,
     counters: &mut Counters,
     cfg: &DatapathConfig,
+    cpu: u32,
     dir: u8,
     ifindex: u32,
     frame_len: u32,
@@ -236,7 +260,7 @@ fn account(
     let words = account::set_flow_key(&mut work.key, p, ifindex, dir);
     let key = &work.key;
 
-    let flow = match flow_slot(FlowKey::slot_of(&words, cfg.slot_bits)) {
+    let flow = match flow_slot(cpu, FlowKey::slot_of(&words, cfg.slot_bits), cfg.slot_bits) {
         // SAFETY: per-CPU slot: only this CPU writes this copy.
         Some(slot) if unsafe { (*slot).counters.counts.packets != 0 && (*slot).key.same_words(&words) } => {
             // SAFETY: as above.
@@ -252,7 +276,7 @@ fn account(
         let update = if account::in_sequence(&c.state, p) {
             account::update_state(&mut c.state, p)
         } else {
-            catch_up(&mut c.state, key, cfg, p)
+            catch_up(&mut c.state, key, cfg, cpu, p)
         };
         if update.psn_regression {
             bump(counters, GlobalCounter::PsnRegressions, dir);
@@ -315,14 +339,15 @@ fn slot_or_flows(
     Some(core::ptr::addr_of_mut!(slot.counters))
 }
 
-/// This CPU's slot `i` of the flow table.
+/// CPU `cpu`'s slot `i` of the flow table, which has `1 << slot_bits` slots a CPU.
 #[inline(always)]
-fn flow_slot(i: u32) -> Option<*mut FlowSlot> {
-    slot_in(FLOW_SLOTS.get_ptr_mut(i / SLOTS_PER_CHUNK)?, i)
+fn flow_slot(cpu: u32, i: u32, slot_bits: u32) -> Option<*mut FlowSlot> {
+    let chunk = (cpu << flow_chunk_bits(slot_bits)) | (i / SLOTS_PER_CHUNK);
+    slot_in(FLOW_SLOTS.get_ptr_mut(chunk)?, i)
 }
 
-/// Slot `i` in `chunk`, which must be element `i / SLOTS_PER_CHUNK` of `FLOW_SLOTS` (of
-/// some CPU): entry `i % SLOTS_PER_CHUNK`.
+/// Slot `i` in `chunk`, which must be a CPU's chunk `i / SLOTS_PER_CHUNK` of `FLOW_SLOTS`:
+/// entry `i % SLOTS_PER_CHUNK`.
 #[inline(always)]
 fn slot_in(chunk: *mut FlowSlotChunk, i: u32) -> Option<*mut FlowSlot> {
     // SAFETY: a valid `FLOW_SLOTS` value; `get_mut` checks the index against its length.
@@ -351,9 +376,13 @@ fn flows_entry(key: &FlowKey, counters: &mut Counters, dir: u8) -> Option<*mut F
 /// last; when that is another CPU, its copy of the state is the flow's latest, so it is
 /// taken over before `p` is judged. The flow's first DSCP lives there too.
 #[inline(always)]
-fn catch_up(st: &mut FlowState, key: &FlowKey, cfg: &DatapathConfig, p: &Parsed) -> account::StateUpdate {
-    // SAFETY: no preconditions.
-    let cpu = unsafe { bpf_get_smp_processor_id() };
+fn catch_up(
+    st: &mut FlowState,
+    key: &FlowKey,
+    cfg: &DatapathConfig,
+    cpu: u32,
+    p: &Parsed,
+) -> account::StateUpdate {
     let first_dscp = match FLOW_OWNER.get_ptr_mut(key) {
         None => {
             // A new flow (or one whose owner record was evicted: this CPU's state stands).
@@ -403,18 +432,7 @@ fn catch_up(st: &mut FlowState, key: &FlowKey, cfg: &DatapathConfig, p: &Parsed)
 #[inline(always)]
 fn take_over(st: &mut FlowState, key: &FlowKey, slot_bits: u32, left: u32) {
     // That CPU's copy of the flow: in its slot when it holds it, else in FLOWS.
-    let i = key.slot(slot_bits);
-    let chunk_idx = i / SLOTS_PER_CHUNK;
-    // SAFETY: FLOW_SLOTS is a per-CPU array of FlowSlotChunk; the helper returns that
-    // CPU's copy of the chunk, or null.
-    let chunk = unsafe {
-        bpf_map_lookup_percpu_elem(
-            core::ptr::addr_of!(FLOW_SLOTS).cast_mut().cast(),
-            core::ptr::from_ref(&chunk_idx).cast_mut().cast(),
-            left,
-        )
-    } as *mut FlowSlotChunk;
-    let slot = if chunk.is_null() { None } else { slot_in(chunk, i) };
+    let slot = flow_slot(left, key.slot(slot_bits), slot_bits);
     // SAFETY: a valid slot of that CPU's chunk.
     let theirs = if let Some(slot) = slot.filter(|&s| unsafe { (*s).key.same(key) }) {
         // SAFETY: as above.

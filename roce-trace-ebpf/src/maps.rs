@@ -1,10 +1,11 @@
 //! Every map and global of the datapath, each with its purpose.
 
 use aya_ebpf::{
+    bindings::BPF_F_MMAPABLE,
     macros::map,
-    maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, RingBuf},
 };
-use roce_trace_common::{datapath::*, scratch::Work};
+use roce_trace_common::{datapath::*, scratch::Globals};
 
 /// Load-time configuration (port, sampling, expected DSCPs), overridden by the loader.
 #[unsafe(no_mangle)]
@@ -39,13 +40,18 @@ impl<T> LoadTime<T> {
     }
 }
 
-/// The flow table every packet looks in first: per CPU, direct-mapped by
+/// The flow table every packet looks in first: one per CPU, direct-mapped by
 /// [`FlowKey::slot`], so a lookup is an index and six word compares. A flow finds its slot
-/// taken by another busy flow only by collision; it is then counted in `FLOWS`. Slot `i`
-/// is entry `i % SLOTS_PER_CHUNK` of element `i / SLOTS_PER_CHUNK`.
+/// taken by another busy flow only by collision; it is then counted in `FLOWS`. CPU
+/// `cpu`'s slot `i` is entry `i % SLOTS_PER_CHUNK` of element
+/// `cpu << flow_chunk_bits(slot_bits) | i / SLOTS_PER_CHUNK`; the loader sizes it for the
+/// possible CPUs. A plain array rather than a per-CPU one: its lookup is arithmetic on
+/// immediates (a per-CPU array's loads the element's pointer from the map, a cache line
+/// a packet). Mmapable, so the values start on a page (each slot on a cache line) and
+/// userspace reads them in place.
 #[map]
-pub static FLOW_SLOTS: PerCpuArray<FlowSlotChunk> =
-    PerCpuArray::with_max_entries(MAX_FLOW_SLOTS / SLOTS_PER_CHUNK, 0);
+pub static FLOW_SLOTS: Array<FlowSlotChunk> =
+    Array::with_max_entries(MAX_FLOW_SLOTS / SLOTS_PER_CHUNK, BPF_F_MMAPABLE);
 
 /// Exact per-flow counters, per CPU, for flows without a slot on that CPU, and flows moved
 /// out of an idle slot; LRU so a flood of new flows evicts idle ones.
@@ -68,9 +74,10 @@ pub static MIRRORS: HashMap<u32, MirrorInfo> = HashMap::with_max_entries(MAX_MIR
 #[map]
 pub static MIRROR_FROM: Array<AddrPrefix> = Array::with_max_entries(MAX_MIRROR_FROM, 0);
 
-/// Global counters and working memory, one value per CPU (see [`CpuGlobals`]).
+/// Global counters and working memory, element `cpu` for each possible CPU (see
+/// [`CpuGlobals`]; a plain array for the reason `FLOW_SLOTS` is one; sized by the loader).
 #[map]
-pub static GLOBALS: PerCpuArray<CpuGlobals<Work>> = PerCpuArray::with_max_entries(1, 0);
+pub static GLOBALS: Array<Globals> = Array::with_max_entries(1, BPF_F_MMAPABLE);
 
 /// Sampled and anomalous packets to userspace.
 #[map]

@@ -184,12 +184,14 @@ impl ProgTest {
     /// CPU `cpu`'s flow table (`FLOW_SLOTS`): each slot that holds a flow, with the flow's
     /// counters there.
     pub fn slot_table(&self, cpu: usize) -> Vec<(u32, FlowKey, FlowCounters)> {
-        let map: aya::maps::PerCpuArray<_, FlowSlotChunk> =
-            aya::maps::PerCpuArray::try_from(self.map(MAP_FLOW_SLOTS)).unwrap();
+        let map: aya::maps::Array<_, FlowSlotChunk> =
+            aya::maps::Array::try_from(self.map(MAP_FLOW_SLOTS)).unwrap();
+        // CPU `cpu`'s chunks are elements cpu * per_cpu .. (cpu + 1) * per_cpu.
+        let per_cpu = map.len() / aya::util::nr_cpus().unwrap() as u32;
         let mut v = Vec::new();
-        for chunk in 0..map.len() {
-            let per_cpu = map.get(&chunk, 0).unwrap();
-            for (i, slot) in per_cpu[cpu].iter().enumerate() {
+        for chunk in 0..per_cpu {
+            let slots = map.get(&(cpu as u32 * per_cpu + chunk), 0).unwrap();
+            for (i, slot) in slots.iter().enumerate() {
                 if slot.counters.counts.packets != 0 {
                     v.push((chunk * SLOTS_PER_CHUNK + i as u32, slot.key, slot.counters));
                 }
