@@ -696,6 +696,12 @@ global_counters! {
 
 pub const GLOBAL_COUNTERS_PER_DIR: u32 = 32;
 pub const GLOBAL_COUNTERS_LEN: u32 = GLOBAL_COUNTERS_PER_DIR * 2;
+/// Bookkeeping in the last element of `CpuGlobals::counters`, past every
+/// [`GlobalCounter`] (no counter's index reaches it; not reported): how many times this
+/// CPU wrote a flow's copy into `FLOWS` (a new flow without a slot, or an idle flow moved
+/// out of its slot), bumped before each write. While every CPU's is 0 `FLOWS` is empty,
+/// and a reader skips its walk (the kernel visits every bucket to find none).
+pub const FLOWS_WRITES: usize = GLOBAL_COUNTERS_LEN as usize - 1;
 
 /// How many counters of [`GlobalCounter::ALL`] are outcomes.
 const OUTCOMES_LEN: usize = {
@@ -771,6 +777,8 @@ const _: () = {
     // Each CPU's chunks start on a page (the map's values do).
     assert!(core::mem::size_of::<FlowSlotChunk>().is_multiple_of(4096));
     assert!((GlobalCounter::ALL.len() as u32) < GLOBAL_COUNTERS_PER_DIR);
+    // FLOWS_WRITES is no counter's slot in either direction.
+    assert!(GlobalCounter::ALL.len() * 2 <= FLOWS_WRITES);
     // The table's values are its order: `ALL[i]` is index `i`.
     let mut i = 0;
     while i < GlobalCounter::ALL.len() {

@@ -314,6 +314,7 @@ fn slot_or_flows(
         }
     }
     if held {
+        note_flows_write(counters);
         // The idle flow's copy moves to FLOWS (this CPU's copy there is empty: it held
         // the slot). Readers read the slots first, then FLOWS, and count a copy in both
         // once, so the move is neither missed nor counted twice.
@@ -354,12 +355,25 @@ fn slot_in(chunk: *mut FlowSlotChunk, i: u32) -> Option<*mut FlowSlot> {
     unsafe { (*chunk).get_mut((i % SLOTS_PER_CHUNK) as usize) }.map(core::ptr::from_mut)
 }
 
+/// Counts a write into `FLOWS` before it is made (`FLOWS_WRITES`): a reader that reads
+/// the slots and then finds no CPU has written one skips the walk of an empty `FLOWS`;
+/// a copy moved out of a slot is written after this and the slot emptied after that, so
+/// a reader that saw the slot empty sees the write counted.
+#[inline(always)]
+fn note_flows_write(counters: &mut Counters) {
+    if let Some(c) = counters.get_mut(FLOWS_WRITES) {
+        *c += 1;
+    }
+    core::sync::atomic::compiler_fence(core::sync::atomic::Ordering::Release);
+}
+
 /// The flow's counters in `FLOWS`, inserted when new.
 #[inline(always)]
 fn flows_entry(key: &FlowKey, counters: &mut Counters, dir: u8) -> Option<*mut FlowCounters> {
     if let Some(c) = FLOWS.get_ptr_mut(key) {
         return Some(c);
     }
+    note_flows_write(counters);
     #[expect(
         clippy::needless_borrows_for_generic_args,
         reason = "by value would copy 136 bytes onto the 512-byte BPF stack"

@@ -54,12 +54,12 @@ fn live_bytes() -> i64 {
     LIVE.load(std::sync::atomic::Ordering::Relaxed) as i64
 }
 
-pub fn run(which: &str, repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
+pub fn run(which: &str, repeat: u32, baseline: Option<&Path>, baseline_bin: Option<&Path>) -> anyhow::Result<()> {
     let bin = Path::new("target/release/roce-trace");
     match which {
         "datapath" => datapath(repeat, baseline),
         "gen" => generator(bin),
-        "capture" => capture(bin),
+        "capture" => capture(bin, baseline_bin),
         "collector" => collector(),
         // Parts of `collector`, alone, for working on one of them.
         "collector-reader" => {
@@ -96,7 +96,7 @@ pub fn run(which: &str, repeat: u32, baseline: Option<&Path>) -> anyhow::Result<
         "all" => {
             datapath(repeat, baseline)?;
             generator(bin)?;
-            capture(bin)?;
+            capture(bin, baseline_bin)?;
             pcap_ingest(bin)?;
             collector()
         }
@@ -1304,7 +1304,9 @@ fn wait_cpu(c: Child) -> anyhow::Result<(Duration, i32)> {
 
 /// roce-trace capture against tcpdump -w on the same lab traffic, at the same time, on the
 /// receiving host: CPU seconds per million RoCE packets, and the counts each reported.
-fn capture(bin: &Path) -> anyhow::Result<()> {
+/// With `baseline`, another build's binary runs the same loads, alternating with this
+/// build's run by run (which goes first alternating too), so both see the same machine.
+fn capture(bin: &Path, baseline: Option<&Path>) -> anyhow::Result<()> {
     let lab = Lab {
         prefix: "rtbench".into(),
         ..Lab::default()
@@ -1315,16 +1317,27 @@ fn capture(bin: &Path) -> anyhow::Result<()> {
     // both busy): per-packet costs differ with how warm the caches stay.
     // Each three times: the figures move between runs with what else the two CPUs do.
     let result = [40, 150].into_iter().try_for_each(|mbit| {
-        let mut ratios = (1..=CAPTURE_RUNS)
-            .map(|run| capture_on_lab(&lab, bin, mbit, run))
-            .collect::<anyhow::Result<Vec<f64>>>()?;
-        let runs: Vec<String> = ratios.iter().map(|r| format!("{r:.3}")).collect();
-        ratios.sort_by(f64::total_cmp);
-        println!(
-            "== {mbit} Mbit/s per QP: roce-trace uses {:.3} of tcpdump's CPU per packet, whole system (median of {CAPTURE_RUNS} runs: {})\n",
-            ratios[ratios.len() / 2],
-            runs.join(", ")
-        );
+        let mut new = Vec::new();
+        let mut base = Vec::new();
+        for run in 1..=CAPTURE_RUNS {
+            let Some(b) = baseline else {
+                new.push(capture_on_lab(&lab, bin, mbit, run, "")?);
+                continue;
+            };
+            if run % 2 == 1 {
+                base.push(capture_on_lab(&lab, b, mbit, run, " (baseline)")?);
+                new.push(capture_on_lab(&lab, bin, mbit, run, " (this build)")?);
+            } else {
+                new.push(capture_on_lab(&lab, bin, mbit, run, " (this build)")?);
+                base.push(capture_on_lab(&lab, b, mbit, run, " (baseline)")?);
+            }
+        }
+        let what = if baseline.is_some() { " this build" } else { "" };
+        print_capture_medians(mbit, what, &new);
+        if baseline.is_some() {
+            print_capture_medians(mbit, " the baseline", &base);
+        }
+        println!();
         Ok(())
     });
     lab.down()?;
@@ -1333,17 +1346,45 @@ fn capture(bin: &Path) -> anyhow::Result<()> {
 
 const CAPTURE_RUNS: u32 = 3;
 
-/// One run; returns the whole-system ratio (roce-trace's CPU per packet over tcpdump's).
-fn capture_on_lab(lab: &Lab, bin: &Path, mbit: u32, run: u32) -> anyhow::Result<f64> {
+/// One run's figures, whole system: roce-trace's and tcpdump's CPU seconds per million
+/// packets, and their ratio.
+#[derive(Clone, Copy)]
+struct CaptureCost {
+    ratio: f64,
+    roce_trace: f64,
+    tcpdump: f64,
+}
+
+fn print_capture_medians(mbit: u32, what: &str, runs: &[CaptureCost]) {
+    let median = |f: fn(&CaptureCost) -> f64| {
+        let mut v: Vec<f64> = runs.iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let list = |f: fn(&CaptureCost) -> f64| runs.iter().map(|c| format!("{:.3}", f(c))).collect::<Vec<_>>().join(", ");
+    println!(
+        "== {mbit} Mbit/s per QP:{what} roce-trace uses {:.3} of tcpdump's CPU per packet, whole system (median of {} runs: {}); CPU s per million packets: roce-trace {:.3} ({}), tcpdump {:.3} ({})",
+        median(|c| c.ratio),
+        runs.len(),
+        list(|c| c.ratio),
+        median(|c| c.roce_trace),
+        list(|c| c.roce_trace),
+        median(|c| c.tcpdump),
+        list(|c| c.tcpdump),
+    );
+}
+
+/// One run: both tools' CPU per packet, whole system, and their ratio.
+fn capture_on_lab(lab: &Lab, bin: &Path, mbit: u32, run: u32, which: &str) -> anyhow::Result<CaptureCost> {
     let dir = std::env::temp_dir().join(format!("roce-trace-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     // The pcap and perf data are large: removed whether the run succeeds or not.
-    let result = capture_run(lab, bin, mbit, run, &dir);
+    let result = capture_run(lab, bin, mbit, run, which, &dir);
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
 
-fn capture_run(lab: &Lab, bin: &Path, mbit: u32, run: u32, dir: &Path) -> anyhow::Result<f64> {
+fn capture_run(lab: &Lab, bin: &Path, mbit: u32, run: u32, which: &str, dir: &Path) -> anyhow::Result<CaptureCost> {
     let secs = 10;
     // No BPF_ENABLE_STATS: timing every program run costs about 70 ns a packet (two clock
     // reads), which the sampled figure would charge to roce-trace.
@@ -1468,7 +1509,7 @@ fn capture_run(lab: &Lab, bin: &Path, mbit: u32, run: u32, dir: &Path) -> anyhow
         .unwrap_or(0);
     let per_m = |d: Duration, n: u64| d.as_secs_f64() / (n.max(1) as f64 / 1e6);
     println!(
-        "-- capture cost on the lab, run {run}: h1 -> h3, 8 QPs x {mbit} Mbit/s for {secs}s, both tools on h3 eth0 at once"
+        "-- capture cost on the lab, run {run}{which}: h1 -> h3, 8 QPs x {mbit} Mbit/s for {secs}s, both tools on h3 eth0 at once"
     );
     println!(
         "RoCE packets on the wire at h3: {} requests in + {} replies out = {}",
@@ -1534,7 +1575,11 @@ fn capture_run(lab: &Lab, bin: &Path, mbit: u32, run: u32, dir: &Path) -> anyhow
         !c.rt_bpf.is_zero(),
         "perf found none of roce-trace's kernel frames (BPF program symbols): its kernel time would be missing from the ratio"
     );
-    Ok(ratio)
+    Ok(CaptureCost {
+        ratio,
+        roce_trace: per_m(c.roce_trace(), counted),
+        tcpdump: per_m(c.tcpdump(), captured),
+    })
 }
 
 fn rss_bytes() -> u64 {

@@ -38,6 +38,10 @@ enum Cmd {
         /// a checkout of an older commit.
         #[arg(long)]
         baseline: Option<std::path::PathBuf>,
+        /// Another build's roce-trace binary, run beside this build's (capture): the
+        /// two alternate run by run on the same lab, and each one's median is printed.
+        #[arg(long)]
+        baseline_bin: Option<std::path::PathBuf>,
     },
     /// The virtual leaf-spine fabric: up, down, status, faults.
     Lab(lab::LabArgs),
@@ -89,7 +93,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             which,
             repeat,
             baseline,
-        } => bench::run(&which, repeat, baseline.as_deref()),
+            baseline_bin,
+        } => bench::run(&which, repeat, baseline.as_deref(), baseline_bin.as_deref()),
         Cmd::Demo { seconds, nats, keep } => demo::run(seconds, nats, keep),
         Cmd::Lab(a) => lab::run(a),
     }
