@@ -54,7 +54,12 @@ fn live_bytes() -> i64 {
     LIVE.load(std::sync::atomic::Ordering::Relaxed) as i64
 }
 
-pub fn run(which: &str, repeat: u32, baseline: Option<&Path>, baseline_bin: Option<&Path>) -> anyhow::Result<()> {
+pub fn run(
+    which: &str,
+    repeat: u32,
+    baseline: Option<&Path>,
+    baseline_bin: Option<&Path>,
+) -> anyhow::Result<()> {
     let bin = Path::new("target/release/roce-trace");
     match which {
         "datapath" => datapath(repeat, baseline),
@@ -1190,9 +1195,12 @@ fn charge(script: &str, rt_pid: u32, td_pid: u32) -> Charged {
     }
     let hook = |sym: &str| {
         // JIT symbols are `bpf_prog_<tag>_<name>`.
+        // The empty program of the floor runs is charged by the same rule (only one of
+        // the two is ever attached).
         let ours = || {
             PROGRAMS
                 .iter()
+                .chain([&EMPTY_TC])
                 .any(|p| sym.strip_suffix(p).is_some_and(|s| s.ends_with('_')))
         };
         if sym.starts_with("bpf_prog_") && ours() {
@@ -1319,24 +1327,42 @@ fn capture(bin: &Path, baseline: Option<&Path>) -> anyhow::Result<()> {
     let result = [40, 150].into_iter().try_for_each(|mbit| {
         let mut new = Vec::new();
         let mut base = Vec::new();
+        let mut floor = Vec::new();
+        let this = if baseline.is_some() { " (this build)" } else { "" };
         for run in 1..=CAPTURE_RUNS {
-            let Some(b) = baseline else {
-                new.push(capture_on_lab(&lab, bin, mbit, run, "")?);
-                continue;
-            };
-            if run % 2 == 1 {
-                base.push(capture_on_lab(&lab, b, mbit, run, " (baseline)")?);
-                new.push(capture_on_lab(&lab, bin, mbit, run, " (this build)")?);
-            } else {
-                new.push(capture_on_lab(&lab, bin, mbit, run, " (this build)")?);
-                base.push(capture_on_lab(&lab, b, mbit, run, " (baseline)")?);
+            // Each tool in turn, the order reversed every other run.
+            let mut order = vec![Tool::RoceTrace(bin, this), Tool::EmptyTc];
+            if let Some(b) = baseline {
+                order.insert(0, Tool::RoceTrace(b, " (baseline)"));
+            }
+            if run % 2 == 0 {
+                order.reverse();
+            }
+            for tool in order {
+                // This build's generator for every tool: the same traffic.
+                let cost = capture_on_lab(&lab, tool, bin, mbit, run)?;
+                match tool {
+                    Tool::RoceTrace(b, _) if b == bin => new.push(cost),
+                    Tool::RoceTrace(..) => base.push(cost),
+                    Tool::EmptyTc => floor.push(cost),
+                }
             }
         }
-        let what = if baseline.is_some() { " this build" } else { "" };
-        print_capture_medians(mbit, what, &new);
+        print_capture_medians(
+            mbit,
+            if baseline.is_some() { " this build:" } else { "" },
+            "roce-trace",
+            &new,
+        );
         if baseline.is_some() {
-            print_capture_medians(mbit, " the baseline", &base);
+            print_capture_medians(mbit, " the baseline:", "roce-trace", &base);
         }
+        print_capture_medians(
+            mbit,
+            " the floor, an empty TC program at the same hooks:",
+            "it",
+            &floor,
+        );
         println!();
         Ok(())
     });
@@ -1345,6 +1371,89 @@ fn capture(bin: &Path, baseline: Option<&Path>) -> anyhow::Result<()> {
 }
 
 const CAPTURE_RUNS: u32 = 3;
+
+/// What watches h3's `eth0` beside tcpdump in a capture run.
+#[derive(Clone, Copy)]
+enum Tool<'a> {
+    /// `roce-trace capture` from this binary (and how the run is labelled).
+    RoceTrace(&'a Path, &'static str),
+    /// An empty TC program (`return TC_ACT_UNSPEC`) attached with tcx at ingress and
+    /// egress, as capture attaches roce-trace's: what any TC-based tool pays on this
+    /// traffic before it does anything, charged by the same rule.
+    EmptyTc,
+}
+
+/// The empty TC program's name: its JIT symbol is `bpf_prog_<tag>_rt_empty_tc`.
+const EMPTY_TC: &str = "rt_empty_tc";
+/// `bpf(2)` commands and `enum bpf_attach_type` values (Linux 6.6's tcx).
+const BPF_LINK_CREATE: i64 = 28;
+const BPF_TCX_INGRESS: u32 = 46;
+const BPF_TCX_EGRESS: u32 = 47;
+
+/// `union bpf_attr` for BPF_LINK_CREATE with tcx (the rest zero: no relative program, no
+/// expected revision).
+#[repr(C)]
+#[derive(Default)]
+struct LinkCreateAttr {
+    prog_fd: u32,
+    target_ifindex: u32,
+    attach_type: u32,
+    flags: u32,
+    _rest: [u64; 6],
+}
+
+/// The empty TC program attached at both tcx hooks of `iface` in network namespace
+/// `ns`; detached when the links are dropped.
+fn attach_empty_tc(ns: &str, iface: &str) -> anyhow::Result<Vec<std::os::fd::OwnedFd>> {
+    use std::os::fd::FromRawFd;
+    // TC_ACT_UNSPEC: go on as if nothing were attached, as roce-trace's programs do.
+    let prog = prog_load(
+        BPF_PROG_TYPE_SCHED_CLS,
+        &[insn(0xb7, 0, 0, 0, -1), insn(0x95, 0, 0, 0, 0)],
+        EMPTY_TC,
+    )?;
+    let netns = std::fs::File::open(format!("/var/run/netns/{ns}"))
+        .with_context(|| format!("network namespace {ns}"))?;
+    let iface = std::ffi::CString::new(iface)?;
+    // A thread of its own enters the namespace (to find the interface there); the links
+    // it makes hold the attachment wherever their descriptors go.
+    std::thread::scope(|sc| {
+        sc.spawn(|| -> anyhow::Result<Vec<std::os::fd::OwnedFd>> {
+            // SAFETY: setns on this thread only, with a namespace descriptor we own.
+            ensure!(
+                unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) } == 0,
+                "entering {ns}: {}",
+                std::io::Error::last_os_error()
+            );
+            // SAFETY: a NUL-terminated name.
+            let ifindex = unsafe { libc::if_nametoindex(iface.as_ptr()) };
+            ensure!(ifindex != 0, "no interface {iface:?} in {ns}");
+            [BPF_TCX_INGRESS, BPF_TCX_EGRESS]
+                .into_iter()
+                .map(|attach_type| {
+                    let mut attr = LinkCreateAttr {
+                        prog_fd: prog.as_raw_fd() as u32,
+                        target_ifindex: ifindex,
+                        attach_type,
+                        ..Default::default()
+                    };
+                    // SAFETY: bpf(2) reads `attr`, alive for the call; it returns a new
+                    // link descriptor or -1.
+                    let fd = unsafe { sys_bpf(BPF_LINK_CREATE, &mut attr) };
+                    ensure!(
+                        fd >= 0,
+                        "attaching the empty TC program: {}",
+                        std::io::Error::last_os_error()
+                    );
+                    // SAFETY: a descriptor bpf(2) just returned, owned by nothing else.
+                    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
+                })
+                .collect()
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("the thread attaching the empty TC program panicked"))?
+    })
+}
 
 /// One run's figures, whole system: roce-trace's and tcpdump's CPU seconds per million
 /// packets, and their ratio.
@@ -1355,15 +1464,20 @@ struct CaptureCost {
     tcpdump: f64,
 }
 
-fn print_capture_medians(mbit: u32, what: &str, runs: &[CaptureCost]) {
+fn print_capture_medians(mbit: u32, what: &str, who: &str, runs: &[CaptureCost]) {
     let median = |f: fn(&CaptureCost) -> f64| {
         let mut v: Vec<f64> = runs.iter().map(f).collect();
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let list = |f: fn(&CaptureCost) -> f64| runs.iter().map(|c| format!("{:.3}", f(c))).collect::<Vec<_>>().join(", ");
+    let list = |f: fn(&CaptureCost) -> f64| {
+        runs.iter()
+            .map(|c| format!("{:.3}", f(c)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     println!(
-        "== {mbit} Mbit/s per QP:{what} roce-trace uses {:.3} of tcpdump's CPU per packet, whole system (median of {} runs: {}); CPU s per million packets: roce-trace {:.3} ({}), tcpdump {:.3} ({})",
+        "== {mbit} Mbit/s per QP:{what} {who} uses {:.3} of tcpdump's CPU per packet, whole system (median of {} runs: {}); CPU s per million packets: {who} {:.3} ({}), tcpdump {:.3} ({})",
         median(|c| c.ratio),
         runs.len(),
         list(|c| c.ratio),
@@ -1375,43 +1489,67 @@ fn print_capture_medians(mbit: u32, what: &str, runs: &[CaptureCost]) {
 }
 
 /// One run: both tools' CPU per packet, whole system, and their ratio.
-fn capture_on_lab(lab: &Lab, bin: &Path, mbit: u32, run: u32, which: &str) -> anyhow::Result<CaptureCost> {
+fn capture_on_lab(
+    lab: &Lab,
+    tool: Tool,
+    generator: &Path,
+    mbit: u32,
+    run: u32,
+) -> anyhow::Result<CaptureCost> {
     let dir = std::env::temp_dir().join(format!("roce-trace-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     // The pcap and perf data are large: removed whether the run succeeds or not.
-    let result = capture_run(lab, bin, mbit, run, which, &dir);
+    let result = capture_run(lab, tool, generator, mbit, run, &dir);
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
 
-fn capture_run(lab: &Lab, bin: &Path, mbit: u32, run: u32, which: &str, dir: &Path) -> anyhow::Result<CaptureCost> {
+fn capture_run(
+    lab: &Lab,
+    tool: Tool,
+    generator: &Path,
+    mbit: u32,
+    run: u32,
+    dir: &Path,
+) -> anyhow::Result<CaptureCost> {
     let secs = 10;
     // No BPF_ENABLE_STATS: timing every program run costs about 70 ns a packet (two clock
     // reads), which the sampled figure would charge to roce-trace.
 
     let json = dir.join("capture.jsonl");
-    let mut cap = Command::new("ip")
-        .args(["netns", "exec", &lab.ns("h3")])
-        .arg(bin)
-        .args([
-            "capture",
-            "-i",
-            "eth0",
-            "--json",
-            "--duration",
-            &format!("{}s", secs + 4),
-            "-w",
-        ])
-        .arg(&json)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()?;
-    let mut err = BufReader::new(cap.stderr.take().unwrap());
     let mut line = String::new();
-    while err.read_line(&mut line)? > 0 && !line.contains("capturing on") {
-        line.clear();
-    }
-    ensure!(line.contains("capturing on"), "capture did not start");
+    // roce-trace capture, or the empty program's links (held until the run ends).
+    let (which, mut cap, empty) = match tool {
+        Tool::RoceTrace(bin, which) => {
+            let mut cap = Command::new("ip")
+                .args(["netns", "exec", &lab.ns("h3")])
+                .arg(bin)
+                .args([
+                    "capture",
+                    "-i",
+                    "eth0",
+                    "--json",
+                    "--duration",
+                    &format!("{}s", secs + 4),
+                    "-w",
+                ])
+                .arg(&json)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()?;
+            let mut err = BufReader::new(cap.stderr.take().unwrap());
+            while err.read_line(&mut line)? > 0 && !line.contains("capturing on") {
+                line.clear();
+            }
+            ensure!(line.contains("capturing on"), "capture did not start");
+            (which, Some(cap), None)
+        }
+        Tool::EmptyTc => (
+            " (the floor: an empty TC program)",
+            None,
+            Some(attach_empty_tc(&lab.ns("h3"), "eth0")?),
+        ),
+    };
     let pcap = dir.join("tcpdump.pcap");
     let mut dump = Command::new("ip")
         .args(["netns", "exec", &lab.ns("h3"), "tcpdump", "-i", "eth0", "-w"])
@@ -1428,12 +1566,13 @@ fn capture_run(lab: &Lab, bin: &Path, mbit: u32, run: u32, which: &str, dir: &Pa
 
     // Steady state: what each tool costs while traffic flows, start-up (program
     // verification, tcpdump's set-up) excluded; both are reported.
-    let (cap0, dump0) = (proc_cpu(cap.id())?, proc_cpu(dump.id())?);
+    let cap0 = cap.as_ref().map(|c| proc_cpu(c.id())).transpose()?;
+    let dump0 = proc_cpu(dump.id())?;
     let perf_data = dir.join("perf.data");
     let perf = Profiler::start(&perf_data)?;
     let resp = Command::new("ip")
         .args(["netns", "exec", &lab.ns("h3")])
-        .arg(bin)
+        .arg(generator)
         .args([
             "gen",
             "--bind",
@@ -1448,7 +1587,7 @@ fn capture_run(lab: &Lab, bin: &Path, mbit: u32, run: u32, which: &str, dir: &Pa
     std::thread::sleep(Duration::from_millis(500));
     let send = Command::new("ip")
         .args(["netns", "exec", &lab.ns("h1")])
-        .arg(bin)
+        .arg(generator)
         .args([
             "gen",
             "--to",
@@ -1466,8 +1605,14 @@ fn capture_run(lab: &Lab, bin: &Path, mbit: u32, run: u32, which: &str, dir: &Pa
     let sent: Value = serde_json::from_slice(&send.stdout)?;
     let r: Value = serde_json::from_slice(&resp.wait_with_output()?.stdout)?;
     std::thread::sleep(Duration::from_millis(500));
-    let (cap_steady, dump_steady) = (proc_cpu(cap.id())? - cap0, proc_cpu(dump.id())? - dump0);
-    let charged = perf.finish(cap.id(), dump.id())?;
+    let cap_steady = match (&cap, cap0) {
+        (Some(c), Some(c0)) => Some(proc_cpu(c.id())? - c0),
+        _ => None,
+    };
+    let dump_steady = proc_cpu(dump.id())? - dump0;
+    // The empty program has no process: no pid is charged as its.
+    let charged = perf.finish(cap.as_ref().map_or(u32::MAX, |c| c.id()), dump.id())?;
+    drop(empty);
     // SAFETY: signalling our own child.
     unsafe { libc::kill(dump.id() as i32, libc::SIGINT) };
     let (dump_cpu, _) = wait_cpu(dump)?;
@@ -1476,8 +1621,14 @@ fn capture_run(lab: &Lab, bin: &Path, mbit: u32, run: u32, which: &str, dir: &Pa
         dump_report.push_str(&l);
         dump_report.push(' ');
     }
-    let (cap_cpu, status) = wait_cpu(cap)?;
-    ensure!(status == 0, "capture exited with status {status}");
+    let cap_cpu = match cap.take() {
+        Some(c) => {
+            let (cpu, status) = wait_cpu(c)?;
+            ensure!(status == 0, "capture exited with status {status}");
+            Some(cpu)
+        }
+        None => None,
+    };
 
     let requests: u64 = sent["senders"]
         .as_array()
@@ -1495,12 +1646,17 @@ fn capture_run(lab: &Lab, bin: &Path, mbit: u32, run: u32, which: &str, dir: &Pa
                 + q["cnps_sent"].as_u64().unwrap()
         })
         .sum();
-    let summary: Value = std::fs::read_to_string(&json)?
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find(|v| v["type"] == "summary")
-        .context("capture summary")?;
-    let counted = summary["packets"].as_u64().unwrap_or(0);
+    // The empty program counts nothing: its cost is per packet on the wire.
+    let counted = if cap_cpu.is_some() {
+        let summary: Value = std::fs::read_to_string(&json)?
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|v| v["type"] == "summary")
+            .context("capture summary")?;
+        summary["packets"].as_u64().unwrap_or(0)
+    } else {
+        requests + replies
+    };
     let captured: u64 = dump_report
         .split(" packets captured")
         .next()
@@ -1517,11 +1673,16 @@ fn capture_run(lab: &Lab, bin: &Path, mbit: u32, run: u32, which: &str, dir: &Pa
         replies,
         requests + replies
     );
-    println!(
-        "roce-trace capture: counted {counted}; process time while traffic ran {:.3}s (whole run incl. loading {:.3}s)",
-        cap_steady.as_secs_f64(),
-        cap_cpu.as_secs_f64(),
-    );
+    match (cap_steady, cap_cpu) {
+        (Some(steady), Some(whole)) => println!(
+            "roce-trace capture: counted {counted}; process time while traffic ran {:.3}s (whole run incl. loading {:.3}s)",
+            steady.as_secs_f64(),
+            whole.as_secs_f64(),
+        ),
+        _ => println!(
+            "an empty TC program at ingress and egress (tcx), no process: charged per packet on the wire"
+        ),
+    }
     println!(
         "tcpdump -w udp port 4791: captured {captured}; process time while traffic ran {:.3}s (whole run {:.3}s)",
         dump_steady.as_secs_f64(),
@@ -1533,8 +1694,13 @@ fn capture_run(lab: &Lab, bin: &Path, mbit: u32, run: u32, which: &str, dir: &Pa
         "whole system, sampled ({} samples of every CPU at {} Hz while traffic ran; kernel work charged to the tool whose hook is on the stack):",
         c.samples, PERF_HZ
     );
+    let who = if cap_cpu.is_some() {
+        "roce-trace"
+    } else {
+        "empty TC"
+    };
     println!(
-        "  roce-trace: process {:.3}s + its hooks (BPF programs, their helpers, the TC hook entry) {:.3}s + veth's copy for XDP {:.3}s = {:.3}s = {:.3} CPU s per million packets",
+        "  {who}: process {:.3}s + its hooks (BPF programs, their helpers, the TC hook entry) {:.3}s + veth's copy for XDP {:.3}s = {:.3}s = {:.3} CPU s per million packets",
         c.rt_process.as_secs_f64(),
         c.rt_bpf.as_secs_f64(),
         c.rt_veth_copy.as_secs_f64(),
@@ -1557,7 +1723,7 @@ fn capture_run(lab: &Lab, bin: &Path, mbit: u32, run: u32, which: &str, dir: &Pa
         per_m(c.tcpdump(), captured),
     );
     let ratio = per_m(c.roce_trace(), counted) / per_m(c.tcpdump(), captured);
-    println!("ratio, whole system: roce-trace uses {ratio:.3} of tcpdump's CPU per packet");
+    println!("ratio, whole system: {who} uses {ratio:.3} of tcpdump's CPU per packet");
     ensure!(
         counted == requests + replies,
         "roce-trace counted {counted}, the wire carried {}",
@@ -1573,7 +1739,7 @@ fn capture_run(lab: &Lab, bin: &Path, mbit: u32, run: u32, which: &str, dir: &Pa
     );
     ensure!(
         !c.rt_bpf.is_zero(),
-        "perf found none of roce-trace's kernel frames (BPF program symbols): its kernel time would be missing from the ratio"
+        "perf found none of {who}'s kernel frames (BPF program symbols): its kernel time would be missing from the ratio"
     );
     Ok(CaptureCost {
         ratio,
@@ -2529,5 +2695,22 @@ mod tests {
                 ("sch_handle_ingress", 100)
             ]
         );
+    }
+
+    /// The floor runs: the empty TC program is charged by the rule roce-trace's programs
+    /// are, and with no process to charge (`u32::MAX`), idle samples (pid 0) go to nobody.
+    #[test]
+    fn the_floors_empty_program_is_charged_like_the_datapath() {
+        let script = "\
+ 0     200000 \n\tffffffffa0 bpf_prog_1d9b1231156af7b6_rt_empty_tc\n\tffffffff92 __netif_receive_skb_core\n\n\
+ 0     100000 \n\tffffffff87 default_idle\n\n\
+ 7     100000 \n\tffffffff85 tpacket_rcv\n";
+        let c = charge(script, u32::MAX, 7);
+        assert_eq!(c.samples, 3);
+        assert_eq!(c.rt_bpf, Duration::from_micros(200));
+        assert_eq!(c.rt_process, Duration::ZERO);
+        assert_eq!(c.td_kernel, Duration::from_micros(100));
+        let at: Vec<&str> = c.rt_bpf_at.keys().map(String::as_str).collect();
+        assert_eq!(at, ["program rt_empty_tc"]);
     }
 }
