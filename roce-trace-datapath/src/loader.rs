@@ -159,7 +159,9 @@ fn array_map<'a>(ebpf: &'a Ebpf, name: &'static str) -> Result<&'a MapData, Data
         Some(aya::maps::Map::Array(data)) => Ok(data),
         Some(_) => Err(DatapathError::Mmap {
             name,
-            source: std::io::Error::other("not an array map"),
+            source: std::io::Error::other(
+                "not a plain array map (an object built before FLOW_SLOTS and GLOBALS became mmapable arrays?)",
+            ),
         }),
         None => Err(DatapathError::MissingMap(name)),
     }
