@@ -171,7 +171,7 @@ impl ProgTest {
     }
 
     /// One of the programs' maps, by name.
-    fn map(&self, name: &str) -> aya::maps::Map {
+    pub fn map(&self, name: &str) -> aya::maps::Map {
         for &id in &self.map_ids {
             let data = aya::maps::MapData::from_id(id).expect("map by id");
             if data.info().expect("map info").name_as_str() == Some(name) {

@@ -926,6 +926,44 @@ fn every_frame_kind_through_xdp_and_tc_both_ways() {
     }
 }
 
+/// The reader maps the flow table and the globals in place: every CPU's chunks, nothing
+/// past the end; a map that is not mmapable, or whose values are not the type asked for,
+/// is refused with the reason rather than read as something else.
+#[test]
+fn the_tables_are_mapped_whole_and_a_map_they_cannot_be_is_refused() {
+    use roce_trace_datapath::mapped::MappedArray;
+    if !require_root() {
+        return;
+    }
+    let t = ProgTest::new(&DatapathOptions::default());
+    let cpus = aya::util::nr_cpus().unwrap();
+    let array = |name| match t.map(name) {
+        aya::maps::Map::Array(data) => data,
+        _ => panic!("{name} is not an array map"),
+    };
+    let slots = array(MAP_FLOW_SLOTS);
+    let m = MappedArray::<FlowSlotChunk>::new(&slots).expect("the flow table maps");
+    assert_eq!(
+        m.len(),
+        cpus * (MAX_FLOW_SLOTS / SLOTS_PER_CHUNK) as usize,
+        "every CPU's chunks"
+    );
+    assert!(m.get(m.len() - 1).is_some() && m.get(m.len()).is_none());
+    let err = MappedArray::<u64>::new(&slots).err().expect("u64 values refused");
+    assert!(
+        err.to_string().contains("values of 24576 bytes, 8 expected"),
+        "{err}"
+    );
+    let globals = array(MAP_GLOBALS);
+    let g =
+        MappedArray::<roce_trace_common::scratch::CpuGlobalsBytes>::new(&globals).expect("the globals map");
+    assert_eq!(g.len(), cpus, "one element a CPU");
+    let err = MappedArray::<AddrPrefix>::new(&array(MAP_MIRROR_FROM))
+        .err()
+        .expect("a plain array refused");
+    assert!(err.to_string().contains("not mmapable"), "{err}");
+}
+
 /// Mirror sessions reach the flow key only as ids: each session (switch, id, kind) gets its
 /// own flow and one `MIRRORS` entry, however many copies it sends, and stale sessions of a
 /// CPU's previous packet never leak into a plain packet's key or sample.
