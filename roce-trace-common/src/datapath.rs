@@ -630,9 +630,10 @@ pub enum CounterKind {
 /// [`GlobalCounter::name`] and [`GlobalCounter::kind`]; every other list derives from them.
 macro_rules! global_counters {
     ($($(#[$doc:meta])* $variant:ident = $value:literal => $name:literal, $kind:ident;)*) => {
-        /// Global per-CPU counters: `GLOBALS` holds one array per CPU, indexed by
-        /// [`GlobalCounter::index`] — the two directions of a counter side by side, so
-        /// the counters every packet bumps (frames seen, RoCEv2) share one cache line.
+        /// Global counters, one array per CPU (each CPU's element of `GLOBALS`), indexed
+        /// by [`GlobalCounter::index`] — the two directions of a counter side by side, so
+        /// the one every RoCE packet bumps (`RoceV2`, both directions) sits in one cache
+        /// line (frames seen is the sum of the outcomes, not bumped).
         #[repr(u32)]
         #[derive(Clone, Copy, Debug, PartialEq, Eq)]
         pub enum GlobalCounter {

@@ -102,10 +102,10 @@ impl Default for DatapathOptions {
 }
 
 impl DatapathOptions {
-    /// Slots of the per-CPU flow table as loaded on a host with `cpus` possible CPUs:
+    /// Slots of each CPU's flow table as loaded on a host with `cpus` CPU ids:
     /// `flow_slots` rounded up to a power of two, at most `MAX_FLOW_SLOTS`, and few enough
-    /// that the whole table (every CPU's copy, which a reader copies out each interval)
-    /// stays within `FLOW_TABLE_BUDGET`: 2048 slots a CPU up to 42 CPUs, 256 at 256.
+    /// that the whole table (every CPU's, which a reader reads each interval) stays
+    /// within `FLOW_TABLE_BUDGET`: 2048 slots a CPU up to 42 CPUs, 256 at 256.
     pub fn table_slots(&self, cpus: usize) -> u32 {
         let budget = FLOW_TABLE_BUDGET / (cpus.max(1) * size_of::<FlowSlot>());
         let fits = if budget == 0 { 1 } else { 1 << budget.ilog2() };
@@ -222,9 +222,9 @@ impl Datapath {
     pub fn load_object(opts: &DatapathOptions, object: &[u8]) -> Result<Self, DatapathError> {
         sys::check_kernel()?;
         sys::check_privileges()?;
-        let cpus = aya::util::nr_cpus().map_err(|(path, source)| {
-            DatapathError::InvalidOption(format!("cannot count the CPUs ({path}): {source}"))
-        })?;
+        // Arrays indexed by CPU id: as many elements as ids the kernel may give.
+        let cpus = sys::cpu_id_count()
+            .map_err(|source| DatapathError::InvalidOption(format!("cannot count the CPUs: {source}")))?;
         let slots = opts.table_slots(cpus);
         let cfg = DatapathConfig {
             slot_bits: slots.trailing_zeros(),
@@ -517,17 +517,26 @@ impl Datapath {
     /// Writes into `FLOWS` so far, every CPU's (`FLOWS_WRITES`): 0 while it is empty.
     pub fn flows_writes(&self) -> u64 {
         (0..self.globals.len())
-            .filter_map(|cpu| self.globals.get(cpu))
-            .map(|g| g.counters[FLOWS_WRITES])
+            .filter_map(|cpu| self.counters(cpu))
+            .map(|c| c[FLOWS_WRITES])
             .sum()
+    }
+
+    /// CPU `cpu`'s counters, copied alone: the working memory beside them, which the
+    /// programs write on every packet, is left where it is.
+    fn counters(&self, cpu: usize) -> Option<[u64; GLOBAL_COUNTERS_LEN as usize]> {
+        let g = self.globals.ptr(cpu)?;
+        // SAFETY: a valid element of the mapping (`ptr` checked the index), read with a
+        // volatile copy of its counters only; any bytes are valid u64s.
+        Some(unsafe { core::ptr::addr_of!((*g).counters).read_volatile() })
     }
 
     /// Global counters summed over CPUs, indexed by `GlobalCounter::index(direction)`.
     pub fn globals(&self) -> Result<GlobalTotals, DatapathError> {
         let mut totals = GlobalTotals::default();
         for cpu in 0..self.globals.len() {
-            let Some(g) = self.globals.get(cpu) else { break };
-            for (slot, v) in totals.0.iter_mut().zip(&g.counters) {
+            let Some(counters) = self.counters(cpu) else { break };
+            for (slot, v) in totals.0.iter_mut().zip(&counters) {
                 *slot += v;
             }
         }

@@ -260,9 +260,54 @@ pub fn hostname() -> String {
     }
 }
 
+/// How many CPU ids a program may run under (`bpf_get_smp_processor_id`): the highest
+/// possible CPU's id + 1, from `/sys/devices/system/cpu/possible`. Arrays indexed by CPU
+/// are sized by it; where the possible CPUs have gaps (`0-3,8-11`) it is more than their
+/// count.
+pub fn cpu_id_count() -> std::io::Result<usize> {
+    const POSSIBLE: &str = "/sys/devices/system/cpu/possible";
+    let s = std::fs::read_to_string(POSSIBLE)?;
+    parse_cpu_id_count(&s).ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{POSSIBLE} says {:?}: not a CPU list", s.trim()),
+        )
+    })
+}
+
+/// The highest id + 1 of a kernel CPU list (`0-3,8-11`, `0`), or `None` when it is not one.
+pub fn parse_cpu_id_count(list: &str) -> Option<usize> {
+    let mut highest = None;
+    for part in list.trim().split(',') {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        let (a, b): (usize, usize) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+        if b < a {
+            return None;
+        }
+        highest = highest.max(Some(b));
+    }
+    highest.map(|h| h + 1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_lists_give_the_highest_id_plus_one() {
+        assert_eq!(parse_cpu_id_count("0-3\n"), Some(4));
+        assert_eq!(parse_cpu_id_count("0"), Some(1));
+        assert_eq!(
+            parse_cpu_id_count("0-3,8-11"),
+            Some(12),
+            "gaps count up to the highest id"
+        );
+        assert_eq!(parse_cpu_id_count("0,2,5"), Some(6));
+        assert_eq!(parse_cpu_id_count(""), None);
+        assert_eq!(parse_cpu_id_count("3-1"), None);
+        assert_eq!(parse_cpu_id_count("0-x"), None);
+        assert!(cpu_id_count().unwrap() >= 1);
+    }
 
     #[test]
     fn kernel_release_strings() {

@@ -261,7 +261,8 @@ fn account(
     let key = &work.key;
 
     let flow = match flow_slot(cpu, FlowKey::slot_of(&words, cfg.slot_bits), cfg.slot_bits) {
-        // SAFETY: per-CPU slot: only this CPU writes this copy.
+        // SAFETY: this CPU's slot: only this CPU writes it (`take_over` on another CPU
+        // clears only its state's flags, which this packet does not read first).
         Some(slot) if unsafe { (*slot).counters.counts.packets != 0 && (*slot).key.same_words(&words) } => {
             // SAFETY: as above.
             Some(unsafe { core::ptr::addr_of_mut!((*slot).counters) })

@@ -187,7 +187,7 @@ impl ProgTest {
         let map: aya::maps::Array<_, FlowSlotChunk> =
             aya::maps::Array::try_from(self.map(MAP_FLOW_SLOTS)).unwrap();
         // CPU `cpu`'s chunks are elements cpu * per_cpu .. (cpu + 1) * per_cpu.
-        let per_cpu = map.len() / aya::util::nr_cpus().unwrap() as u32;
+        let per_cpu = map.len() / roce_trace_datapath::sys::cpu_id_count().unwrap() as u32;
         let mut v = Vec::new();
         for chunk in 0..per_cpu {
             let slots = map.get(&(cpu as u32 * per_cpu + chunk), 0).unwrap();
@@ -314,6 +314,11 @@ impl ProgTest {
         let mut v: Vec<_> = self.dp.flows().unwrap().into_iter().collect();
         v.sort_by_key(|(k, _)| *k);
         v
+    }
+
+    /// Writes into `FLOWS` every CPU has counted (`FLOWS_WRITES`): 0 while it is empty.
+    pub fn flows_writes(&self) -> u64 {
+        self.dp.flows_writes()
     }
 
     pub fn globals(&self) -> GlobalTotals {

@@ -936,7 +936,8 @@ fn the_tables_are_mapped_whole_and_a_map_they_cannot_be_is_refused() {
         return;
     }
     let t = ProgTest::new(&DatapathOptions::default());
-    let cpus = aya::util::nr_cpus().unwrap();
+    let cpus = roce_trace_datapath::sys::cpu_id_count().unwrap();
+    let table_slots = DatapathOptions::default().table_slots(cpus);
     let array = |name| match t.map(name) {
         aya::maps::Map::Array(data) => data,
         _ => panic!("{name} is not an array map"),
@@ -945,7 +946,7 @@ fn the_tables_are_mapped_whole_and_a_map_they_cannot_be_is_refused() {
     let m = MappedArray::<FlowSlotChunk>::new(&slots).expect("the flow table maps");
     assert_eq!(
         m.len(),
-        cpus * (MAX_FLOW_SLOTS / SLOTS_PER_CHUNK) as usize,
+        cpus << flow_chunk_bits(table_slots.trailing_zeros()),
         "every CPU's chunks"
     );
     assert!(m.get(m.len() - 1).is_some() && m.get(m.len()).is_none());
@@ -1204,6 +1205,19 @@ fn flows_beyond_the_flow_table_are_counted_exactly() {
             if i < 40 - n * 5 {
                 t.run_tc_in(&f[i]);
             }
+            // The first flow fits the table: nothing is written to FLOWS, and the reader
+            // skips it; the second is written there, and read.
+            match (i, n) {
+                (0, 0) => {
+                    assert_eq!(t.flows_writes(), 0, "one flow, in its slot");
+                    assert_eq!(per_qp(&t).0, [(0x11, 1, 0, 0)]);
+                }
+                (0, 1) => {
+                    assert_eq!(t.flows_writes(), 1, "the second flow written to FLOWS");
+                    assert_eq!(per_qp(&t).0, [(0x11, 1, 0, 0), (0x22, 1, 0, 0)]);
+                }
+                _ => {}
+            }
         }
     }
     let want: Vec<_> = qps
@@ -1224,7 +1238,7 @@ fn placement(t: &ProgTest) -> Placement {
     assert!(slots.len() <= 1, "one slot: {slots:?}");
     let mut flows: Vec<_> = t.flows_map(0).iter().map(|(k, c)| counts(k, c)).collect();
     flows.sort();
-    for cpu in 1..aya::util::nr_cpus().unwrap() {
+    for cpu in 1..roce_trace_datapath::sys::cpu_id_count().unwrap() {
         assert!(t.slot_table(cpu).is_empty(), "CPU {cpu} has a slot in use");
         assert!(t.flows_map(cpu).is_empty(), "CPU {cpu} counts in FLOWS");
     }

@@ -1315,6 +1315,15 @@ fn wait_cpu(c: Child) -> anyhow::Result<(Duration, i32)> {
 /// With `baseline`, another build's binary runs the same loads, alternating with this
 /// build's run by run (which goes first alternating too), so both see the same machine.
 fn capture(bin: &Path, baseline: Option<&Path>) -> anyhow::Result<()> {
+    if let Some(b) = baseline {
+        let same = std::fs::canonicalize(b)
+            .with_context(|| format!("the baseline binary {}", b.display()))?
+            == std::fs::canonicalize(bin).with_context(|| format!("{}", bin.display()))?;
+        ensure!(
+            !same,
+            "--baseline-bin is this build's own binary: copy another build's elsewhere"
+        );
+    }
     let lab = Lab {
         prefix: "rtbench".into(),
         ..Lab::default()
@@ -1329,9 +1338,20 @@ fn capture(bin: &Path, baseline: Option<&Path>) -> anyhow::Result<()> {
         let mut base = Vec::new();
         let mut floor = Vec::new();
         let this = if baseline.is_some() { " (this build)" } else { "" };
+        // tcx (Linux 6.6) attaches the floor's program; without it the floor is left out.
+        let floor_runs = match attach_empty_tc(&lab.ns("h3"), "eth0") {
+            Ok(_links) => true,
+            Err(e) => {
+                println!("(no floor: {e:#})");
+                false
+            }
+        };
         for run in 1..=CAPTURE_RUNS {
             // Each tool in turn, the order reversed every other run.
-            let mut order = vec![Tool::RoceTrace(bin, this), Tool::EmptyTc];
+            let mut order = vec![Tool::RoceTrace(bin, this)];
+            if floor_runs {
+                order.push(Tool::EmptyTc);
+            }
             if let Some(b) = baseline {
                 order.insert(0, Tool::RoceTrace(b, " (baseline)"));
             }
@@ -1357,12 +1377,14 @@ fn capture(bin: &Path, baseline: Option<&Path>) -> anyhow::Result<()> {
         if baseline.is_some() {
             print_capture_medians(mbit, " the baseline:", "roce-trace", &base);
         }
-        print_capture_medians(
-            mbit,
-            " the floor, an empty TC program at the same hooks:",
-            "it",
-            &floor,
-        );
+        if floor_runs {
+            print_capture_medians(
+                mbit,
+                " the floor, an empty TC program at the same hooks:",
+                "it",
+                &floor,
+            );
+        }
         println!();
         Ok(())
     });
