@@ -153,16 +153,14 @@ impl DatapathOptions {
     }
 }
 
-/// The array map `name` of a loaded object.
-fn array_map<'a>(ebpf: &'a Ebpf, name: &'static str) -> Result<&'a MapData, DatapathError> {
+/// The array map `name` of a loaded object, mapped read-only (see [`MappedArray`]).
+fn mapped_array<T: aya::Pod>(ebpf: &Ebpf, name: &'static str) -> Result<MappedArray<T>, DatapathError> {
+    let mmap_err = |source| DatapathError::Mmap { name, source };
     match ebpf.map(name) {
-        Some(aya::maps::Map::Array(data)) => Ok(data),
-        Some(_) => Err(DatapathError::Mmap {
-            name,
-            source: std::io::Error::other(
-                "not a plain array map (an object built before FLOW_SLOTS and GLOBALS became mmapable arrays?)",
-            ),
-        }),
+        Some(aya::maps::Map::Array(data)) => MappedArray::new(data).map_err(mmap_err),
+        Some(_) => Err(mmap_err(std::io::Error::other(
+            "not a plain array map (an object built before FLOW_SLOTS and GLOBALS became mmapable arrays?)",
+        ))),
         None => Err(DatapathError::MissingMap(name)),
     }
 }
@@ -258,16 +256,8 @@ impl Datapath {
                 })?;
             }
         }
-        let slots =
-            MappedArray::new(array_map(&ebpf, MAP_FLOW_SLOTS)?).map_err(|source| DatapathError::Mmap {
-                name: MAP_FLOW_SLOTS,
-                source,
-            })?;
-        let globals =
-            MappedArray::new(array_map(&ebpf, MAP_GLOBALS)?).map_err(|source| DatapathError::Mmap {
-                name: MAP_GLOBALS,
-                source,
-            })?;
+        let slots = mapped_array(&ebpf, MAP_FLOW_SLOTS)?;
+        let globals = mapped_array(&ebpf, MAP_GLOBALS)?;
         Ok(Self {
             ebpf,
             slots,
@@ -517,8 +507,10 @@ impl Datapath {
     /// Writes into `FLOWS` so far, every CPU's (`FLOWS_WRITES`): 0 while it is empty.
     pub fn flows_writes(&self) -> u64 {
         (0..self.globals.len())
-            .filter_map(|cpu| self.counters(cpu))
-            .map(|c| c[FLOWS_WRITES])
+            .filter_map(|cpu| self.globals.ptr(cpu))
+            // SAFETY: a valid element of the mapping (`ptr` checked the index), its one
+            // counter read with a volatile load.
+            .map(|g| unsafe { core::ptr::addr_of!((*g).counters[FLOWS_WRITES]).read_volatile() })
             .sum()
     }
 

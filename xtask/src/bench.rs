@@ -782,12 +782,17 @@ struct EmptyProg {
 
 impl EmptyProg {
     fn load(prog_type: u32, ret: i32) -> anyhow::Result<Self> {
+        Self::named(prog_type, ret, "empty")
+    }
+
+    /// The same, under `name` (its JIT symbol is `bpf_prog_<tag>_<name>`).
+    fn named(prog_type: u32, ret: i32, name: &str) -> anyhow::Result<Self> {
         let insns = [
             insn(0xb7, 0, 0, 0, ret), // r0 = ret
             insn(0x95, 0, 0, 0, 0),   // exit
         ];
         Ok(Self {
-            fd: prog_load(prog_type, &insns, "empty")?,
+            fd: prog_load(prog_type, &insns, name)?,
             ret,
         })
     }
@@ -1330,6 +1335,14 @@ fn capture(bin: &Path, baseline: Option<&Path>) -> anyhow::Result<()> {
     };
     lab.down()?;
     lab.up()?;
+    // tcx (Linux 6.6) attaches the floor's program; without it the floor is left out.
+    let floor_runs = match attach_empty_tc(&lab.ns("h3"), "eth0") {
+        Ok(_links) => true,
+        Err(e) => {
+            println!("(no floor: {e:#})");
+            false
+        }
+    };
     // A light load (both CPUs mostly idle) and a heavy one (the lab's forwarding keeps
     // both busy): per-packet costs differ with how warm the caches stay.
     // Each three times: the figures move between runs with what else the two CPUs do.
@@ -1337,23 +1350,14 @@ fn capture(bin: &Path, baseline: Option<&Path>) -> anyhow::Result<()> {
         let mut new = Vec::new();
         let mut base = Vec::new();
         let mut floor = Vec::new();
-        let this = if baseline.is_some() { " (this build)" } else { "" };
-        // tcx (Linux 6.6) attaches the floor's program; without it the floor is left out.
-        let floor_runs = match attach_empty_tc(&lab.ns("h3"), "eth0") {
-            Ok(_links) => true,
-            Err(e) => {
-                println!("(no floor: {e:#})");
-                false
-            }
-        };
         for run in 1..=CAPTURE_RUNS {
             // Each tool in turn, the order reversed every other run.
-            let mut order = vec![Tool::RoceTrace(bin, this)];
+            let mut order = vec![Tool::ThisBuild(bin)];
             if floor_runs {
                 order.push(Tool::EmptyTc);
             }
             if let Some(b) = baseline {
-                order.insert(0, Tool::RoceTrace(b, " (baseline)"));
+                order.insert(0, Tool::Baseline(b));
             }
             if run % 2 == 0 {
                 order.reverse();
@@ -1362,8 +1366,8 @@ fn capture(bin: &Path, baseline: Option<&Path>) -> anyhow::Result<()> {
                 // This build's generator for every tool: the same traffic.
                 let cost = capture_on_lab(&lab, tool, bin, mbit, run)?;
                 match tool {
-                    Tool::RoceTrace(b, _) if b == bin => new.push(cost),
-                    Tool::RoceTrace(..) => base.push(cost),
+                    Tool::ThisBuild(_) => new.push(cost),
+                    Tool::Baseline(_) => base.push(cost),
                     Tool::EmptyTc => floor.push(cost),
                 }
             }
@@ -1397,8 +1401,10 @@ const CAPTURE_RUNS: u32 = 3;
 /// What watches h3's `eth0` beside tcpdump in a capture run.
 #[derive(Clone, Copy)]
 enum Tool<'a> {
-    /// `roce-trace capture` from this binary (and how the run is labelled).
-    RoceTrace(&'a Path, &'static str),
+    /// `roce-trace capture` from this build's binary.
+    ThisBuild(&'a Path),
+    /// `roce-trace capture` from `--baseline-bin`.
+    Baseline(&'a Path),
     /// An empty TC program (`return TC_ACT_UNSPEC`) attached with tcx at ingress and
     /// egress, as capture attaches roce-trace's: what any TC-based tool pays on this
     /// traffic before it does anything, charged by the same rule.
@@ -1429,11 +1435,7 @@ struct LinkCreateAttr {
 fn attach_empty_tc(ns: &str, iface: &str) -> anyhow::Result<Vec<std::os::fd::OwnedFd>> {
     use std::os::fd::FromRawFd;
     // TC_ACT_UNSPEC: go on as if nothing were attached, as roce-trace's programs do.
-    let prog = prog_load(
-        BPF_PROG_TYPE_SCHED_CLS,
-        &[insn(0xb7, 0, 0, 0, -1), insn(0x95, 0, 0, 0, 0)],
-        EMPTY_TC,
-    )?;
+    let prog = EmptyProg::named(BPF_PROG_TYPE_SCHED_CLS, -1, EMPTY_TC)?.fd;
     let netns = std::fs::File::open(format!("/var/run/netns/{ns}"))
         .with_context(|| format!("network namespace {ns}"))?;
     let iface = std::ffi::CString::new(iface)?;
@@ -1542,7 +1544,12 @@ fn capture_run(
     let mut line = String::new();
     // roce-trace capture, or the empty program's links (held until the run ends).
     let (which, mut cap, empty) = match tool {
-        Tool::RoceTrace(bin, which) => {
+        Tool::ThisBuild(bin) | Tool::Baseline(bin) => {
+            let which = if matches!(tool, Tool::Baseline(_)) {
+                " (baseline)"
+            } else {
+                ""
+            };
             let mut cap = Command::new("ip")
                 .args(["netns", "exec", &lab.ns("h3")])
                 .arg(bin)
