@@ -4,7 +4,7 @@
 
 use crate::{
     datapath::*,
-    parse::Parsed,
+    parse::{Facts, Parsed, PlainV4},
     roce::{self, AckKind, OP_CNP},
     sampling::{identity_finish, identity_flow_state, identity_flow_state_v4},
 };
@@ -23,23 +23,54 @@ pub fn flow_key(p: &Parsed, ifindex: u32, direction: u8) -> FlowKey {
 /// (a load spanning several narrower stores just made waits for them to reach the cache).
 #[inline(always)]
 pub fn set_flow_key(k: &mut FlowKey, p: &Parsed, ifindex: u32, direction: u8) -> [u64; 6] {
-    let [s0, s1] = p.src_dwords();
-    let [d0, d1] = p.dst_dwords();
-    let w = [
-        s0,
-        s1,
-        d0,
-        d1,
-        FlowKey::word(ifindex, p.bth.dest_qp()),
-        // `mirror_id` is zero unless mirrored (the parser clears it), so one key per
-        // mirror session.
-        FlowKey::word(p.mirror_id, {
-            let [a, b] = p.udp_sport.to_ne_bytes();
-            u32::from_ne_bytes([a, b, direction, p.ip_version])
-        }),
-    ];
+    let w = key_words(
+        p.src_dwords(),
+        p.dst_dwords(),
+        ifindex,
+        p.bth.dest_qp(),
+        p.mirror_id,
+        p.udp_sport,
+        direction,
+        p.ip_version,
+    );
     *k.words_mut() = w;
     w
+}
+
+/// The flow key's words of a plain IPv4 packet read by the kernel's fast path: the same
+/// words [`set_flow_key`] makes of the packet's [`Parsed`].
+#[inline(always)]
+pub fn plain_v4_key_words(q: &PlainV4, ifindex: u32, direction: u8) -> [u64; 6] {
+    key_words(q.src, q.dst, ifindex, q.dest_qp, 0, q.udp_sport, direction, 4)
+}
+
+/// The six words of a flow key ([`FlowKey::words`]), from the addresses as two words each
+/// in memory order.
+#[inline(always)]
+#[expect(clippy::too_many_arguments, reason = "the key's fields, in registers")]
+fn key_words(
+    src: [u64; 2],
+    dst: [u64; 2],
+    ifindex: u32,
+    dest_qp: u32,
+    mirror_id: u32,
+    udp_sport: u16,
+    direction: u8,
+    ip_version: u8,
+) -> [u64; 6] {
+    [
+        src[0],
+        src[1],
+        dst[0],
+        dst[1],
+        FlowKey::word(ifindex, dest_qp),
+        // `mirror_id` is zero unless mirrored (the parser clears it), so one key per
+        // mirror session.
+        FlowKey::word(mirror_id, {
+            let [a, b] = udp_sport.to_ne_bytes();
+            u32::from_ne_bytes([a, b, direction, ip_version])
+        }),
+    ]
 }
 
 #[inline(always)]
@@ -70,14 +101,13 @@ pub fn new_state(p: &Parsed, cfg: &DatapathConfig) -> FlowState {
     }
 }
 
-/// `p` changes nothing but the expected PSN of a flow in state `st`: the state has seen
-/// the flow, and `p` is a response, or the request it expects next. The kernel's fast
+/// `f` changes nothing but the expected PSN of a flow in state `st`: the state has seen
+/// the flow, and `f` is a response, or the request it expects next. The kernel's fast
 /// path; anything else may need what another CPU knows of the flow.
 #[inline(always)]
-pub fn in_sequence(st: &FlowState, p: &Parsed) -> bool {
+pub fn in_sequence(st: &FlowState, f: &Facts) -> bool {
     st.flags & STATE_INIT != 0
-        && (!roce::is_request(p.bth.opcode)
-            || (st.flags & STATE_PSN_VALID != 0 && st.next_psn == p.bth.psn()))
+        && (!roce::is_request(f.opcode) || (st.flags & STATE_PSN_VALID != 0 && st.next_psn == f.psn))
 }
 
 /// What a packet revealed about its flow's sequence and class.
@@ -90,13 +120,13 @@ pub struct StateUpdate {
     pub dscp_changed: bool,
 }
 
-/// Advances a known flow's state with `p`.
+/// Advances a known flow's state with `f`.
 #[inline(always)]
-pub fn update_state(st: &mut FlowState, p: &Parsed) -> StateUpdate {
-    let opcode = p.bth.opcode;
-    let psn = p.bth.psn();
+pub fn update_state(st: &mut FlowState, f: &Facts) -> StateUpdate {
+    let opcode = f.opcode;
+    let psn = f.psn;
     let mut u = StateUpdate {
-        dscp_changed: st.first_dscp != p.dscp,
+        dscp_changed: st.first_dscp != f.dscp,
         ..StateUpdate::default()
     };
     if roce::is_request(opcode) {
@@ -116,20 +146,20 @@ pub fn update_state(st: &mut FlowState, p: &Parsed) -> StateUpdate {
     u
 }
 
-/// Adds `p` to its flow's exact counters.
+/// Adds `f` to its flow's exact counters.
 #[inline(always)]
-pub fn count(fc: &mut FlowCounters, p: &Parsed, frame_len: u32, now: u64, u: &StateUpdate) {
+pub fn count(fc: &mut FlowCounters, f: &Facts, frame_len: u32, now: u64, u: &StateUpdate) {
     let c = &mut fc.counts;
     if c.packets == 0 {
         fc.first_ns = now;
     }
     c.packets += 1;
     c.bytes += frame_len as u64;
-    c.ecn[(p.ecn & 3) as usize] += 1;
-    if p.bth.opcode == OP_CNP {
+    c.ecn[(f.ecn & 3) as usize] += 1;
+    if f.opcode == OP_CNP {
         c.cnp += 1;
     }
-    match p.ack_kind() {
+    match f.ack {
         Some(AckKind::Ack) => c.ack += 1,
         Some(AckKind::NakPsnSeqErr) => c.nak_psn_seq_err += 1,
         Some(AckKind::RnrNak) => c.nak_rnr += 1,
@@ -143,9 +173,9 @@ pub fn count(fc: &mut FlowCounters, p: &Parsed, frame_len: u32, now: u64, u: &St
         c.dscp_changed += 1;
     }
     fc.last_ns = now;
-    fc.last_dscp = p.dscp;
-    fc.last_pcp = if p.present & HAS_PCP != 0 { p.pcp } else { PCP_NONE };
-    fc.last_ttl = p.ttl;
+    fc.last_dscp = f.dscp;
+    fc.last_pcp = f.pcp;
+    fc.last_ttl = f.ttl;
 }
 
 /// The identity hash's state for `p`'s flow (`FlowState::sample_state`): the rounds of
@@ -170,29 +200,29 @@ pub fn sample_state(p: &Parsed, cfg: &DatapathConfig) -> u32 {
     }
 }
 
-/// Why `p` must be reported (`REASON_*` bits; 0: it need not be). `flow_state`: the
-/// [`sample_state`] of `p`'s flow, as the flow's state keeps it.
+/// Why `f` must be reported (`REASON_*` bits; 0: it need not be). `flow_state`: the
+/// [`sample_state`] of `f`'s flow, as the flow's state keeps it.
 #[inline(always)]
-pub fn reasons(p: &Parsed, cfg: &DatapathConfig, flow_state: u32) -> u32 {
-    let opcode = p.bth.opcode;
+pub fn reasons(f: &Facts, cfg: &DatapathConfig, flow_state: u32) -> u32 {
+    let opcode = f.opcode;
     let mut r = 0u32;
     if opcode == OP_CNP {
         r |= REASON_CNP;
     }
-    if p.ecn == 3 {
+    if f.ecn == 3 {
         r |= REASON_CE;
     }
     if matches!(
-        p.ack_kind(),
+        f.ack,
         Some(AckKind::RnrNak | AckKind::NakPsnSeqErr | AckKind::NakOther)
     ) {
         r |= REASON_NAK;
     }
-    if cfg.expected_dscp_mask != 0 && (cfg.expected_dscp_mask >> (p.dscp & 63)) & 1 == 0 {
+    if cfg.expected_dscp_mask != 0 && (cfg.expected_dscp_mask >> (f.dscp & 63)) & 1 == 0 {
         r |= REASON_UNEXPECTED_DSCP;
     }
     if cfg.sample_enabled != 0 {
-        let h = identity_finish(flow_state, p.bth.psn(), opcode);
+        let h = identity_finish(flow_state, f.psn, opcode);
         if h <= cfg.sample_threshold {
             r |= REASON_HASH;
         }

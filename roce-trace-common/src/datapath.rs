@@ -52,23 +52,28 @@ pub const MAX_FLOW_SLOTS: u32 = 2048;
 pub const SLOTS_PER_CHUNK: u32 = 128;
 /// Each CPU's element of `GLOBALS` (a plain array indexed by CPU, not a per-CPU map: its
 /// lookup is arithmetic on immediates, where a per-CPU map's loads the element's pointer
-/// from the map, one more cache line a packet). The lines every RoCE packet touches come
-/// first and together: the coarse clock, the flow key and the parsed headers (the
-/// programs' hot working memory `W`), then the global counters (`RoceV2` of both
-/// directions in the fourth line), then the cold working memory `C` (a mirrored copy's
-/// inner frame). Userspace reads `W` and `C` as bytes. A multiple of 64 bytes, so no two
-/// CPUs share a line.
+/// from the map, one more cache line a packet). The first line is all the kernel's fast
+/// path touches: the coarse clock and the global counters' first six (`RoceV2` of both
+/// directions among them); then the rest of the counters, the working memory of the full
+/// path `W` (the flow key and the parsed headers, three lines), and the cold working
+/// memory `C` (a mirrored copy's inner frame). Userspace reads `W` and `C` as bytes. A
+/// multiple of 64 bytes, so no two CPUs share a line.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct CpuGlobals<W, C> {
     /// `jiffies` when `coarse_ns` was read: the coarse clock is read once a tick per CPU.
     pub clock_jiffies: u64,
     pub coarse_ns: u64,
-    pub work: W,
     /// Indexed by [`GlobalCounter::index`].
     pub counters: [u64; GLOBAL_COUNTERS_LEN as usize],
+    /// So that `work` starts a line.
+    pub _pad: [u64; GLOBALS_PAD_WORDS],
+    pub work: W,
     pub cold: C,
 }
+
+/// Words between the counters and the working memory of [`CpuGlobals`].
+pub const GLOBALS_PAD_WORDS: usize = (64 - (16 + 8 * GLOBAL_COUNTERS_LEN as usize) % 64) % 64 / 8;
 
 /// `log2` of the chunks of `FLOW_SLOTS` each CPU has with `1 << slot_bits` slots (at least
 /// one chunk): CPU `cpu`'s chunk `c` is element `cpu << chunk_bits | c`.

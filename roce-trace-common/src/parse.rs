@@ -5,7 +5,7 @@
 
 use crate::datapath::{
     FlowKey, GlobalCounter, HAS_AETH, HAS_DETH, HAS_ICRC, HAS_MIRROR, HAS_PCP, HAS_RETH, MIRROR_ERSPAN_I,
-    MIRROR_ERSPAN_II, MIRROR_ERSPAN_III, MIRROR_GRE, MirrorInfo, SAMPLE_HEAD_LEN, Sample,
+    MIRROR_ERSPAN_II, MIRROR_ERSPAN_III, MIRROR_GRE, MirrorInfo, PCP_NONE, SAMPLE_HEAD_LEN, Sample,
 };
 use crate::roce::{self, ext_layout};
 use crate::wire::*;
@@ -22,6 +22,13 @@ pub trait Packet {
     /// The 4 bytes at `off`, which may lie past the part `header` can reach (TC/XDP
     /// fragments).
     fn load4(&self, off: usize) -> Option<[u8; 4]>;
+    /// The 4 bytes `b` (inside a header `header` returned) as one native-endian word. The
+    /// kernel's packets read it with one load: the compiler, which cannot know the
+    /// alignment, would make it four byte loads and the shifts to join them.
+    #[inline(always)]
+    fn word(&self, b: &[u8; 4]) -> u32 {
+        u32::from_ne_bytes(*b)
+    }
     /// The outermost VLAN TCI when the NIC or stack removed the tag from packet data.
     fn offload_vlan_tci(&self) -> Option<u16>;
     /// Copies the frame's first `min(frame length, SAMPLE_HEAD_LEN)` bytes into `dst`;
@@ -202,6 +209,12 @@ fn mapped_v4(a: [u8; 4]) -> [u64; 2] {
     [0, u64::from_ne_bytes([0, 0, 0xff, 0xff, a[0], a[1], a[2], a[3]])]
 }
 
+/// [`mapped_v4`] of the address whose bytes are the native-endian word `w`.
+#[inline(always)]
+fn mapped_v4_word(w: u32) -> [u64; 2] {
+    [0, FlowKey::word(u32::from_ne_bytes([0, 0, 0xff, 0xff]), w)]
+}
+
 /// 16 address bytes as two 64-bit words in memory order.
 #[inline(always)]
 fn dwords_of_addr(a: [u8; 16]) -> [u64; 2] {
@@ -376,6 +389,112 @@ pub fn first_look<P: Packet>(p: &P, udp_port: u16) -> Look {
         Some(_) if plain => Look::PlainV4,
         _ => Look::Other,
     }
+}
+
+/// What accounting (`account`) reads of one packet: from [`Parsed`] ([`Facts::of`]), or
+/// straight from a plain packet's headers ([`plain_v4`]), so both count alike.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Facts {
+    pub opcode: u8,
+    pub psn: u32,
+    pub dscp: u8,
+    pub ecn: u8,
+    pub ttl: u8,
+    /// The outermost PCP, [`PCP_NONE`](crate::datapath::PCP_NONE) without a tag.
+    pub pcp: u8,
+    /// The acknowledgement an AETH-bearing acknowledgement opcode carries.
+    pub ack: Option<roce::AckKind>,
+}
+
+impl Facts {
+    #[inline(always)]
+    pub fn of(p: &Parsed) -> Self {
+        Self {
+            opcode: p.bth.opcode,
+            psn: p.bth.psn(),
+            dscp: p.dscp,
+            ecn: p.ecn,
+            ttl: p.ttl,
+            pcp: if p.present & HAS_PCP != 0 { p.pcp } else { PCP_NONE },
+            ack: p.ack_kind(),
+        }
+    }
+}
+
+/// What the kernel's fast path reads of a plain IPv4 RoCEv2 packet ([`plain_v4`]): the
+/// flow key's fields and what accounting reads ([`Facts`]), in registers rather than
+/// written out as a [`Parsed`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlainV4 {
+    /// The addresses mapped as `::ffff:a.b.c.d`, two words each in memory order (as
+    /// [`Parsed::src_dwords`] reads them).
+    pub src: [u64; 2],
+    pub dst: [u64; 2],
+    pub udp_sport: u16,
+    pub dest_qp: u32,
+    pub facts: Facts,
+}
+
+/// A frame [`first_look`] called [`Look::PlainV4`], read for the kernel's fast path: `Some`
+/// only when [`parse_plain_v4_into`] would parse it (`Ok`), and then with the same
+/// addresses, port, QP and [`Facts`] (`Facts::of` the `Parsed`); `None` for every frame
+/// the parser would refuse or count as a failure, which the full path then counts. Reads
+/// the headers in place and writes nothing.
+#[inline(always)]
+pub fn plain_v4<P: Packet>(p: &P, udp_port: u16) -> Option<PlainV4> {
+    let pcp = match p.offload_vlan_tci() {
+        Some(tci) => pcp_of_tci(tci),
+        None => PCP_NONE,
+    };
+    const IP_OFF: usize = EthHdr::LEN;
+    let ip: &Ipv4Hdr = p.header(IP_OFF)?;
+    let l4_len = (ip.tot_len() as usize).saturating_sub(Ipv4Hdr::LEN);
+    const UDP_OFF: usize = IP_OFF + Ipv4Hdr::LEN;
+    let udp: &UdpHdr = p.header(UDP_OFF)?;
+    let udp_len = udp.length() as usize;
+    // `parse_roce`'s checks, in its order.
+    if udp.dst_port() != udp_port || udp_len < UdpHdr::LEN + Bth::LEN + ICRC_LEN || udp_len > l4_len {
+        return None;
+    }
+    const BTH_OFF: usize = UDP_OFF + UdpHdr::LEN;
+    const EXT_OFF: usize = BTH_OFF + Bth::LEN;
+    let bth: &Bth = p.header(BTH_OFF)?;
+    let opcode = bth.opcode;
+    let layout = ext_layout(opcode);
+    if UdpHdr::LEN + Bth::LEN + layout.min_len as usize + ICRC_LEN > udp_len {
+        return None;
+    }
+    let mut ack = None;
+    if let Some(at) = layout.aeth {
+        let aeth: &Aeth = p.header(EXT_OFF + at as usize)?;
+        if roce::is_ack_opcode(opcode) {
+            ack = Some(roce::ack_kind(aeth.syndrome));
+        }
+    }
+    if let Some(at) = layout.reth {
+        p.header::<Reth>(EXT_OFF + at as usize)?;
+    }
+    if let Some(at) = layout.deth {
+        p.header::<Deth>(EXT_OFF + at as usize)?;
+    }
+    // The BTH's second and third words: the QP and the PSN are each a word's low 24 bits.
+    let qp_word: &[u8; 4] = p.header(BTH_OFF + 4)?;
+    let psn_word: &[u8; 4] = p.header(BTH_OFF + 8)?;
+    Some(PlainV4 {
+        src: mapped_v4_word(p.word(&ip.src)),
+        dst: mapped_v4_word(p.word(&ip.dst)),
+        udp_sport: udp.src_port(),
+        dest_qp: u32::from_be(p.word(qp_word)) & roce::QPN_MASK,
+        facts: Facts {
+            opcode,
+            psn: u32::from_be(p.word(psn_word)) & roce::PSN_MASK,
+            dscp: ip.tos >> 2,
+            ecn: ip.tos & 0x3,
+            ttl: ip.ttl,
+            pcp,
+            ack,
+        },
+    })
 }
 
 /// [`parse_into`] of a frame [`first_look`] called [`Look::PlainV4`], without walking

@@ -269,6 +269,8 @@ pub const fn ack_kind(syndrome: u8) -> AckKind {
 
 /// PSN arithmetic is modulo 2^24.
 pub const PSN_MASK: u32 = 0x00ff_ffff;
+/// A QP number is 24 bits too.
+pub const QPN_MASK: u32 = 0x00ff_ffff;
 
 /// How far `psn` is ahead of `expected` (0 = in order); `None` when it is behind
 /// (a retransmission or reordering), judged over half the PSN space.

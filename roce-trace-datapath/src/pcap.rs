@@ -12,7 +12,7 @@ use std::{
 use roce_trace_common::{
     account,
     datapath::*,
-    parse::{INNER_HEAD_LEN, SlicePacket, load_icrc, parse_into},
+    parse::{Facts, INNER_HEAD_LEN, SlicePacket, load_icrc, parse_into},
 };
 use thiserror::Error;
 
@@ -349,6 +349,7 @@ impl Offline {
         }
         load_icrc(&pkt, &mut p);
         let key = account::flow_key(&p, 0, dir);
+        let facts = Facts::of(&p);
         let (state, counters) = self
             .flows
             .entry(key)
@@ -356,7 +357,7 @@ impl Offline {
         let update = if counters.counts.packets == 0 {
             account::StateUpdate::default()
         } else {
-            account::update_state(state, &p)
+            account::update_state(state, &facts)
         };
         if update.psn_regression {
             g[GlobalCounter::PsnRegressions.index(dir) as usize] += 1;
@@ -364,7 +365,7 @@ impl Offline {
         let flow_sample_state = state.sample_state;
         account::count(
             counters,
-            &p,
+            &facts,
             fr.orig_len.max(fr.data.len() as u32),
             fr.time_ns,
             &update,
@@ -376,7 +377,7 @@ impl Offline {
         if !icrc_ok {
             *e += 1;
         }
-        let reasons = account::reasons(&p, &cfg, flow_sample_state);
+        let reasons = account::reasons(&facts, &cfg, flow_sample_state);
         if reasons != 0 {
             g[GlobalCounter::SamplesEmitted.index(dir) as usize] += 1;
             let mut s = Sample::default();

@@ -48,6 +48,24 @@ fn inner_len(len: u32, off: usize) -> u32 {
     clamp::<{ INNER_HEAD_LEN as u32 }>(len.saturating_sub(off as u32))
 }
 
+/// The 4 packet bytes `b` (inside a header `header_at` bounds-checked) in one load. x86
+/// and arm64 load unaligned words; the verifier allows it where the architecture does.
+#[inline(always)]
+fn word(b: &[u8; 4]) -> u32 {
+    let w: u32;
+    // SAFETY: `b` points at 4 readable packet bytes (a `Header` reference from
+    // `header_at`); the load reads exactly those.
+    unsafe {
+        core::arch::asm!(
+            "{w} = *(u32 *)({p} + 0)",
+            w = lateout(reg) w,
+            p = in(reg) b.as_ptr(),
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    }
+    w
+}
+
 #[inline(always)]
 fn header_at<'a, T: Header>(start: usize, end: usize, off: usize) -> Option<&'a T> {
     let at = start + off;
@@ -94,6 +112,11 @@ impl Packet for XdpPacket<'_> {
     #[inline(always)]
     fn load4(&self, off: usize) -> Option<[u8; 4]> {
         load4(self, off)
+    }
+
+    #[inline(always)]
+    fn word(&self, b: &[u8; 4]) -> u32 {
+        word(b)
     }
 
     #[inline(always)]
@@ -241,6 +264,11 @@ impl Packet for TcPacket<'_> {
     #[inline(always)]
     fn load4(&self, off: usize) -> Option<[u8; 4]> {
         load4(self, off)
+    }
+
+    #[inline(always)]
+    fn word(&self, b: &[u8; 4]) -> u32 {
+        word(b)
     }
 
     #[inline(always)]

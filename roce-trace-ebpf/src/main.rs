@@ -24,8 +24,8 @@ use aya_ebpf::{
 use roce_trace_common::{
     account,
     datapath::*,
-    parse::{Look, Packet, Parsed, first_look, load_icrc, parse_into, parse_plain_v4_into},
-    scratch::Work,
+    parse::{Facts, Look, Packet, Parsed, first_look, load_icrc, parse_into, parse_plain_v4_into, plain_v4},
+    scratch::{Globals, Work},
 };
 
 use crate::{
@@ -34,18 +34,29 @@ use crate::{
 };
 
 #[xdp]
+#[inline(always)]
 pub fn roce_xdp(ctx: XdpContext) -> u32 {
     let pkt = XdpPacket::new(&ctx);
     // Most frames are not RoCE: told from their first headers, before any map is
     // touched, and not counted (the interface's own counters have them).
     let look = first_look(&pkt, CONFIG.get().udp_port);
     if look != Look::NotRoce {
-        observe(&pkt, look, DIR_INGRESS, pkt.ifindex(), pkt.frame_len());
+        watch(&pkt, look, DIR_INGRESS, pkt.ifindex(), pkt.frame_len());
     }
     XDP_PASS
 }
 
+/// A candidate frame: a plain IPv4 packet of a flow that holds its slot here, in sequence
+/// and reported for no reason, is counted by the fast path; any other by the full one.
+#[inline(always)]
+fn watch<P: Packet>(pkt: &P, look: Look, dir: u8, ifindex: u32, frame_len: u32) {
+    if look != Look::PlainV4 || !fast(pkt, dir, ifindex, frame_len) {
+        observe(pkt, look, dir, ifindex, frame_len);
+    }
+}
+
 #[classifier]
+#[inline(always)]
 pub fn roce_tc(ctx: TcContext) -> i32 {
     tc(&ctx, DIR_EGRESS);
     // UNSPEC: continue with the next program / the default action (tcx and clsact alike).
@@ -55,6 +66,7 @@ pub fn roce_tc(ctx: TcContext) -> i32 {
 /// Ingress where XDP would cost the traffic a copy (veth copies every packet it hands to
 /// XDP) or where the driver has no native XDP.
 #[classifier]
+#[inline(always)]
 pub fn roce_tc_in(ctx: TcContext) -> i32 {
     tc(&ctx, DIR_INGRESS);
     TC_ACT_UNSPEC
@@ -72,7 +84,7 @@ fn tc(ctx: &TcContext, dir: u8) {
     }
     // The headers the first look read stay where they are when pulled.
     pkt.pull_if_candidate(udp_port);
-    observe(&pkt, look, dir, pkt.ifindex(), pkt.frame_len());
+    watch(&pkt, look, dir, pkt.ifindex(), pkt.frame_len());
     count_pull(&pkt, dir);
 }
 
@@ -137,6 +149,80 @@ fn bump(counters: &mut Counters, counter: GlobalCounter, dir: u8) {
     }
 }
 
+/// The fast path: the common packet — plain IPv4, its flow in its slot on this CPU, in
+/// sequence — counted from its headers read in place, touching the flow's slot and the
+/// first line of this CPU's globals only (no working memory, no flow key written out).
+/// Whether it counted `pkt`; when not, nothing was written and [`observe`] takes the
+/// packet whole. The same `account` functions as the full path, so both count a packet
+/// alike; a packet to report (sampled, CE, a CNP, a NAK) is parsed whole after it is
+/// counted.
+#[inline(always)]
+fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
+    let cfg = CONFIG.get();
+    let Some(q) = plain_v4(pkt, cfg.udp_port) else {
+        return false;
+    };
+    let words = account::plain_v4_key_words(&q, ifindex, dir);
+    let cpu = this_cpu();
+    let Some(slot) = flow_slot(cpu, FlowKey::slot_of(&words, cfg.slot_bits), cfg.slot_bits) else {
+        return false;
+    };
+    // SAFETY: this CPU's slot, as in `account`.
+    let slot = unsafe { &mut *slot };
+    let c = &mut slot.counters;
+    let f = &q.facts;
+    if c.counts.packets == 0 || !slot.key.same_words(&words) || !account::in_sequence(&c.state, f) {
+        return false;
+    }
+    let Some(g) = GLOBALS.get_ptr_mut(cpu) else {
+        return false;
+    };
+    // SAFETY: this CPU's element; programs do not nest on one CPU for these hooks.
+    let g = unsafe { &mut *g };
+    bump(&mut g.counters, GlobalCounter::RoceV2, dir);
+    let now = coarse_now(g);
+    let update = account::update_state(&mut c.state, f);
+    account::count(c, f, frame_len, now, &update);
+    let reasons = account::reasons(f, cfg, c.state.sample_state);
+    if reasons != 0 {
+        *g.work.key.words_mut() = words;
+        report_plain_v4(pkt, g, cfg, frame_len, reasons);
+    }
+    true
+}
+
+/// Reports a packet the fast path counted (its key already in the working memory): parsed
+/// whole (it parses, as `plain_v4` read it), as the full path reports.
+#[inline(always)]
+fn report_plain_v4<P: Packet>(pkt: &P, g: &mut Globals, cfg: &DatapathConfig, frame_len: u32, reasons: u32) {
+    if parse_plain_v4_into(pkt, cfg.udp_port, &mut g.work.parsed).is_ok() {
+        load_icrc(pkt, &mut g.work.parsed);
+        emit(
+            pkt,
+            &g.work.parsed,
+            &g.work.key,
+            &mut g.counters,
+            frame_len,
+            reasons,
+            cfg.wakeup_bytes,
+        );
+    }
+}
+
+/// The coarse clock: a flow's first and last packet to a tick, read once a tick on each
+/// CPU (`jiffies` is one load); reported packets get the precise one.
+#[inline(always)]
+fn coarse_now(g: &mut Globals) -> u64 {
+    // SAFETY: no preconditions.
+    let jiffies = unsafe { bpf_jiffies64() };
+    if g.clock_jiffies != jiffies {
+        g.clock_jiffies = jiffies;
+        // SAFETY: no preconditions.
+        g.coarse_ns = unsafe { bpf_ktime_get_coarse_ns() };
+    }
+    g.coarse_ns
+}
+
 #[inline(always)]
 fn observe<P: Packet>(pkt: &P, look: Look, dir: u8, ifindex: u32, frame_len: u32) {
     let cfg = CONFIG.get();
@@ -168,16 +254,7 @@ fn observe<P: Packet>(pkt: &P, look: Look, dir: u8, ifindex: u32, frame_len: u32
                 bump(&mut g.counters, GlobalCounter::Mirrored, dir);
                 remember_mirror(&g.work.parsed);
             }
-            // A flow's first and last packet to a tick: the coarse clock, read once a tick
-            // on each CPU (`jiffies` is one load); reported packets get the precise one.
-            // SAFETY: no preconditions.
-            let jiffies = unsafe { bpf_jiffies64() };
-            if g.clock_jiffies != jiffies {
-                g.clock_jiffies = jiffies;
-                // SAFETY: no preconditions.
-                g.coarse_ns = unsafe { bpf_ktime_get_coarse_ns() };
-            }
-            let coarse = g.coarse_ns;
+            let coarse = coarse_now(g);
             let reasons = account(
                 &mut g.work,
                 &mut g.counters,
@@ -271,24 +348,25 @@ fn account(
         Some(slot) => slot_or_flows(unsafe { &mut *slot }, key, counters, cfg, dir, now),
         None => flows_entry(key, counters, dir),
     };
+    let f = Facts::of(p);
     let flow_state = if let Some(c) = flow {
         // SAFETY: per-CPU map value: only this CPU writes this copy.
         let c = unsafe { &mut *c };
-        let update = if account::in_sequence(&c.state, p) {
-            account::update_state(&mut c.state, p)
+        let update = if account::in_sequence(&c.state, &f) {
+            account::update_state(&mut c.state, &f)
         } else {
-            catch_up(&mut c.state, key, cfg, cpu, p)
+            catch_up(&mut c.state, key, cfg, cpu, p, &f)
         };
         if update.psn_regression {
             bump(counters, GlobalCounter::PsnRegressions, dir);
         }
-        account::count(c, p, frame_len, now, &update);
+        account::count(c, &f, frame_len, now, &update);
         c.state.sample_state
     } else {
         // No room for the flow: its hash state is computed for this packet alone.
         account::sample_state(p, cfg)
     };
-    account::reasons(p, cfg, flow_state)
+    account::reasons(&f, cfg, flow_state)
 }
 
 /// A flow without its slot on this CPU: the slot is handed to it when free or idle for
@@ -397,6 +475,7 @@ fn catch_up(
     cfg: &DatapathConfig,
     cpu: u32,
     p: &Parsed,
+    f: &Facts,
 ) -> account::StateUpdate {
     let first_dscp = match FLOW_OWNER.get_ptr_mut(key) {
         None => {
@@ -438,7 +517,7 @@ fn catch_up(
             ..Default::default()
         };
     }
-    account::update_state(st, p)
+    account::update_state(st, f)
 }
 
 /// Takes the flow's state over from CPU `left`, which saw it last, and marks it unknown

@@ -450,8 +450,13 @@ mod mirrored {
 #[test]
 fn the_first_test_lets_by_only_what_the_parser_calls_non_roce() {
     use roce_trace::frame::Mirror;
-    use roce_trace_common::parse::{
-        INNER_HEAD_LEN, Look, Parsed, first_look, parse_into, parse_plain_v4_into, surely_not_roce,
+    use roce_trace_common::{
+        account,
+        datapath::FlowKey,
+        parse::{
+            Facts, INNER_HEAD_LEN, Look, Parsed, first_look, parse_into, parse_plain_v4_into, plain_v4,
+            surely_not_roce,
+        },
     };
     let v6 = |mut s: RoceFrame| {
         s.src = "fd00::1".parse().unwrap();
@@ -502,6 +507,27 @@ fn the_first_test_lets_by_only_what_the_parser_calls_non_roce() {
             &send.build(),
         ),
         ethernet([0xff; 6], [2; 6], &[], 0x0806, &[0, 1, 8, 0, 6, 4, 0, 1]),
+        // The extended headers the fast path checks: an AETH (and NAKs by mutation), a
+        // RETH, a DETH.
+        RoceFrame {
+            opcode: op::ACKNOWLEDGE,
+            ext: roce_trace::frame::ext::aeth(0x1f, 9),
+            payload: Vec::new(),
+            ..send.clone()
+        }
+        .build(),
+        RoceFrame {
+            opcode: op::WRITE_FIRST,
+            ext: roce_trace::frame::ext::reth(0x1000, 7, 4096),
+            ..send.clone()
+        }
+        .build(),
+        RoceFrame {
+            opcode: roce_trace_common::roce::OP_UD_SEND_ONLY,
+            ext: roce_trace::frame::ext::deth(0x1111, 0x22),
+            ..send.clone()
+        }
+        .build(),
     ];
     for proto in [6u8, 1, 47, 17] {
         let mut f = send.build();
@@ -518,7 +544,7 @@ fn the_first_test_lets_by_only_what_the_parser_calls_non_roce() {
         x ^= x << 5;
         x
     };
-    let (mut let_by, mut checked, mut plain) = (0, 0, 0);
+    let (mut let_by, mut checked, mut plain, mut fast_read) = (0, 0, 0, 0);
     let mut check = |f: &[u8]| {
         checked += 1;
         let pkt = SlicePacket::new(f);
@@ -538,6 +564,28 @@ fn the_first_test_lets_by_only_what_the_parser_calls_non_roce() {
                 assert_eq!(ra, rb, "{f:02x?}");
                 if ra.is_ok() {
                     assert_eq!(a, b, "{f:02x?}");
+                }
+                // The kernel's fast path reads the same frame in place: it reads a frame
+                // exactly when the parser parses it, and then what accounting and the flow
+                // key take from the parsed headers, with a tag offloaded or not.
+                for tci in [None, Some(5 << 13 | 7)] {
+                    let mut pkt = SlicePacket::new(f);
+                    pkt.vlan_tci = tci;
+                    let q = plain_v4(&pkt, ROCEV2_UDP_PORT);
+                    let mut b = Parsed::default();
+                    let rb = parse_plain_v4_into(&pkt, ROCEV2_UDP_PORT, &mut b);
+                    assert_eq!(q.is_some(), rb.is_ok(), "{rb:?} {f:02x?}");
+                    if let Some(q) = q {
+                        fast_read += 1;
+                        assert_eq!(q.facts, Facts::of(&b), "{f:02x?}");
+                        for (ifindex, dir) in [(3, 0), (70_000, 1)] {
+                            assert_eq!(
+                                account::plain_v4_key_words(&q, ifindex, dir),
+                                account::set_flow_key(&mut FlowKey::default(), &b, ifindex, dir),
+                                "{f:02x?}"
+                            );
+                        }
+                    }
                 }
             }
             Look::Other => {}
@@ -574,8 +622,8 @@ fn the_first_test_lets_by_only_what_the_parser_calls_non_roce() {
         );
     }
     assert!(
-        let_by > 1000 && plain > 1000 && checked > 40_000,
-        "{let_by} let by and {plain} plain IPv4 of {checked}"
+        let_by > 1000 && plain > 1000 && fast_read > 1000 && checked > 40_000,
+        "{let_by} let by, {plain} plain IPv4 ({fast_read} read by the fast path) of {checked}"
     );
 }
 

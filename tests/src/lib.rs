@@ -316,6 +316,22 @@ impl ProgTest {
         v
     }
 
+    /// Each CPU's working memory of the full path (`CpuGlobals::work`: the flow key and the
+    /// parsed headers) as bytes, read in place: what a packet the fast path counts and does
+    /// not report never writes.
+    pub fn working_memory(&self) -> Vec<Vec<u8>> {
+        let aya::maps::Map::Array(data) = self.map(roce_trace_common::datapath::MAP_GLOBALS) else {
+            panic!("GLOBALS is not an array map");
+        };
+        let g = roce_trace_datapath::mapped::MappedArray::<roce_trace_common::scratch::CpuGlobalsBytes>::new(
+            &data,
+        )
+        .expect("the globals map");
+        (0..g.len())
+            .map(|i| g.get(i).expect("a CPU's globals").work.to_vec())
+            .collect()
+    }
+
     /// Writes into `FLOWS` every CPU has counted (`FLOWS_WRITES`): 0 while it is empty.
     pub fn flows_writes(&self) -> u64 {
         self.dp.flows_writes()

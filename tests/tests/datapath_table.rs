@@ -1332,6 +1332,95 @@ fn pin_to_cpu_any() {
     }
 }
 
+/// The common packet — plain IPv4, its flow in its slot, in sequence, nothing to report —
+/// is counted by the fast path, which never writes the full path's working memory (the
+/// full path writes the flow key and the parsed headers there for every packet); every
+/// other packet, and every packet to report, goes through the full path or its parser. The
+/// counts are the same either way (the frame table checks every number).
+#[test]
+fn in_sequence_packets_take_the_fast_path_and_others_the_full_one() {
+    if !require_root() {
+        return;
+    }
+    let mut t = ProgTest::new(&DatapathOptions {
+        sample_rate: 0,
+        ..Default::default()
+    });
+    let frame = |psn: u32, ecn: u8, v6: bool, vlan: bool| {
+        let mut s = RoceFrame {
+            dest_qp: 0x42,
+            psn,
+            ecn,
+            ..f(op::WRITE_MIDDLE)
+        };
+        if v6 {
+            s.src = "fd00::1".parse().unwrap();
+            s.dst = "fd00::2".parse().unwrap();
+        }
+        if vlan {
+            // Its own flow (a key has no tag): its second packet is in sequence.
+            s.vlans = vec![(0x8100, 3 << 13 | 10)];
+            s.dest_qp = 0x43;
+        }
+        s.build()
+    };
+    // (frame, whether the full path's working memory is written, what it is)
+    let steps = [
+        (frame(10, 2, false, false), true, "a new flow: the full path"),
+        (frame(11, 2, false, false), false, "in sequence: the fast path"),
+        (frame(12, 2, false, false), false, "in sequence again"),
+        (
+            frame(12, 2, false, false),
+            true,
+            "a retransmission: the full path",
+        ),
+        (frame(13, 2, false, false), false, "in sequence after it"),
+        (
+            frame(14, 3, false, false),
+            true,
+            "CE: counted fast, parsed whole for its report",
+        ),
+        (frame(15, 2, false, false), false, "in sequence after the report"),
+        (frame(100, 2, true, false), true, "an IPv6 flow: the full path"),
+        (
+            frame(101, 2, true, false),
+            true,
+            "IPv6 in sequence: the full path all the same",
+        ),
+        (frame(200, 2, false, true), true, "a tagged flow: the full path"),
+        (
+            frame(201, 2, false, true),
+            true,
+            "tagged in sequence: the full path all the same",
+        ),
+    ];
+    for hook in [Hook::Xdp, Hook::TcIngress] {
+        for (i, (frame, written, what)) in steps.iter().enumerate() {
+            // Each full-path step's packet has another PSN than the last one the full path
+            // saw, so its write shows.
+            let before = t.working_memory();
+            match hook {
+                Hook::Xdp => t.run_xdp(frame),
+                _ => t.run_tc_in(frame),
+            };
+            let after = t.working_memory();
+            assert_eq!(before != after, *written, "{hook:?} step {i}, {what}");
+        }
+        let samples = t.samples();
+        assert_eq!(samples.len(), 1, "{hook:?}: the CE packet reported once");
+        assert_eq!((samples[0].psn, samples[0].reasons), (14, REASON_CE), "{hook:?}");
+        // Eleven packets, every one counted in its flow.
+        let flows = t.flows();
+        let packets: u64 = flows.iter().map(|(_, c)| c.counts.packets).sum();
+        assert_eq!(flows.len(), 3, "{hook:?}: three flows");
+        assert_eq!(packets, steps.len() as u64, "{hook:?}");
+        t = ProgTest::new(&DatapathOptions {
+            sample_rate: 0,
+            ..Default::default()
+        });
+    }
+}
+
 /// Anomalies are reported whatever the rate; ordinary packets are not when hash sampling
 /// is off.
 #[test]
