@@ -149,13 +149,15 @@ fn bump(counters: &mut Counters, counter: GlobalCounter, dir: u8) {
     }
 }
 
-/// The fast path: the common packet — plain IPv4, its flow in its slot on this CPU, in
-/// sequence — counted from its headers read in place, touching the flow's slot and the
-/// first line of this CPU's globals only (no working memory, no flow key written out).
-/// Whether it counted `pkt`; when not, nothing was written and [`observe`] takes the
-/// packet whole. The same `account` functions as the full path, so both count a packet
-/// alike; a packet to report (sampled, CE, a CNP, a NAK) is parsed whole after it is
-/// counted.
+/// The fast path: a plain IPv4 packet whose flow holds its slot on this CPU — the common
+/// packet — counted from its headers read in place. In sequence and not to be reported (the
+/// common case), it touches the flow's slot and the first line of this CPU's globals only:
+/// no working memory, no flow key written out. A packet out of sequence (a retransmission,
+/// a flow that moved here) is parsed whole for what `catch_up` needs, and a packet to
+/// report (sampled, CE, a CNP, a NAK) after it is counted. Whether it counted `pkt`; when
+/// not (not plain IPv4, the flow not in its slot), nothing was counted and [`observe`]
+/// takes the packet whole. The same `account` functions as the full path, so both count a
+/// packet alike.
 #[inline(always)]
 fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
     let cfg = CONFIG.get();
@@ -169,9 +171,7 @@ fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
     };
     // SAFETY: this CPU's slot, as in `account`.
     let slot = unsafe { &mut *slot };
-    let c = &mut slot.counters;
-    let f = &q.facts;
-    if c.counts.packets == 0 || !slot.key.same_words(&words) || !account::in_sequence(&c.state, f) {
+    if slot.counters.counts.packets == 0 || !slot.key.same_words(&words) {
         return false;
     }
     let Some(g) = GLOBALS.get_ptr_mut(cpu) else {
@@ -179,23 +179,37 @@ fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
     };
     // SAFETY: this CPU's element; programs do not nest on one CPU for these hooks.
     let g = unsafe { &mut *g };
+    let c = &mut slot.counters;
+    let f = &q.facts;
+    let in_sequence = account::in_sequence(&c.state, f);
+    if !in_sequence {
+        // It parses (`plain_v4` read it); the key and the headers as the full path has them.
+        if parse_plain_v4_into(pkt, cfg.udp_port, &mut g.work.parsed).is_err() {
+            return false;
+        }
+        *g.work.key.words_mut() = words;
+    }
     bump(&mut g.counters, GlobalCounter::RoceV2, dir);
     let now = coarse_now(g);
-    let update = account::update_state(&mut c.state, f);
+    let update = if in_sequence {
+        account::update_state(&mut c.state, f)
+    } else {
+        catch_up(&mut c.state, &g.work.key, cfg, cpu, &g.work.parsed, f)
+    };
+    if update.psn_regression {
+        bump(&mut g.counters, GlobalCounter::PsnRegressions, dir);
+    }
     account::count(c, f, frame_len, now, &update);
     let reasons = account::reasons(f, cfg, c.state.sample_state);
     if reasons != 0 {
-        *g.work.key.words_mut() = words;
-        report_plain_v4(pkt, g, cfg, frame_len, reasons);
-    }
-    true
-}
-
-/// Reports a packet the fast path counted (its key already in the working memory): parsed
-/// whole (it parses, as `plain_v4` read it), as the full path reports.
-#[inline(always)]
-fn report_plain_v4<P: Packet>(pkt: &P, g: &mut Globals, cfg: &DatapathConfig, frame_len: u32, reasons: u32) {
-    if parse_plain_v4_into(pkt, cfg.udp_port, &mut g.work.parsed).is_ok() {
+        if in_sequence {
+            // It parses, as above; were it ever not to, the packet stays counted and
+            // unreported rather than reported with another packet's headers.
+            if parse_plain_v4_into(pkt, cfg.udp_port, &mut g.work.parsed).is_err() {
+                return true;
+            }
+            *g.work.key.words_mut() = words;
+        }
         load_icrc(pkt, &mut g.work.parsed);
         emit(
             pkt,
@@ -207,6 +221,7 @@ fn report_plain_v4<P: Packet>(pkt: &P, g: &mut Globals, cfg: &DatapathConfig, fr
             cfg.wakeup_bytes,
         );
     }
+    true
 }
 
 /// The coarse clock: a flow's first and last packet to a tick, read once a tick on each

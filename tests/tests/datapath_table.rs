@@ -1334,9 +1334,10 @@ fn pin_to_cpu_any() {
 
 /// The common packet — plain IPv4, its flow in its slot, in sequence, nothing to report —
 /// is counted by the fast path, which never writes the full path's working memory (the
-/// full path writes the flow key and the parsed headers there for every packet); every
-/// other packet, and every packet to report, goes through the full path or its parser. The
-/// counts are the same either way (the frame table checks every number).
+/// full path writes the flow key and the parsed headers there for every packet); a packet
+/// out of sequence or to report is parsed whole into it, and IPv6, tagged packets and new
+/// flows take the full path. The counts are the same either way (the frame table and the
+/// sequence tests check every number).
 #[test]
 fn in_sequence_packets_take_the_fast_path_and_others_the_full_one() {
     if !require_root() {
