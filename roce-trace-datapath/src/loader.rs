@@ -547,14 +547,6 @@ impl Datapath {
         Ok(n + read(guard.get_inner_mut())?)
     }
 
-    /// The timer on which a sample reader drains the ring besides when woken: a backstop
-    /// for a lost wake-up, and the only wake-up of a batching reader below its batch.
-    pub fn drain_timer(every_ms: u64) -> tokio::time::Interval {
-        let mut t = tokio::time::interval(std::time::Duration::from_millis(every_ms));
-        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        t
-    }
-
     /// The sample ring buffer (can be taken once).
     pub fn take_samples(&mut self) -> Result<RingBuf<MapData>, DatapathError> {
         let map = self

@@ -265,9 +265,12 @@ pub async fn run(
     if let Some(w) = &mut nic {
         nic_interval(w, &shared, &mut nic_from_ns);
     }
-    let mut tick = tokio::time::interval(opts.interval);
-    tick.tick().await;
-    let mut drain_tick = Datapath::drain_timer(roce_trace_common::datapath::AGENT_SAMPLE_DRAIN_MS);
+    // Kernel timers: one wake-up a period (`Periodic`), the first one period from now.
+    let mut tick = crate::timer::Periodic::new(opts.interval).context("the interval timer")?;
+    let mut drain_tick = crate::timer::Periodic::new(std::time::Duration::from_millis(
+        roce_trace_common::datapath::AGENT_SAMPLE_DRAIN_MS,
+    ))
+    .context("the drain timer")?;
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -283,12 +286,14 @@ pub async fn run(
             }
             // Wake-ups are batched: below a batch, samples are read here, at most
             // AGENT_SAMPLE_DRAIN_MS after they were taken.
-            _ = drain_tick.tick() => {
+            ticked = drain_tick.tick() => {
+                ticked.context("the drain timer")?;
                 if drain(ring.get_mut(), &clock, &shared) > 0 {
                     shared.notify.notify_one();
                 }
             }
-            _ = tick.tick() => {
+            ticked = tick.tick() => {
+                ticked.context("the interval timer")?;
                 read_interval(&mut dp, &clock, &shared, &mut prev, &mut last_read_ns, &mut health)?;
                 if let Some(w) = &mut nic {
                     nic_interval(w, &shared, &mut nic_from_ns);

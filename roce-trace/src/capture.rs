@@ -20,6 +20,7 @@ use crate::{
     observation::{MirrorSession, MirrorTable},
     record::{FlowRecord, HookRecord, SampleRecord, SummaryRecord},
     sys::KernelClock,
+    timer::Periodic,
 };
 
 #[derive(Clone, Debug)]
@@ -199,10 +200,13 @@ pub async fn run(
     let mut samples_received = 0u64;
     let mut prev: HashMap<FlowKey, FlowCounters> = HashMap::new();
     let mut last_tick = Instant::now();
-    let mut tick = tokio::time::interval(opts.interval);
-    tick.tick().await;
+    // Kernel timers: one wake-up a period (see `Periodic`), the first one period from now.
+    let mut tick = Periodic::new(opts.interval).context("the interval timer")?;
     let mut poll = tokio::time::interval(Duration::from_millis(50));
-    let mut drain_tick = Datapath::drain_timer(roce_trace_common::datapath::SAMPLE_DRAIN_MS);
+    let mut drain_tick = Periodic::new(Duration::from_millis(
+        roce_trace_common::datapath::SAMPLE_DRAIN_MS,
+    ))
+    .context("the drain timer")?;
     let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
     let sleep_until = async {
         match deadline {
@@ -222,7 +226,8 @@ pub async fn run(
                     Datapath::read_ready(&mut guard, |ring| drain(ring, &clock, &name_of, &mut out))?;
             }
             // A backstop for a wake-up lost all the same.
-            _ = drain_tick.tick() => {
+            ticked = drain_tick.tick() => {
+                ticked.context("the drain timer")?;
                 samples_received += drain(ring.get_mut(), &clock, &name_of, &mut out)?;
             }
             _ = poll.tick(), if opts.count.is_some() => {
@@ -231,7 +236,8 @@ pub async fn run(
                     break "count";
                 }
             }
-            _ = tick.tick() => {
+            ticked = tick.tick() => {
+                ticked.context("the interval timer")?;
                 let now = Instant::now();
                 let flows = dp.flows()?;
                 dp.resolve_mirrors(&mut out.mirrors, flows.keys())?;

@@ -23,7 +23,7 @@ pub mod trace;
 pub mod verdicts;
 
 pub use roce_trace_correlate as correlate;
-pub use roce_trace_datapath::{loader as datapath, netstat, pcap, rdma_netlink, record, sys};
+pub use roce_trace_datapath::{loader as datapath, netstat, pcap, rdma_netlink, record, sys, timer};
 pub use roce_trace_gen::{frame, traffic};
 pub use roce_trace_report as pictures;
 pub use roce_trace_verify as verify;
