@@ -210,18 +210,24 @@ fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
             }
             *g.work.key.words_mut() = words;
         }
-        load_icrc(pkt, &mut g.work.parsed);
-        emit(
-            pkt,
-            &g.work.parsed,
-            &g.work.key,
-            &mut g.counters,
-            frame_len,
-            reasons,
-            cfg.wakeup_bytes,
-        );
+        report(pkt, g, cfg, frame_len, reasons);
     }
     true
+}
+
+/// Reports a counted packet whose key and parsed headers are in the working memory.
+#[inline(always)]
+fn report<P: Packet>(pkt: &P, g: &mut Globals, cfg: &DatapathConfig, frame_len: u32, reasons: u32) {
+    load_icrc(pkt, &mut g.work.parsed);
+    emit(
+        pkt,
+        &g.work.parsed,
+        &g.work.key,
+        &mut g.counters,
+        frame_len,
+        reasons,
+        cfg.wakeup_bytes,
+    );
 }
 
 /// The coarse clock: a flow's first and last packet to a tick, read once a tick on each
@@ -281,16 +287,7 @@ fn observe<P: Packet>(pkt: &P, look: Look, dir: u8, ifindex: u32, frame_len: u32
                 coarse,
             );
             if reasons != 0 {
-                load_icrc(pkt, &mut g.work.parsed);
-                emit(
-                    pkt,
-                    &g.work.parsed,
-                    &g.work.key,
-                    &mut g.counters,
-                    frame_len,
-                    reasons,
-                    cfg.wakeup_bytes,
-                );
+                report(pkt, g, cfg, frame_len, reasons);
             }
         }
         // Not counted, like the frames `first_look` let by (those the parser reaches only

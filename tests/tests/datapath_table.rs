@@ -1373,7 +1373,7 @@ fn in_sequence_packets_take_the_fast_path_and_others_the_full_one() {
         (
             frame(12, 2, false, false),
             true,
-            "a retransmission: the full path",
+            "a retransmission: parsed whole for the catch-up",
         ),
         (frame(13, 2, false, false), false, "in sequence after it"),
         (
