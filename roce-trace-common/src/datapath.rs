@@ -52,11 +52,13 @@ pub const MAX_FLOW_SLOTS: u32 = 2048;
 pub const SLOTS_PER_CHUNK: u32 = 128;
 /// Each CPU's element of `GLOBALS` (a plain array indexed by CPU, not a per-CPU map: its
 /// lookup is arithmetic on immediates, where a per-CPU map's loads the element's pointer
-/// from the map, one more cache line a packet). The first line is all the kernel's fast
-/// path touches: the coarse clock and the global counters' first six (`RoceV2` of both
-/// directions among them); then the rest of the counters, the working memory of the full
-/// path `W` (the flow key and the parsed headers, three lines), and the cold working
-/// memory `C` (a mirrored copy's inner frame). Userspace reads `W` and `C` as bytes. A
+/// from the map, one more cache line a packet). The first line is all a packet the
+/// kernel's fast path counts in sequence and does not report touches: the coarse clock and
+/// the global counters' first six (`RoceV2` of both directions among them); then the rest
+/// of the counters, the working memory `W` (the flow key and the parsed headers, three
+/// lines: every packet of the full path, and one the fast path parses whole to catch its
+/// flow up or to report it), and the cold working memory `C` (a mirrored copy's inner
+/// frame). Userspace reads `W` and `C` as bytes. A
 /// multiple of 64 bytes, so no two CPUs share a line.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

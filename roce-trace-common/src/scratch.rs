@@ -16,7 +16,7 @@ pub struct Work {
     pub parsed: Parsed,
 }
 
-/// Working memory only a mirrored copy touches, after the counters.
+/// Working memory only a mirrored copy touches, after the working memory `Work`.
 #[repr(C)]
 pub struct Cold {
     /// The inner frame of a mirrored copy, copied out for parsing. Not last: the parser

@@ -2,7 +2,8 @@
 //! attached and read ([`loader`]), the host checks it needs ([`sys`]), mirror sessions
 //! ([`mirror`]), pcap/pcapng input through the same parser and accounting ([`pcap`]),
 //! the records `capture` prints ([`record`]), the kernel's own drop counters
-//! ([`netstat`]) and the readers' periodic timer ([`timer`]). The only crate whose build script builds the eBPF object.
+//! ([`netstat`]) and the readers' periodic timer ([`timer`]). The only crate whose build
+//! script builds the eBPF object.
 
 pub mod loader;
 pub mod mapped;

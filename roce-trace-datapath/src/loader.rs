@@ -514,8 +514,8 @@ impl Datapath {
             .sum()
     }
 
-    /// CPU `cpu`'s counters, copied alone: the working memory beside them, which the
-    /// programs write on every packet, is left where it is.
+    /// CPU `cpu`'s counters, copied alone: the clock before them and the working memory
+    /// after them, which the programs write as they run, are left where they are.
     fn counters(&self, cpu: usize) -> Option<[u64; GLOBAL_COUNTERS_LEN as usize]> {
         let g = self.globals.ptr(cpu)?;
         // SAFETY: a valid element of the mapping (`ptr` checked the index), read with a

@@ -86,20 +86,22 @@ mod tests {
     /// owner missed into one tick that counts them.
     #[tokio::test(flavor = "current_thread")]
     async fn ticks_once_a_period_and_counts_missed_ones() {
-        let period = Duration::from_millis(40);
+        let period = Duration::from_millis(100);
         let start = std::time::Instant::now();
         let mut t = Periodic::new(period).unwrap();
-        assert_eq!(t.tick().await.unwrap(), 1);
+        assert!(t.tick().await.unwrap() >= 1);
         let first = start.elapsed();
+        // Not before one period; a busy machine may be late.
         assert!(
-            first >= period && first < period * 3,
+            first >= period && first < period * 5,
             "first tick after {first:?}"
         );
-        assert_eq!(t.tick().await.unwrap(), 1);
-        // Busy for three periods and a half: one tick then counts the three that ended.
+        t.tick().await.unwrap();
+        // Busy for three periods and a half: one tick then counts the three (or, late, a
+        // few more) that ended meanwhile, where a tick a period would say 1.
         std::thread::sleep(period * 7 / 2);
         let n = t.tick().await.unwrap();
-        assert!((3..=4).contains(&n), "{n} periods merged");
+        assert!((3..=6).contains(&n), "{n} periods merged");
         assert!(Periodic::new(Duration::ZERO).is_err());
     }
 }

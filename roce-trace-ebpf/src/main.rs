@@ -46,8 +46,8 @@ pub fn roce_xdp(ctx: XdpContext) -> u32 {
     XDP_PASS
 }
 
-/// A candidate frame: a plain IPv4 packet of a flow that holds its slot here, in sequence
-/// and reported for no reason, is counted by the fast path; any other by the full one.
+/// A candidate frame: a plain IPv4 packet of a flow that holds its slot here is counted by
+/// the fast path ([`fast`]); any other by the full one ([`observe`]).
 #[inline(always)]
 fn watch<P: Packet>(pkt: &P, look: Look, dir: u8, ifindex: u32, frame_len: u32) {
     if look != Look::PlainV4 || !fast(pkt, dir, ifindex, frame_len) {
@@ -138,7 +138,7 @@ fn this_cpu() -> u32 {
     unsafe { bpf_get_smp_processor_id() }
 }
 
-/// This CPU's global counters (`CpuGlobals::counters`), passed down from `observe`.
+/// This CPU's global counters (`CpuGlobals::counters`), passed down from `fast` or `observe`.
 type Counters = [u64; GLOBAL_COUNTERS_LEN as usize];
 
 /// Counts one event in this CPU's global counters.

@@ -1343,6 +1343,13 @@ fn in_sequence_packets_take_the_fast_path_and_others_the_full_one() {
     if !require_root() {
         return;
     }
+    // A flow's slot is per CPU: a packet run on another CPU than the last finds its flow
+    // not in that CPU's slot and takes the full path.
+    if !pin_to_cpu(0) {
+        pin_to_cpu_any();
+        cannot_run("cannot pin the thread to CPU 0");
+        return;
+    }
     let mut t = ProgTest::new(&DatapathOptions {
         sample_rate: 0,
         ..Default::default()
@@ -1420,6 +1427,7 @@ fn in_sequence_packets_take_the_fast_path_and_others_the_full_one() {
             ..Default::default()
         });
     }
+    pin_to_cpu_any();
 }
 
 /// Anomalies are reported whatever the rate; ordinary packets are not when hash sampling
