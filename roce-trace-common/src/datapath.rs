@@ -90,9 +90,11 @@ pub type FlowSlotChunk = [FlowSlot; SLOTS_PER_CHUNK as usize];
 /// `FLOWS`). Far longer than any reader's interval between reads.
 pub const DEFAULT_SLOT_IDLE_MS: u32 = 30_000;
 pub const SAMPLE_RING_BYTES: u32 = 4 << 20;
-/// Capture drains the sample ring this often besides when the kernel wakes it: with
-/// batched wake-ups, the longest a sample waits below a batch.
-pub const SAMPLE_DRAIN_MS: u64 = 250;
+/// Capture drains the sample ring at least this often besides when the kernel wakes it
+/// (with batched wake-ups, the longest a sample waits below a batch): on the interval's
+/// tick when that comes as often (the default interval, 1 s, does), so an idle capture
+/// wakes once a second; a longer interval gets a drain timer of its own.
+pub const SAMPLE_DRAIN_MS: u64 = 1000;
 /// The agent's drain period: it batches wake-ups too (a wake-up per sample is an IRQ-work
 /// self-IPI, about 27 µs in a VM without posted interrupts: `bench datapath`, cold rows),
 /// and delivers a sample at most this late.

@@ -203,10 +203,15 @@ pub async fn run(
     // Kernel timers: one wake-up a period (see `Periodic`), the first one period from now.
     let mut tick = Periodic::new(opts.interval).context("the interval timer")?;
     let mut poll = tokio::time::interval(Duration::from_millis(50));
-    let mut drain_tick = Periodic::new(Duration::from_millis(
-        roce_trace_common::datapath::SAMPLE_DRAIN_MS,
-    ))
-    .context("the drain timer")?;
+    // Samples below a batch are read on the interval's tick when it comes at least every
+    // `SAMPLE_DRAIN_MS` (the default 1 s does): one wake-up a period, not two timers a
+    // moment apart. A longer interval gets a drain timer of its own.
+    let drain_every = Duration::from_millis(roce_trace_common::datapath::SAMPLE_DRAIN_MS);
+    let mut drain_tick = if opts.interval > drain_every {
+        Some(Periodic::new(drain_every).context("the drain timer")?)
+    } else {
+        None
+    };
     let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
     let sleep_until = async {
         match deadline {
@@ -225,8 +230,10 @@ pub async fn run(
                 samples_received +=
                     Datapath::read_ready(&mut guard, |ring| drain(ring, &clock, &name_of, &mut out))?;
             }
-            // A backstop for a wake-up lost all the same.
-            ticked = drain_tick.tick() => {
+            // Samples below a batch, when the interval is longer than the drain period.
+            ticked = async { drain_tick.as_mut().expect("checked by the guard").tick().await },
+                if drain_tick.is_some() =>
+            {
                 ticked.context("the drain timer")?;
                 samples_received += drain(ring.get_mut(), &clock, &name_of, &mut out)?;
             }
@@ -238,6 +245,9 @@ pub async fn run(
             }
             ticked = tick.tick() => {
                 ticked.context("the interval timer")?;
+                if drain_tick.is_none() {
+                    samples_received += drain(ring.get_mut(), &clock, &name_of, &mut out)?;
+                }
                 let now = Instant::now();
                 let flows = dp.flows()?;
                 dp.resolve_mirrors(&mut out.mirrors, flows.keys())?;
