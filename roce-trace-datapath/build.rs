@@ -38,11 +38,15 @@ fn main() -> Result<(), String> {
     // binary and the toolchain pin need saying.
     println!("cargo:rerun-if-changed={}", root.display());
     let target_dir = out.join("ebpf-target");
+    // BPF v3 (Linux 5.1): 32-bit ALU and jumps. The identity hash and the parser's u32 and
+    // u16 arithmetic were 64-bit operations with masks around them: the programs are 10 %
+    // shorter (JIT bytes) with it.
     let mut flags = OsString::from("--cfg=bpf_target_arch=\"x86_64\"");
     for f in [
         "-Cdebuginfo=2",
         "-Clink-arg=--btf",
         "-Ctarget-feature=+allows-misaligned-mem-access",
+        "-Ctarget-cpu=v3",
     ] {
         flags.push("\x1f");
         flags.push(f);
