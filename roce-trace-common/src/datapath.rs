@@ -72,7 +72,15 @@ pub struct CpuGlobals<W, C> {
     pub _pad: [u64; GLOBALS_PAD_WORDS],
     pub work: W,
     pub cold: C,
+    /// The slots of this CPU's flow table that have held a flow, a bit each (slot `i`: bit
+    /// `i % 64` of word `i / 64`). Set by the programs before they hand an empty slot its
+    /// first flow and never cleared (a slot is handed over, never emptied), so the reader
+    /// visits these slots alone rather than a line of every slot of every CPU.
+    pub occupied: [u64; OCCUPIED_WORDS],
 }
+
+/// Words of [`CpuGlobals::occupied`]: a bit for each slot a CPU's flow table can have.
+pub const OCCUPIED_WORDS: usize = MAX_FLOW_SLOTS as usize / 64;
 
 /// Words between the counters and the working memory of [`CpuGlobals`].
 pub const GLOBALS_PAD_WORDS: usize = (64 - (16 + 8 * GLOBAL_COUNTERS_LEN as usize) % 64) % 64 / 8;

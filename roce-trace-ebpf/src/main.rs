@@ -279,6 +279,7 @@ fn observe<P: Packet>(pkt: &P, look: Look, dir: u8, ifindex: u32, frame_len: u32
             let reasons = account(
                 &mut g.work,
                 &mut g.counters,
+                &mut g.occupied,
                 cfg,
                 cpu,
                 dir,
@@ -338,6 +339,7 @@ fn remember_mirror(p: &Parsed) {
 fn account(
     work: &mut Work,
     counters: &mut Counters,
+    occupied: &mut [u64; OCCUPIED_WORDS],
     cfg: &DatapathConfig,
     cpu: u32,
     dir: u8,
@@ -349,7 +351,8 @@ fn account(
     let words = account::set_flow_key(&mut work.key, p, ifindex, dir);
     let key = &work.key;
 
-    let flow = match flow_slot(cpu, FlowKey::slot_of(&words, cfg.slot_bits), cfg.slot_bits) {
+    let i = FlowKey::slot_of(&words, cfg.slot_bits);
+    let flow = match flow_slot(cpu, i, cfg.slot_bits) {
         // SAFETY: this CPU's slot: only this CPU writes it (`take_over` on another CPU
         // clears only its state's flags, which this packet does not read first).
         Some(slot) if unsafe { (*slot).counters.counts.packets != 0 && (*slot).key.same_words(&words) } => {
@@ -357,7 +360,7 @@ fn account(
             Some(unsafe { core::ptr::addr_of_mut!((*slot).counters) })
         }
         // SAFETY: as above; the slot is not the flow's: taken, or handed to it here.
-        Some(slot) => slot_or_flows(unsafe { &mut *slot }, key, counters, cfg, dir, now),
+        Some(slot) => slot_or_flows(unsafe { &mut *slot }, i, occupied, key, counters, cfg, dir, now),
         None => flows_entry(key, counters, dir),
     };
     let f = Facts::of(p);
@@ -386,8 +389,14 @@ fn account(
 /// already counts the flow in `FLOWS` (a flow's copy on a CPU lives in one place); else
 /// the flow is counted in `FLOWS`.
 #[inline(always)]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "what account has in registers, passed flat"
+)]
 fn slot_or_flows(
     slot: &mut FlowSlot,
+    i: u32,
+    occupied: &mut [u64; OCCUPIED_WORDS],
     key: &FlowKey,
     counters: &mut Counters,
     cfg: &DatapathConfig,
@@ -418,6 +427,14 @@ fn slot_or_flows(
             // The idle flow keeps its slot (nothing lost); this one goes to FLOWS.
             return flows_entry(key, counters, dir);
         }
+    }
+    if !held {
+        // The slot's first flow: the reader visits the slots marked here, so the mark
+        // comes before the slot is written.
+        if let Some(w) = occupied.get_mut((i / 64) as usize) {
+            *w |= 1 << (i % 64);
+        }
+        core::sync::atomic::compiler_fence(core::sync::atomic::Ordering::Release);
     }
     // Empty first (a reader skips a slot without packets), then the new key.
     // SAFETY: valid, exclusively owned per-CPU value.
