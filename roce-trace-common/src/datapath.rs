@@ -57,8 +57,9 @@ pub const SLOTS_PER_CHUNK: u32 = 128;
 /// the global counters' first six (`RoceV2` of both directions among them); then the rest
 /// of the counters, the working memory `W` (the flow key and the parsed headers, three
 /// lines: every packet of the full path, and one the fast path parses whole to catch its
-/// flow up or to report it), and the cold working memory `C` (a mirrored copy's inner
-/// frame). Userspace reads `W` and `C` as bytes. A
+/// flow up or to report it), the cold working memory `C` (a mirrored copy's inner
+/// frame), and the marks of the flow-table slots that have held a flow (four lines, read
+/// by userspace each interval, written once a slot). Userspace reads `W` and `C` as bytes. A
 /// multiple of 64 bytes, so no two CPUs share a line.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

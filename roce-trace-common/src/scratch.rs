@@ -55,6 +55,9 @@ const _: () = {
     // The full path's working memory starts a line and takes three.
     assert!(core::mem::offset_of!(Globals, work).is_multiple_of(64));
     assert!(core::mem::size_of::<Work>() <= 192);
+    // The slot marks are lines of their own: the reader reads them, the programs write
+    // them once a slot.
+    assert!(core::mem::offset_of!(Globals, occupied).is_multiple_of(64));
 };
 
 #[cfg(feature = "user")]

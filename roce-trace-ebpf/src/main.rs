@@ -11,8 +11,8 @@ mod maps;
 
 use aya_ebpf::{
     bindings::{
-        BPF_NOEXIST, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, TC_ACT_UNSPEC,
-        xdp_action::XDP_PASS,
+        BPF_NOEXIST, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, BPF_RB_PROD_POS,
+        TC_ACT_UNSPEC, xdp_action::XDP_PASS,
     },
     helpers::{
         bpf_get_smp_processor_id, bpf_jiffies64, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns,
@@ -30,7 +30,7 @@ use roce_trace_common::{
 
 use crate::{
     ctx::{TcPacket, XdpPacket},
-    maps::{CONFIG, FLOW_OWNER, FLOW_SLOTS, FLOWS, GLOBALS, MIRROR_FROM, MIRRORS, SAMPLES},
+    maps::{CONFIG, FLOW_OWNER, FLOW_SLOTS, FLOWS, GLOBALS, MIRROR_FROM, MIRRORS, SAMPLES, SAMPLES_WOKEN_AT},
 };
 
 #[xdp]
@@ -607,22 +607,41 @@ fn emit<P: Packet>(
     s.fill(pkt, p, key, now, frame_len, reasons);
     // By default the kernel's own policy: wake the reader when it had caught up, so a busy
     // reader is not woken per sample. A batching reader (capture, the agent) is woken once
-    // a batch waits, as this sample takes the fill past `wakeup_bytes`, and drains on a
-    // timer: a reader that keeps up would otherwise cost every sample a wake-up (an
-    // IRQ-work self-IPI).
+    // a batch waits and drains on a timer besides: a reader that keeps up would otherwise
+    // cost every sample a wake-up (an IRQ-work self-IPI).
     let flags = if wakeup_bytes == 0 {
         0
     } else {
-        let waiting = SAMPLES.query(BPF_RB_AVAIL_DATA as u64);
-        let at = wakeup_bytes as u64;
-        if waiting >= at && waiting < at + RING_RECORD_BYTES as u64 {
-            BPF_RB_FORCE_WAKEUP as u64
-        } else {
-            BPF_RB_NO_WAKEUP as u64
-        }
+        batch_wakeup(wakeup_bytes as u64)
     };
     entry.submit(flags);
     bump(counters, GlobalCounter::SamplesEmitted, dir);
+}
+
+/// Whether a sample just submitted wakes a batching reader: when `at` bytes or more wait
+/// and a batch has been produced since the last wake-up (`SAMPLES_WOKEN_AT`). Whichever CPU
+/// finds that wakes it, so samples reserved on two CPUs at once cannot both step past the
+/// moment (a fill inside one record past `at`, as it was, could be missed that way and
+/// leave a full batch to the reader's timer); and a reader that lags is woken once a
+/// batch, not once a sample.
+#[inline(always)]
+fn batch_wakeup(at: u64) -> u64 {
+    if SAMPLES.query(BPF_RB_AVAIL_DATA as u64) < at {
+        return BPF_RB_NO_WAKEUP as u64;
+    }
+    let Some(woken) = SAMPLES_WOKEN_AT.get_ptr_mut(0) else {
+        return BPF_RB_FORCE_WAKEUP as u64;
+    };
+    let produced = SAMPLES.query(BPF_RB_PROD_POS as u64);
+    // SAFETY: the map's one value; CPUs racing here each store a recent position, and
+    // either wakes the reader.
+    unsafe {
+        if produced < core::ptr::read_volatile(woken).saturating_add(at) {
+            return BPF_RB_NO_WAKEUP as u64;
+        }
+        core::ptr::write_volatile(woken, produced);
+    }
+    BPF_RB_FORCE_WAKEUP as u64
 }
 
 #[cfg(not(test))]

@@ -79,6 +79,11 @@ pub static MIRROR_FROM: Array<AddrPrefix> = Array::with_max_entries(MAX_MIRROR_F
 #[map]
 pub static GLOBALS: Array<Globals> = Array::with_max_entries(1, BPF_F_MMAPABLE);
 
+/// The ring's producer position when a sample last woke a batching reader
+/// (`DatapathConfig::wakeup_bytes`): shared by all CPUs, written once a batch.
+#[map]
+pub static SAMPLES_WOKEN_AT: Array<u64> = Array::with_max_entries(1, 0);
+
 /// Sampled and anomalous packets to userspace.
 #[map]
 pub static SAMPLES: RingBuf = RingBuf::with_byte_size(SAMPLE_RING_BYTES, 0);

@@ -446,7 +446,7 @@ fn an_idle_capture_wakes_only_when_its_timers_are_due() {
     p.child.wait().unwrap();
     // 4 s: 4 ticks are due; a drain timer of its own made 16–20, tokio's intervals about 40.
     assert!(
-        (2..=8).contains(&woke),
+        (2..=6).contains(&woke),
         "an idle capture woke {woke} times in 4 s (its timer is due 4 times)"
     );
 }

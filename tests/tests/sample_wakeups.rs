@@ -87,3 +87,70 @@ fn batched_wake_ups_wake_the_reader_once_a_batch_waits() {
     let w = woken(true, batch, Duration::from_secs(10));
     assert!(w.is_some(), "{batch} samples waited and the reader slept on");
 }
+
+/// A reader that was woken for a batch and has not drained it (its wake-up lost on the
+/// way, or it is slow) is woken again once another batch has been produced, not left to
+/// its timer while the ring fills. The fault this guards: a wake-up only for the sample
+/// whose record takes the fill just past a batch, which samples reserved on two CPUs at
+/// once can both step over — after that no sample woke the reader until it drained.
+#[test]
+fn a_reader_that_has_not_drained_is_woken_again_a_batch_later() {
+    let opts = DatapathOptions {
+        sample_rate: 1,
+        batch_wakeups: true,
+        ..Default::default()
+    };
+    let mut t = ProgTest::new(&opts);
+    t.drain_samples();
+    let batch = SAMPLE_BATCH_BYTES.div_ceil(RING_RECORD_BYTES) + 1;
+    let mut psn = 0;
+    let mut run = |t: &mut ProgTest, n: u32| {
+        for _ in 0..n {
+            let frame = RoceFrame {
+                opcode: op::SEND_ONLY,
+                psn,
+                ..Default::default()
+            }
+            .build();
+            assert_eq!(t.run_xdp(&frame), XDP_PASS);
+            psn += 1;
+        }
+    };
+    // A batch and more wait, the reader woken for it and not reading.
+    run(&mut t, batch);
+    // An edge-triggered waiter, as tokio registers the ring: the event for what already
+    // waits is taken first, so only a new wake-up ends the second wait.
+    let fd = t.ring_fd();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        // SAFETY: plain epoll calls on a descriptor the ProgTest keeps open until joined.
+        unsafe {
+            let ep = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+            assert!(ep >= 0, "epoll_create1: {}", std::io::Error::last_os_error());
+            let mut ev = libc::epoll_event {
+                events: (libc::EPOLLIN | libc::EPOLLET) as u32,
+                u64: 0,
+            };
+            assert_eq!(libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev), 0);
+            let first = libc::epoll_wait(ep, &mut ev, 1, 0);
+            tx.send(first).unwrap();
+            let n = libc::epoll_wait(ep, &mut ev, 1, 5000);
+            libc::close(ep);
+            n > 0
+        }
+    });
+    assert_eq!(rx.recv().unwrap(), 1, "the samples waiting were not reported");
+    std::thread::sleep(Duration::from_millis(100));
+    // Below another batch: no wake-up yet (once a batch, not once a sample).
+    run(&mut t, batch / 2);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!waiter.is_finished(), "woken before another batch was produced");
+    run(&mut t, batch);
+    let woken = waiter.join().unwrap();
+    assert!(woken, "another batch waited and the reader slept on");
+    assert_eq!(
+        t.drain_samples(),
+        (batch + batch / 2 + batch) as usize,
+        "every packet sampled (rate 1)"
+    );
+}
