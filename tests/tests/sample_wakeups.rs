@@ -13,9 +13,8 @@ use roce_trace_datapath::loader::DatapathOptions;
 use roce_trace_gen::frame::RoceFrame;
 use roce_trace_tests::*;
 
-/// Runs `packets` sampled packets (one every 2 ms) while a thread waits on the ring for
-/// up to `wait`; whether it was woken, and after how long.
-fn woken(batch_wakeups: bool, packets: u32, wait: Duration) -> Option<Duration> {
+/// A datapath that samples every packet, its ring drained.
+fn sampling_all(batch_wakeups: bool) -> ProgTest {
     let opts = DatapathOptions {
         sample_rate: 1,
         batch_wakeups,
@@ -23,29 +22,12 @@ fn woken(batch_wakeups: bool, packets: u32, wait: Duration) -> Option<Duration> 
     };
     let mut t = ProgTest::new(&opts);
     t.drain_samples();
-    let fd = t.ring_fd();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let waiter = std::thread::spawn(move || {
-        // SAFETY: plain epoll calls on a descriptor the ProgTest keeps open until joined.
-        unsafe {
-            let ep = libc::epoll_create1(libc::EPOLL_CLOEXEC);
-            assert!(ep >= 0, "epoll_create1: {}", std::io::Error::last_os_error());
-            let mut ev = libc::epoll_event {
-                events: libc::EPOLLIN as u32,
-                u64: 0,
-            };
-            assert_eq!(libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev), 0);
-            tx.send(()).unwrap();
-            let start = Instant::now();
-            let n = libc::epoll_wait(ep, &mut ev, 1, wait.as_millis() as i32);
-            libc::close(ep);
-            (n > 0).then(|| start.elapsed())
-        }
-    });
-    rx.recv().unwrap();
-    // The waiter is asleep in epoll_wait before the first sample.
-    std::thread::sleep(Duration::from_millis(100));
-    for psn in 0..packets {
+    t
+}
+
+/// Runs the packets `psns` (each sampled), `pause` after each.
+fn run_sampled(t: &mut ProgTest, psns: std::ops::Range<u32>, pause: Duration) {
+    for psn in psns {
         let frame = RoceFrame {
             opcode: op::SEND_ONLY,
             psn,
@@ -53,8 +35,52 @@ fn woken(batch_wakeups: bool, packets: u32, wait: Duration) -> Option<Duration> 
         }
         .build();
         assert_eq!(t.run_xdp(&frame), XDP_PASS);
-        std::thread::sleep(Duration::from_millis(2));
+        std::thread::sleep(pause);
     }
+}
+
+/// An epoll instance watching `fd` for `events` (EPOLLIN, with EPOLLET as tokio has it).
+fn epoll_on(fd: std::os::fd::RawFd, events: i32) -> i32 {
+    // SAFETY: plain epoll calls; `ev` lives across them.
+    unsafe {
+        let ep = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+        assert!(ep >= 0, "epoll_create1: {}", std::io::Error::last_os_error());
+        let mut ev = libc::epoll_event {
+            events: events as u32,
+            u64: 0,
+        };
+        assert_eq!(libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev), 0);
+        ep
+    }
+}
+
+/// Waits on `ep` up to `ms` (0: a look); whether an event came. Closes nothing.
+fn epoll_wait(ep: i32, ms: i32) -> bool {
+    let mut ev = libc::epoll_event { events: 0, u64: 0 };
+    // SAFETY: `ev` outlives the call; one event at most.
+    unsafe { libc::epoll_wait(ep, &mut ev, 1, ms) > 0 }
+}
+
+/// Runs `packets` sampled packets (one every 2 ms) while a thread waits on the ring for
+/// up to `wait`; whether it was woken, and after how long.
+fn woken(batch_wakeups: bool, packets: u32, wait: Duration) -> Option<Duration> {
+    let mut t = sampling_all(batch_wakeups);
+    let fd = t.ring_fd();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        // The ProgTest keeps `fd` open until the waiter is joined.
+        let ep = epoll_on(fd, libc::EPOLLIN);
+        tx.send(()).unwrap();
+        let start = Instant::now();
+        let woke = epoll_wait(ep, wait.as_millis() as i32);
+        // SAFETY: the descriptor epoll_on made, closed once.
+        unsafe { libc::close(ep) };
+        woke.then(|| start.elapsed())
+    });
+    rx.recv().unwrap();
+    // The waiter is asleep in epoll_wait before the first sample.
+    std::thread::sleep(Duration::from_millis(100));
+    run_sampled(&mut t, 0..packets, Duration::from_millis(2));
     let r = waiter.join().unwrap();
     assert_eq!(
         t.drain_samples(),
@@ -95,57 +121,30 @@ fn batched_wake_ups_wake_the_reader_once_a_batch_waits() {
 /// once can both step over — after that no sample woke the reader until it drained.
 #[test]
 fn a_reader_that_has_not_drained_is_woken_again_a_batch_later() {
-    let opts = DatapathOptions {
-        sample_rate: 1,
-        batch_wakeups: true,
-        ..Default::default()
-    };
-    let mut t = ProgTest::new(&opts);
-    t.drain_samples();
+    let mut t = sampling_all(true);
     let batch = SAMPLE_BATCH_BYTES.div_ceil(RING_RECORD_BYTES) + 1;
-    let mut psn = 0;
-    let mut run = |t: &mut ProgTest, n: u32| {
-        for _ in 0..n {
-            let frame = RoceFrame {
-                opcode: op::SEND_ONLY,
-                psn,
-                ..Default::default()
-            }
-            .build();
-            assert_eq!(t.run_xdp(&frame), XDP_PASS);
-            psn += 1;
-        }
-    };
     // A batch and more wait, the reader woken for it and not reading.
-    run(&mut t, batch);
+    run_sampled(&mut t, 0..batch, Duration::ZERO);
     // An edge-triggered waiter, as tokio registers the ring: the event for what already
     // waits is taken first, so only a new wake-up ends the second wait.
     let fd = t.ring_fd();
     let (tx, rx) = std::sync::mpsc::channel();
     let waiter = std::thread::spawn(move || {
-        // SAFETY: plain epoll calls on a descriptor the ProgTest keeps open until joined.
-        unsafe {
-            let ep = libc::epoll_create1(libc::EPOLL_CLOEXEC);
-            assert!(ep >= 0, "epoll_create1: {}", std::io::Error::last_os_error());
-            let mut ev = libc::epoll_event {
-                events: (libc::EPOLLIN | libc::EPOLLET) as u32,
-                u64: 0,
-            };
-            assert_eq!(libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev), 0);
-            let first = libc::epoll_wait(ep, &mut ev, 1, 0);
-            tx.send(first).unwrap();
-            let n = libc::epoll_wait(ep, &mut ev, 1, 5000);
-            libc::close(ep);
-            n > 0
-        }
+        // The ProgTest keeps `fd` open until the waiter is joined.
+        let ep = epoll_on(fd, libc::EPOLLIN | libc::EPOLLET);
+        tx.send(epoll_wait(ep, 0)).unwrap();
+        let woke = epoll_wait(ep, 5000);
+        // SAFETY: the descriptor epoll_on made, closed once.
+        unsafe { libc::close(ep) };
+        woke
     });
-    assert_eq!(rx.recv().unwrap(), 1, "the samples waiting were not reported");
+    assert!(rx.recv().unwrap(), "the samples waiting were not reported");
     std::thread::sleep(Duration::from_millis(100));
     // Below another batch: no wake-up yet (once a batch, not once a sample).
-    run(&mut t, batch / 2);
+    run_sampled(&mut t, batch..batch + batch / 2, Duration::ZERO);
     std::thread::sleep(Duration::from_millis(300));
     assert!(!waiter.is_finished(), "woken before another batch was produced");
-    run(&mut t, batch);
+    run_sampled(&mut t, batch + batch / 2..2 * batch + batch / 2, Duration::ZERO);
     let woken = waiter.join().unwrap();
     assert!(woken, "another batch waited and the reader slept on");
     assert_eq!(
