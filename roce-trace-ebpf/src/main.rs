@@ -618,12 +618,12 @@ fn emit<P: Packet>(
     bump(counters, GlobalCounter::SamplesEmitted, dir);
 }
 
-/// Whether a sample just submitted wakes a batching reader: when `at` bytes or more wait
-/// and a batch has been produced since the last wake-up (`SAMPLES_WOKEN_AT`). Whichever CPU
-/// finds that wakes it, so samples reserved on two CPUs at once cannot both step past the
-/// moment (a fill inside one record past `at`, as it was, could be missed that way and
-/// leave a full batch to the reader's timer); and a reader that lags is woken once a
-/// batch, not once a sample.
+/// The wake-up flag for a sample about to be submitted to a batching reader: wake it
+/// when `at` bytes or more wait and a batch has been produced since the last wake-up
+/// (`SAMPLES_WOKEN_AT`). Whichever CPU finds that wakes it, so samples reserved on two
+/// CPUs at once cannot both step past the moment (a fill inside one record past `at`, as
+/// it was, could be missed that way and leave a full batch to the reader's timer); and a
+/// reader that lags is woken once a batch, not once a sample.
 #[inline(always)]
 fn batch_wakeup(at: u64) -> u64 {
     if SAMPLES.query(BPF_RB_AVAIL_DATA as u64) < at {

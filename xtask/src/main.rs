@@ -35,7 +35,8 @@ enum Cmd {
         repeat: u32,
         /// Another build's eBPF object, timed beside this build's in the same runs
         /// (datapath): e.g. target/release/build/roce-trace-datapath-*/out/roce-trace of
-        /// a checkout of an older commit with this build's maps (f12decb or later: the loader refuses an older one, naming the map).
+        /// a checkout of an older commit with this build's maps (f12decb or later: the
+        /// loader refuses an older one, naming the map).
         #[arg(long)]
         baseline: Option<std::path::PathBuf>,
         /// Another build's roce-trace binary, run beside this build's (capture): the
