@@ -562,16 +562,40 @@ fn hops(flows: &[FlowReport], rule: &HopRule) -> CheckResult {
     r.done(Status::NoData, "no flow between these groups seen at two points")
 }
 
-/// Which of `via` a flow crosses: a point of its path on that node, or a probe hop.
+/// Which of `via` a flow crosses: a point of its path on that node, or a probe hop; or,
+/// when neither names one, the one whose points counted the most of its packets.
+///
+/// The path is the flow's latest sampled trajectory. A fault that drops only some of a
+/// flow's packets before the spine (a link MTU below the frame size: the full-size
+/// frames die, the short last ones of each message cross) can leave every sampled
+/// packet of a flow short of the spine while its exact counters show it crossing.
 fn via_of<'a>(f: &FlowReport, via: &'a [String]) -> Option<&'a String> {
-    via.iter().find(|v| {
-        f.path.iter().any(|p| p.node == v.as_str())
-            || f.probe.as_ref().is_some_and(|p| {
-                p.hops
+    via.iter()
+        .find(|v| {
+            f.path.iter().any(|p| p.node == v.as_str())
+                || f.probe.as_ref().is_some_and(|p| {
+                    p.hops
+                        .iter()
+                        .any(|h| h.addr.is_some_and(|a| a.to_string() == **v))
+                })
+        })
+        .or_else(|| {
+            let counted = |v: &String| -> u64 {
+                f.counters
                     .iter()
-                    .any(|h| h.addr.is_some_and(|a| a.to_string() == **v))
-            })
-    })
+                    .filter(|(p, _)| p.node == v.as_str())
+                    .map(|(_, c)| c.counts.packets)
+                    .max()
+                    .unwrap_or(0)
+            };
+            // Reversed: of equal counts, the first listed (max_by_key keeps the last).
+            via.iter()
+                .rev()
+                .map(|v| (v, counted(v)))
+                .filter(|(_, n)| *n > 0)
+                .max_by_key(|(_, n)| *n)
+                .map(|(v, _)| v)
+        })
 }
 
 pub fn ecmp_shares(data: &[&FlowReport], via: &[String]) -> BTreeMap<String, usize> {

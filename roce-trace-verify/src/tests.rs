@@ -432,6 +432,42 @@ fn a_spine_down_or_l3_hashing_fails_the_ecmp_spread() {
     assert_eq!(failing(v, Load::Idle), set(&["ecmp_spread"]));
 }
 
+/// A link MTU below the frame size on l1's way to s1: the full-size frames die at l1,
+/// the short last frame of each message crosses. A flow whose sampled packets were all
+/// full-size has a path that ends at l1, but its exact counters at s1 place it there;
+/// a flow that nothing of crossed is placed nowhere.
+#[test]
+fn a_flow_whose_samples_die_before_the_spine_is_placed_by_its_counters() {
+    let spread = |v: Vec<FlowReport>| {
+        let p = Policy::parse(POLICY).unwrap();
+        let c = judge(&p, &report(v), Load::Idle);
+        let e = c.into_iter().find(|c| c.check == "ecmp_spread").unwrap();
+        (e.status, e.summary)
+    };
+    let mut v = healthy();
+    let cut: Vec<usize> = (0..v.len())
+        .filter(|&i| via_s1(&v[i]) && v[i].src_ip == h(1))
+        .collect();
+    assert_eq!(cut.len(), 4);
+    for &i in &cut {
+        let f = &mut v[i];
+        f.path.truncate(2);
+        f.path_history[0].path.truncate(2);
+        for (p, c) in f.counters.iter_mut() {
+            if p.node != "h1" && p.node != "l1" {
+                c.counts.packets = 100;
+            }
+        }
+    }
+    assert_eq!(spread(v.clone()), (Status::Pass, "s1 4, s2 4 of 8 flows".into()));
+    // Nothing of one of them crossed: the spines saw 7 data flows, too few to judge.
+    let f = &mut v[cut[0]];
+    f.counters.retain(|p, _| p.node == "h1" || p.node == "l1");
+    let (status, summary) = spread(v);
+    assert_eq!(status, Status::NoData, "{summary}");
+    assert!(summary.starts_with("7 data flow(s)"), "{summary}");
+}
+
 #[test]
 fn a_small_link_mtu_fails_the_path_mtu_at_the_link() {
     let mut v = healthy();
