@@ -335,15 +335,18 @@ pub fn first_look<P: Packet>(p: &P, udp_port: u16) -> Look {
     };
     let mut ether_type = eth.ether_type();
     let mut off = EthHdr::LEN;
-    for _ in 0..MAX_VLAN_DEPTH {
-        if ether_type != ETH_P_8021Q && ether_type != ETH_P_8021AD {
-            break;
+    // Untagged IPv4, most frames, goes straight on: no tag tests.
+    if ether_type != ETH_P_IPV4 {
+        for _ in 0..MAX_VLAN_DEPTH {
+            if ether_type != ETH_P_8021Q && ether_type != ETH_P_8021AD {
+                break;
+            }
+            let Some(tag) = p.header::<VlanHdr>(off) else {
+                return Look::Other;
+            };
+            ether_type = tag.ether_type();
+            off += VlanHdr::LEN;
         }
-        let Some(tag) = p.header::<VlanHdr>(off) else {
-            return Look::Other;
-        };
-        ether_type = tag.ether_type();
-        off += VlanHdr::LEN;
     }
     let (udp_off, plain) = match ether_type {
         ETH_P_IPV4 => {

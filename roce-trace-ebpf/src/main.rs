@@ -183,6 +183,8 @@ fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
     let f = &q.facts;
     let in_sequence = account::in_sequence(&c.state, f);
     if !in_sequence {
+        // Out of line: the in-sequence packet's code stays one straight run.
+        core::hint::cold_path();
         // It parses (`plain_v4` read it); the key and the headers as the full path has them.
         if parse_plain_v4_into(pkt, cfg.udp_port, &mut g.work.parsed).is_err() {
             return false;
@@ -194,14 +196,18 @@ fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
     let update = if in_sequence {
         account::update_state(&mut c.state, f)
     } else {
+        core::hint::cold_path();
         catch_up(&mut c.state, &g.work.key, cfg, cpu, &g.work.parsed, f)
     };
     if update.psn_regression {
+        core::hint::cold_path();
         bump(&mut g.counters, GlobalCounter::PsnRegressions, dir);
     }
     account::count(c, f, frame_len, now, &update);
     let reasons = account::reasons(f, cfg, c.state.sample_state);
     if reasons != 0 {
+        // Sampled, CE-marked, a CNP or a NAK: the few; their code goes out of line.
+        core::hint::cold_path();
         if in_sequence {
             // It parses, as above; were it ever not to, the packet stays counted and
             // unreported rather than reported with another packet's headers.
