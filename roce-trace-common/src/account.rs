@@ -151,7 +151,7 @@ pub fn update_state(st: &mut FlowState, f: &Facts) -> StateUpdate {
 pub fn count(fc: &mut FlowCounters, f: &Facts, frame_len: u32, now: u64, u: &StateUpdate) {
     let c = &mut fc.counts;
     if c.packets == 0 {
-        core::hint::cold_path();
+        crate::cold_path();
         fc.first_ns = now;
     }
     c.packets += 1;
@@ -163,25 +163,25 @@ pub fn count(fc: &mut FlowCounters, f: &Facts, frame_len: u32, now: u64, u: &Sta
     match f.ack {
         Some(AckKind::Ack) => c.ack += 1,
         Some(AckKind::NakPsnSeqErr) => {
-            core::hint::cold_path();
+            crate::cold_path();
             c.nak_psn_seq_err += 1
         }
         Some(AckKind::RnrNak) => {
-            core::hint::cold_path();
+            crate::cold_path();
             c.nak_rnr += 1
         }
         Some(AckKind::NakOther) => {
-            core::hint::cold_path();
+            crate::cold_path();
             c.nak_other += 1
         }
         None => {}
     }
     if u.psn_gap {
-        core::hint::cold_path();
+        crate::cold_path();
         c.psn_gaps += 1;
     }
     if u.dscp_changed {
-        core::hint::cold_path();
+        crate::cold_path();
         c.dscp_changed += 1;
     }
     fc.last_ns = now;

@@ -93,6 +93,17 @@ pub const fn flow_chunk_bits(slot_bits: u32) -> u32 {
     slot_bits.saturating_sub(SLOTS_PER_CHUNK.trailing_zeros())
 }
 
+/// Where CPU `cpu`'s slot `i` of a flow table of `1 << slot_bits` slots a CPU lives: the
+/// element of `FLOW_SLOTS` (its chunk `i / SLOTS_PER_CHUNK`) and the entry in it. The one
+/// placement the programs, the reader and the tests use.
+#[inline(always)]
+pub const fn slot_place(cpu: u32, i: u32, slot_bits: u32) -> (u32, u32) {
+    (
+        (cpu << flow_chunk_bits(slot_bits)) | (i / SLOTS_PER_CHUNK),
+        i % SLOTS_PER_CHUNK,
+    )
+}
+
 /// A chunk of the flow table: one element of `FLOW_SLOTS`.
 pub type FlowSlotChunk = [FlowSlot; SLOTS_PER_CHUNK as usize];
 /// A slot whose flow has been idle this long is handed to a new flow (its counters move to

@@ -18,3 +18,17 @@ pub mod sampling;
 pub mod sat;
 pub mod scratch;
 pub mod wire;
+
+/// Marks the branch it is in as rarely taken, for code placement alone: the eBPF programs'
+/// common packet then runs a straighter line. Only the BPF build places code by it (the
+/// pinned nightly builds it); elsewhere it is nothing, as `core::hint::cold_path` is newer
+/// than the workspace's minimum Rust.
+#[inline(always)]
+pub fn cold_path() {
+    #[cfg(target_arch = "bpf")]
+    #[allow(
+        clippy::incompatible_msrv,
+        reason = "compiled for the BPF target only, by the pinned nightly"
+    )]
+    core::hint::cold_path();
+}

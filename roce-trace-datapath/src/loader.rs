@@ -205,8 +205,8 @@ pub struct Datapath {
     /// `FLOW_SLOTS` and `GLOBALS`, mapped once at load and read in place.
     slots: MappedArray<FlowSlotChunk>,
     globals: MappedArray<CpuGlobalsBytes>,
-    /// Chunks of `FLOW_SLOTS` per CPU, a power of two (`flow_chunk_bits`).
-    chunks_per_cpu: usize,
+    /// `log2` of the flow table's slots a CPU (`DatapathConfig::slot_bits`).
+    slot_bits: u32,
 }
 
 impl Datapath {
@@ -262,7 +262,7 @@ impl Datapath {
             ebpf,
             slots,
             globals,
-            chunks_per_cpu: 1 << flow_chunk_bits(cfg.slot_bits),
+            slot_bits: cfg.slot_bits,
         })
     }
 
@@ -435,8 +435,8 @@ impl Datapath {
     pub fn flows(&self) -> Result<HashMap<FlowKey, FlowCounters>, DatapathError> {
         let err = |name| move |source| DatapathError::Map { name, source };
         let mut copies = FlowCopies::default();
-        let cpus = self.slots.len() / self.chunks_per_cpu;
-        let slots_per_cpu = self.chunks_per_cpu * SLOTS_PER_CHUNK as usize;
+        let cpus = self.slots.len() >> flow_chunk_bits(self.slot_bits);
+        let slots_per_cpu = 1usize << self.slot_bits;
         for cpu in 0..cpus {
             let Some(g) = self.globals.ptr(cpu) else { break };
             // SAFETY: a valid element of the mapping (`ptr` checked the index), its marks
@@ -444,26 +444,26 @@ impl Datapath {
             let occupied = unsafe { core::ptr::addr_of!((*g).occupied).read_volatile() };
             // The marks before the slots: the programs mark a slot before they write it.
             std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
-            for (word, &bits) in occupied.iter().enumerate() {
+            'words: for (word, &bits) in occupied.iter().enumerate() {
                 let mut bits = bits;
                 while bits != 0 {
                     let s = word * 64 + bits.trailing_zeros() as usize;
                     bits &= bits - 1;
+                    // The marks go up with the slot: none past the table, and a chunk
+                    // not mapped (none is: the mapping holds every CPU's) ends this CPU.
                     if s >= slots_per_cpu {
-                        break;
+                        break 'words;
                     }
-                    let Some(chunk) = self
-                        .slots
-                        .ptr(cpu * self.chunks_per_cpu + s / SLOTS_PER_CHUNK as usize)
-                    else {
-                        break;
+                    let (chunk, entry) = slot_place(cpu as u32, s as u32, self.slot_bits);
+                    let Some(chunk) = self.slots.ptr(chunk as usize) else {
+                        break 'words;
                     };
-                    // SAFETY: entry s % SLOTS_PER_CHUNK of a mapped chunk (a `FlowSlotChunk`
-                    // is that many slots), read with volatile copies only; any bytes are a
-                    // valid `FlowSlot`. The packet count first, as a slot can be marked
-                    // and not yet written.
+                    // SAFETY: entry `entry` (< SLOTS_PER_CHUNK) of a mapped chunk (a
+                    // `FlowSlotChunk` is that many slots), read with volatile copies only;
+                    // any bytes are a valid `FlowSlot`. The packet count first, as a slot
+                    // can be marked and not yet written.
                     let slot = unsafe {
-                        let slot = chunk.cast::<FlowSlot>().add(s % SLOTS_PER_CHUNK as usize);
+                        let slot = chunk.cast::<FlowSlot>().add(entry as usize);
                         if core::ptr::addr_of!((*slot).counters.counts.packets).read_volatile() == 0 {
                             continue;
                         }

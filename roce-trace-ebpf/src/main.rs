@@ -184,7 +184,7 @@ fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
     let in_sequence = account::in_sequence(&c.state, f);
     if !in_sequence {
         // Out of line: the in-sequence packet's code stays one straight run.
-        core::hint::cold_path();
+        roce_trace_common::cold_path();
         // It parses (`plain_v4` read it); the key and the headers as the full path has them.
         if parse_plain_v4_into(pkt, cfg.udp_port, &mut g.work.parsed).is_err() {
             return false;
@@ -196,18 +196,18 @@ fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
     let update = if in_sequence {
         account::update_state(&mut c.state, f)
     } else {
-        core::hint::cold_path();
+        roce_trace_common::cold_path();
         catch_up(&mut c.state, &g.work.key, cfg, cpu, &g.work.parsed, f)
     };
     if update.psn_regression {
-        core::hint::cold_path();
+        roce_trace_common::cold_path();
         bump(&mut g.counters, GlobalCounter::PsnRegressions, dir);
     }
     account::count(c, f, frame_len, now, &update);
     let reasons = account::reasons(f, cfg, c.state.sample_state);
     if reasons != 0 {
         // Sampled, CE-marked, a CNP or a NAK: the few; their code goes out of line.
-        core::hint::cold_path();
+        roce_trace_common::cold_path();
         if in_sequence {
             // It parses, as above; were it ever not to, the packet stays counted and
             // unreported rather than reported with another packet's headers.
@@ -457,16 +457,10 @@ fn slot_or_flows(
 /// CPU `cpu`'s slot `i` of the flow table, which has `1 << slot_bits` slots a CPU.
 #[inline(always)]
 fn flow_slot(cpu: u32, i: u32, slot_bits: u32) -> Option<*mut FlowSlot> {
-    let chunk = (cpu << flow_chunk_bits(slot_bits)) | (i / SLOTS_PER_CHUNK);
-    slot_in(FLOW_SLOTS.get_ptr_mut(chunk)?, i)
-}
-
-/// Slot `i` in `chunk`, which must be a CPU's chunk `i / SLOTS_PER_CHUNK` of `FLOW_SLOTS`:
-/// entry `i % SLOTS_PER_CHUNK`.
-#[inline(always)]
-fn slot_in(chunk: *mut FlowSlotChunk, i: u32) -> Option<*mut FlowSlot> {
+    let (chunk, entry) = slot_place(cpu, i, slot_bits);
+    let chunk: *mut FlowSlotChunk = FLOW_SLOTS.get_ptr_mut(chunk)?;
     // SAFETY: a valid `FLOW_SLOTS` value; `get_mut` checks the index against its length.
-    unsafe { (*chunk).get_mut((i % SLOTS_PER_CHUNK) as usize) }.map(core::ptr::from_mut)
+    unsafe { (*chunk).get_mut(entry as usize) }.map(core::ptr::from_mut)
 }
 
 /// Counts a write into `FLOWS` before it is made (`FLOWS_WRITES`): a reader that reads

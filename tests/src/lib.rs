@@ -13,7 +13,7 @@ use std::{
 use aya::programs::{TestRun, TestRunOptions};
 use roce_trace_common::datapath::{
     FlowCounters, FlowKey, FlowSlotChunk, MAP_FLOW_SLOTS, MAP_FLOWS, MirrorInfo, PROG_TC, PROG_TC_INGRESS,
-    SLOTS_PER_CHUNK, Sample,
+    SLOTS_PER_CHUNK, Sample, slot_place,
 };
 use roce_trace_datapath::loader::{Datapath, DatapathOptions, GlobalTotals};
 
@@ -186,15 +186,19 @@ impl ProgTest {
     pub fn slot_table(&self, cpu: usize) -> Vec<(u32, FlowKey, FlowCounters)> {
         let map: aya::maps::Array<_, FlowSlotChunk> =
             aya::maps::Array::try_from(self.map(MAP_FLOW_SLOTS)).unwrap();
-        // CPU `cpu`'s chunks are elements cpu * per_cpu .. (cpu + 1) * per_cpu.
         let per_cpu = map.len() / roce_trace_datapath::sys::cpu_id_count().unwrap() as u32;
+        // Every slot the chunks hold (the table may use fewer), placed as the kernel does.
+        let slot_bits = (per_cpu * SLOTS_PER_CHUNK).trailing_zeros();
         let mut v = Vec::new();
-        for chunk in 0..per_cpu {
-            let slots = map.get(&(cpu as u32 * per_cpu + chunk), 0).unwrap();
-            for (i, slot) in slots.iter().enumerate() {
-                if slot.counters.counts.packets != 0 {
-                    v.push((chunk * SLOTS_PER_CHUNK + i as u32, slot.key, slot.counters));
-                }
+        let mut chunk: Option<(u32, FlowSlotChunk)> = None;
+        for i in 0..per_cpu * SLOTS_PER_CHUNK {
+            let (c, entry) = slot_place(cpu as u32, i, slot_bits);
+            if chunk.as_ref().is_none_or(|(n, _)| *n != c) {
+                chunk = Some((c, map.get(&c, 0).unwrap()));
+            }
+            let slot = &chunk.as_ref().unwrap().1[entry as usize];
+            if slot.counters.counts.packets != 0 {
+                v.push((i, slot.key, slot.counters));
             }
         }
         v
