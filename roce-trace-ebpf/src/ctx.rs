@@ -141,8 +141,6 @@ pub struct TcPacket<'a> {
     ctx: &'a TcContext,
     start: usize,
     end: usize,
-    /// The headers were not all in the skb's linear area and were pulled into it.
-    pub pulled: bool,
 }
 
 /// Headers the parser needs in the linear area: L2 + 4 tags + IPv6 + ext + UDP + BTH + ext.
@@ -156,7 +154,6 @@ impl<'a> TcPacket<'a> {
             ctx,
             start: ctx.data(),
             end: ctx.data_end(),
-            pulled: false,
         }
     }
 
@@ -164,19 +161,21 @@ impl<'a> TcPacket<'a> {
     /// skb's head) only when they are not all there and the packet may be ours: UDP to
     /// `udp_port`, GRE, or headers the linear area does not hold far enough to tell. TCP
     /// and every other packet whose headers are linear (all a host sends) are read as
-    /// they are.
+    /// they are. Whether it pulled.
     #[inline(always)]
-    pub fn pull_if_candidate(&mut self, udp_port: u16) {
+    pub fn pull_if_candidate(&mut self, udp_port: u16) -> bool {
         let len = self.ctx.len();
         let want = if len < TC_PULL_LEN { len } else { TC_PULL_LEN };
         if ((self.end - self.start) as u32) < want && self.may_be_ours(udp_port) {
+            roce_trace_common::cold_path();
             // Linearises the headers without changing a byte. Whether it succeeds or not,
             // it invalidates packet pointers, so they are read after it.
             let _ = self.ctx.pull_data(want);
             self.start = self.ctx.data();
             self.end = self.ctx.data_end();
-            self.pulled = true;
+            return true;
         }
+        false
     }
 
     /// Whether the parser could take this packet for RoCEv2 or a mirrored copy, judged

@@ -82,19 +82,19 @@ fn tc(ctx: &TcContext, dir: u8) {
     if look == Look::NotRoce {
         return;
     }
-    // The headers the first look read stay where they are when pulled.
-    pkt.pull_if_candidate(udp_port);
+    // The headers the first look read stay where they are when pulled. Counted when
+    // pulled: nothing of the pull stays live across the packet's accounting.
+    if pkt.pull_if_candidate(udp_port) {
+        count_pull(dir);
+    }
     watch(&pkt, look, dir, pkt.ifindex(), pkt.frame_len());
-    count_pull(&pkt, dir);
 }
 
 /// Counts a packet whose headers TC had to pull into the skb's linear area (rare: only
 /// candidates, and only when the sender left headers in fragments).
 #[inline(always)]
-fn count_pull(pkt: &TcPacket, dir: u8) {
-    if pkt.pulled
-        && let Some(g) = GLOBALS.get_ptr_mut(this_cpu())
-    {
+fn count_pull(dir: u8) {
+    if let Some(g) = GLOBALS.get_ptr_mut(this_cpu()) {
         // SAFETY: this CPU's element; programs do not nest on one CPU for these hooks.
         bump(unsafe { &mut (*g).counters }, GlobalCounter::HeadersPulled, dir);
     }
