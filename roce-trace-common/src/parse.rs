@@ -442,21 +442,23 @@ pub struct PlainV4 {
 /// only when [`parse_plain_v4_into`] would parse it (`Ok`), and then with the same
 /// addresses, port, QP and [`Facts`] (`Facts::of` the `Parsed`); `None` for every frame
 /// the parser would refuse or count as a failure, which the full path then counts. Reads
-/// the headers in place and writes nothing.
+/// the headers in place and writes nothing. What `first_look` established it does not
+/// test again: the UDP port (so it takes none), the IPv4 header's version and length.
 #[inline(always)]
-pub fn plain_v4<P: Packet>(p: &P, udp_port: u16) -> Option<PlainV4> {
+pub fn plain_v4<P: Packet>(p: &P) -> Option<PlainV4> {
     let pcp = match p.offload_vlan_tci() {
         Some(tci) => pcp_of_tci(tci),
         None => PCP_NONE,
     };
     const IP_OFF: usize = EthHdr::LEN;
     let ip: &Ipv4Hdr = p.header(IP_OFF)?;
-    let l4_len = (ip.tot_len() as usize).saturating_sub(Ipv4Hdr::LEN);
+    // first_look saw a total length that holds the header.
+    let l4_len = (ip.tot_len() as usize).wrapping_sub(Ipv4Hdr::LEN);
     const UDP_OFF: usize = IP_OFF + Ipv4Hdr::LEN;
     let udp: &UdpHdr = p.header(UDP_OFF)?;
     let udp_len = udp.length() as usize;
-    // `parse_roce`'s checks, in its order.
-    if udp.dst_port() != udp_port || udp_len < UdpHdr::LEN + Bth::LEN + ICRC_LEN || udp_len > l4_len {
+    // `parse_roce`'s checks, in its order (the port is first_look's).
+    if udp_len < UdpHdr::LEN + Bth::LEN + ICRC_LEN || udp_len > l4_len {
         return None;
     }
     const BTH_OFF: usize = UDP_OFF + UdpHdr::LEN;

@@ -161,7 +161,7 @@ fn bump(counters: &mut Counters, counter: GlobalCounter, dir: u8) {
 #[inline(always)]
 fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
     let cfg = CONFIG.get();
-    let Some(q) = plain_v4(pkt, cfg.udp_port) else {
+    let Some(q) = plain_v4(pkt) else {
         return false;
     };
     let words = account::plain_v4_key_words(&q, ifindex, dir);

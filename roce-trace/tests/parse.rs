@@ -571,7 +571,7 @@ fn the_first_test_lets_by_only_what_the_parser_calls_non_roce() {
                 for tci in [None, Some(5 << 13 | 7)] {
                     let mut pkt = SlicePacket::new(f);
                     pkt.vlan_tci = tci;
-                    let q = plain_v4(&pkt, ROCEV2_UDP_PORT);
+                    let q = plain_v4(&pkt);
                     let mut b = Parsed::default();
                     let rb = parse_plain_v4_into(&pkt, ROCEV2_UDP_PORT, &mut b);
                     assert_eq!(q.is_some(), rb.is_ok(), "{rb:?} {f:02x?}");
