@@ -563,13 +563,16 @@ fn hops(flows: &[FlowReport], rule: &HopRule) -> CheckResult {
 }
 
 /// Which of `via` a flow crosses: a point of its path on that node, or a probe hop; or,
-/// when neither names one, the one whose points counted the most of its packets.
+/// when neither names one and `by_counters`, the one whose points counted the most of
+/// its packets.
 ///
 /// The path is the flow's latest sampled trajectory. A fault that drops only some of a
 /// flow's packets before the spine (a link MTU below the frame size: the full-size
 /// frames die, the short last ones of each message cross) can leave every sampled
-/// packet of a flow short of the spine while its exact counters show it crossing.
-fn via_of<'a>(f: &FlowReport, via: &'a [String]) -> Option<&'a String> {
+/// packet of a flow short of the spine while its exact counters show it crossing. The
+/// counters cover the whole report, so they say where a flow went in the window, not
+/// where it goes now: the drill's spread during a failure places flows by path alone.
+fn via_of<'a>(f: &FlowReport, via: &'a [String], by_counters: bool) -> Option<&'a String> {
     via.iter()
         .find(|v| {
             f.path.iter().any(|p| p.node == v.as_str())
@@ -580,6 +583,9 @@ fn via_of<'a>(f: &FlowReport, via: &'a [String]) -> Option<&'a String> {
                 })
         })
         .or_else(|| {
+            if !by_counters {
+                return None;
+            }
             let counted = |v: &String| -> u64 {
                 f.counters
                     .iter()
@@ -598,10 +604,15 @@ fn via_of<'a>(f: &FlowReport, via: &'a [String]) -> Option<&'a String> {
         })
 }
 
+/// Data flows per `via` node, each placed by its current path (or probe) alone.
 pub fn ecmp_shares(data: &[&FlowReport], via: &[String]) -> BTreeMap<String, usize> {
+    shares(data, via, false)
+}
+
+fn shares(data: &[&FlowReport], via: &[String], by_counters: bool) -> BTreeMap<String, usize> {
     let mut n: BTreeMap<String, usize> = via.iter().map(|v| (v.clone(), 0)).collect();
     for f in data {
-        if let Some(v) = via_of(f, via) {
+        if let Some(v) = via_of(f, via, by_counters) {
             *n.get_mut(v).expect("listed") += 1;
         }
     }
@@ -617,7 +628,9 @@ fn ecmp(data: &[&FlowReport], via: &[String], max_share: f64, min_flows: usize) 
             pct(max_share)
         ),
     );
-    let n = ecmp_shares(data, via);
+    // Over the window: a flow whose sampled packets all died short of the spines is
+    // placed where its counters say it crossed.
+    let n = shares(data, via, true);
     let total: usize = n.values().sum();
     let shares = n
         .iter()

@@ -460,6 +460,15 @@ fn a_flow_whose_samples_die_before_the_spine_is_placed_by_its_counters() {
         }
     }
     assert_eq!(spread(v.clone()), (Status::Pass, "s1 4, s2 4 of 8 flows".into()));
+    // The drill's spread is where flows go now: by path alone, the cut flows nowhere.
+    let data: Vec<&FlowReport> = v
+        .iter()
+        .filter(|f| super::checks::role(f) == Some(super::checks::Role::Data))
+        .collect();
+    assert_eq!(
+        super::checks::ecmp_shares(&data, &via()),
+        BTreeMap::from([("s1".to_string(), 0), ("s2".to_string(), 4)])
+    );
     // Nothing of one of them crossed: the spines saw 7 data flows, too few to judge.
     let f = &mut v[cut[0]];
     f.counters.retain(|p, _| p.node == "h1" || p.node == "l1");
