@@ -477,6 +477,34 @@ fn a_flow_whose_samples_die_before_the_spine_is_placed_by_its_counters() {
     assert!(summary.starts_with("7 data flow(s)"), "{summary}");
 }
 
+/// Every data flow hashed onto s1 (l1 hashing on L3 alone) behind that small link: no
+/// sampled packet reaches a spine, yet the counters put all eight on s1 — the
+/// imbalance fails, where the paths alone could not judge it.
+#[test]
+fn flows_all_on_one_spine_fail_the_spread_when_their_samples_die_before_it() {
+    let mut v = healthy();
+    for f in v.iter_mut().filter(|f| f.src_ip == h(1) && f.dst_ip == h(3)) {
+        *f = flow(1, 3, f.udp_sport, Some(1));
+        f.path.truncate(2);
+        f.path_history[0].path.truncate(2);
+        for (p, c) in f.counters.iter_mut() {
+            if p.node != "h1" && p.node != "l1" {
+                c.counts.packets = 100;
+            }
+        }
+    }
+    let p = Policy::parse(POLICY).unwrap();
+    let c = judge(&p, &report(v), Load::Idle);
+    let e = c.iter().find(|c| c.check == "ecmp_spread").unwrap();
+    assert_eq!(e.status, Status::Fail, "{}", e.summary);
+    assert_eq!(e.evidence[0].at, vec!["s1"]);
+    assert!(
+        e.evidence[0].detail.starts_with("8 of 8"),
+        "{}",
+        e.evidence[0].detail
+    );
+}
+
 #[test]
 fn a_small_link_mtu_fails_the_path_mtu_at_the_link() {
     let mut v = healthy();
