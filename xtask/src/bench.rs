@@ -446,7 +446,15 @@ fn datapath(repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
         let first_psn = r.specs.first().map(|s| s.psn + RUNS as u32 * n);
         cold.push((
             r.name.to_string(),
-            cold_row(&mut t, r, first_psn, &empty_xdp, &empty_tc, &mut evict, false)?,
+            cold_row(
+                &mut t,
+                base.as_mut(),
+                r,
+                first_psn,
+                [&empty_xdp, &empty_tc],
+                &mut evict,
+                false,
+            )?,
         ));
         if r.path == Taken::EveryPacketReported {
             // A reader that keeps up (an agent's, with the kernel's default wake-up
@@ -455,14 +463,30 @@ fn datapath(repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
             let mut p = opts.clone();
             p.batch_wakeups = false;
             let mut w = ProgTest::new(&p);
-            let caught_up = cold_row(&mut w, r, first_psn, &empty_xdp, &empty_tc, &mut evict, true)?;
+            let caught_up = cold_row(
+                &mut w,
+                None,
+                r,
+                first_psn,
+                [&empty_xdp, &empty_tc],
+                &mut evict,
+                true,
+            )?;
             cold.push((
                 "  the reader kept up: woken for each sample".to_string(),
                 caught_up,
             ));
             p.batch_wakeups = true;
             let mut w = ProgTest::new(&p);
-            let batched = cold_row(&mut w, r, first_psn, &empty_xdp, &empty_tc, &mut evict, true)?;
+            let batched = cold_row(
+                &mut w,
+                None,
+                r,
+                first_psn,
+                [&empty_xdp, &empty_tc],
+                &mut evict,
+                true,
+            )?;
             cold.push(("  the reader kept up: wake-ups batched".to_string(), batched));
         }
         let m = |v: &mut [Vec<u64>; 3]| {
@@ -485,18 +509,17 @@ fn datapath(repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
     println!(
         "\n== the same frames with cold caches: before each packet the bench writes {} MiB (the CPU's L1 and L2 \n   \
          over again; this VM reports 2 MiB of L2 and an L3 too large to flush), then times one packet (repeat 1);\n   \
-         median of {COLD_RUNS}, each program alternating with the empty one. A live hook sits between this\n   \
+         median of {COLD_RUNS}, each program alternating with the empty one (and the baseline, which of the two\n   \
+         builds runs first alternating too: the second runs with some of the test run's own lines warm).\n   \
+         A live hook sits between this\n   \
          and the cache-hot table: what runs between two of our packets evicts some of our lines.\n   \
          Sampled rows also as a reader that keeps up sees them, woken for each sample (the kernel's default)\n   \
          or with wake-ups batched (a wake-up is an IRQ-work self-IPI).",
         EVICT_BYTES >> 20
     );
-    println!(
-        "{:<52} {:>9} {:>7} {:>6} {:>9} {:>7} {:>6}",
-        "frame", "empty XDP", "XDP ns", "over", "empty TC", "TC ns", "over"
-    );
+    print_header(baseline.is_some());
     for (name, [x, t]) in cold {
-        print_row(&name, [Some(x.0), None, Some(x.1)], [Some(t.0), None, Some(t.1)]);
+        print_row(&name, x, t);
     }
     verifier_stats()
 }
@@ -505,18 +528,19 @@ fn datapath(repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
 const EVICT_BYTES: usize = 4 << 20;
 const COLD_RUNS: usize = 301;
 
-/// A row's packets one at a time after `evict` is rewritten: `[(empty, datapath)]` medians
-/// for XDP and for TC. A stream's packets carry increasing PSNs from `first_psn` (each run
-/// is its own frame: the stepper cannot carry a PSN across runs of one packet).
+/// A row's packets one at a time after `evict` is rewritten: `[empty, baseline, this
+/// build]` medians for XDP and for TC (no baseline: `None`), the baseline and this build
+/// taking turns to run first. A stream's packets carry increasing PSNs from `first_psn`
+/// (each run is its own frame: the stepper cannot carry a PSN across runs of one packet).
 fn cold_row(
     t: &mut ProgTest,
+    mut base: Option<&mut ProgTest>,
     r: &Row,
     first_psn: Option<u32>,
-    empty_xdp: &EmptyProg,
-    empty_tc: &EmptyProg,
+    [empty_xdp, empty_tc]: [&EmptyProg; 2],
     evict: &mut [u8],
     drain_each: bool,
-) -> anyhow::Result<[(u64, u64); 2]> {
+) -> anyhow::Result<[[Option<u64>; 3]; 2]> {
     use roce_trace_common::datapath::PROG_TC;
     let mut frame = r.frames[0].clone();
     let psn_off = if r.stepped {
@@ -524,7 +548,8 @@ fn cold_row(
     } else {
         None
     };
-    let mut out = [[Vec::new(), Vec::new()], [Vec::new(), Vec::new()]];
+    // [empty, baseline, this build] for XDP and for TC.
+    let mut out: [[Vec<u64>; 3]; 2] = Default::default();
     let mut pass = 0u8;
     for i in 0..COLD_RUNS as u32 {
         if let (Some(off), Some(psn)) = (psn_off, first_psn) {
@@ -533,29 +558,40 @@ fn cold_row(
             frame[off..off + 3].copy_from_slice(&psn.to_be_bytes()[1..]);
         }
         for (hook, empty) in [(0, empty_xdp), (1, empty_tc)] {
-            for which in [0, 1] {
+            // The baseline and this build in turn first: the one after the other runs
+            // with some of the test run's own lines still warm.
+            for which in if i % 2 == 0 { [0, 1, 2] } else { [0, 2, 1] } {
+                let mut dp = match which {
+                    0 => None,
+                    1 => match base.as_deref_mut() {
+                        Some(b) => Some(b),
+                        None => continue,
+                    },
+                    _ => Some(&mut *t),
+                };
                 // A different value each pass, so no write is skipped as already there.
                 pass = pass.wrapping_add(1);
                 for line in evict.chunks_mut(64) {
                     line[0] = pass;
                 }
                 std::hint::black_box(&evict);
-                let ns = if which == 0 {
-                    empty.time(&frame, 1)?
-                } else if hook == 0 {
-                    test_run(t.dp.xdp()?.fd()?, &frame, 1)?.0
-                } else {
-                    test_run(t.dp.tc(PROG_TC)?.fd()?, &frame, 1)?.0
+                let ns = match (dp.as_deref_mut(), hook) {
+                    (None, _) => empty.time(&frame, 1)?,
+                    (Some(d), 0) => test_run(d.dp.xdp()?.fd()?, &frame, 1)?.0,
+                    (Some(d), _) => test_run(d.dp.tc(PROG_TC)?.fd()?, &frame, 1)?.0,
                 };
                 out[hook][which].push(ns);
-                if drain_each {
-                    t.drain_samples();
+                if drain_each && let Some(d) = dp {
+                    d.drain_samples();
                 }
             }
         }
     }
     t.drain_samples();
-    Ok(out.map(|[e, d]| (median(e), median(d))))
+    if let Some(b) = base {
+        b.drain_samples();
+    }
+    Ok(out.map(|v| v.map(|v| if v.is_empty() { None } else { Some(median(v)) })))
 }
 
 /// Where a RoCEv2 frame's 24-bit PSN is: the BTH's last three bytes, found by the
