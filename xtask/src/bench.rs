@@ -460,34 +460,21 @@ fn datapath(repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
             // A reader that keeps up (an agent's, with the kernel's default wake-up
             // policy) has read everything before the next sample: each one wakes it.
             t.drain_samples();
-            let mut p = opts.clone();
-            p.batch_wakeups = false;
-            let mut w = ProgTest::new(&p);
-            let caught_up = cold_row(
-                &mut w,
-                None,
-                r,
-                first_psn,
-                [&empty_xdp, &empty_tc],
-                &mut evict,
-                true,
-            )?;
-            cold.push((
-                "  the reader kept up: woken for each sample".to_string(),
-                caught_up,
-            ));
-            p.batch_wakeups = true;
-            let mut w = ProgTest::new(&p);
-            let batched = cold_row(
-                &mut w,
-                None,
-                r,
-                first_psn,
-                [&empty_xdp, &empty_tc],
-                &mut evict,
-                true,
-            )?;
-            cold.push(("  the reader kept up: wake-ups batched".to_string(), batched));
+            for (batch_wakeups, how) in [(false, "woken for each sample"), (true, "wake-ups batched")] {
+                let mut p = opts.clone();
+                p.batch_wakeups = batch_wakeups;
+                let mut w = ProgTest::new(&p);
+                let figures = cold_row(
+                    &mut w,
+                    None,
+                    r,
+                    first_psn,
+                    [&empty_xdp, &empty_tc],
+                    &mut evict,
+                    true,
+                )?;
+                cold.push((format!("  the reader kept up: {how}"), figures));
+            }
         }
         let m = |v: &mut [Vec<u64>; 3]| {
             v.each_mut().map(|v| {
