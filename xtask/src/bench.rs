@@ -476,16 +476,7 @@ fn datapath(repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
                 cold.push((format!("  the reader kept up: {how}"), figures));
             }
         }
-        let m = |v: &mut [Vec<u64>; 3]| {
-            v.each_mut().map(|v| {
-                if v.is_empty() {
-                    None
-                } else {
-                    Some(median(std::mem::take(v)))
-                }
-            })
-        };
-        print_row(r.name, m(&mut xs), m(&mut ts));
+        print_row(r.name, base.is_some(), medians(xs), medians(ts));
     }
     println!(
         "(repeated rows: one frame run `repeat` times in the kernel, cache-hot; the RC WRITE\n \
@@ -498,15 +489,15 @@ fn datapath(repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
          over again; this VM reports 2 MiB of L2 and an L3 too large to flush), then times one packet (repeat 1);\n   \
          median of {COLD_RUNS}, each program alternating with the empty one (and the baseline, which of the two\n   \
          builds runs first alternating too: the second runs with some of the test run's own lines warm).\n   \
-         A live hook sits between this\n   \
-         and the cache-hot table: what runs between two of our packets evicts some of our lines.\n   \
+         A live hook sits between this and the cache-hot table: what runs between two of our packets evicts\n   \
+         some of our lines.\n   \
          Sampled rows also as a reader that keeps up sees them, woken for each sample (the kernel's default)\n   \
          or with wake-ups batched (a wake-up is an IRQ-work self-IPI).",
         EVICT_BYTES >> 20
     );
     print_header(baseline.is_some());
     for (name, [x, t]) in cold {
-        print_row(&name, x, t);
+        print_row(&name, baseline.is_some(), x, t);
     }
     verifier_stats()
 }
@@ -578,7 +569,7 @@ fn cold_row(
     if let Some(b) = base {
         b.drain_samples();
     }
-    Ok(out.map(|v| v.map(|v| if v.is_empty() { None } else { Some(median(v)) })))
+    Ok(out.map(medians))
 }
 
 /// Where a RoCEv2 frame's 24-bit PSN is: the BTH's last three bytes, found by the
@@ -606,26 +597,33 @@ fn print_header(baseline: bool) {
     }
 }
 
-/// `[empty, baseline, this build]` medians for XDP and for TC.
-fn print_row(name: &str, x: [Option<u64>; 3], t: [Option<u64>; 3]) {
+/// `[empty, baseline, this build]` medians for XDP and for TC, in the columns
+/// [`print_header`] printed (`baseline`: with the baseline's; a row the baseline did not
+/// run shows `-` there).
+fn print_row(name: &str, baseline: bool, x: [Option<u64>; 3], t: [Option<u64>; 3]) {
     let over = |v: Option<u64>, e: Option<u64>| v.unwrap_or(0) as i64 - e.unwrap_or(0) as i64;
     let mut line = format!("{name:<52}");
     for [e, b, n] in [x, t] {
-        match b {
-            Some(b) => line.push_str(&format!(
-                " {:>6} {:>5} {:>+5} {:>5} {:>+5}",
+        if baseline {
+            let (b, bo) = match b {
+                Some(b) => (b.to_string(), format!("{:+}", over(Some(b), e))),
+                None => ("-".to_string(), "-".to_string()),
+            };
+            line.push_str(&format!(
+                " {:>6} {:>5} {:>5} {:>5} {:>+5}",
                 e.unwrap_or(0),
                 b,
-                over(Some(b), e),
+                bo,
                 n.unwrap_or(0),
                 over(n, e)
-            )),
-            None => line.push_str(&format!(
+            ));
+        } else {
+            line.push_str(&format!(
                 " {:>9} {:>7} {:>+6}",
                 e.unwrap_or(0),
                 n.unwrap_or(0),
                 over(n, e)
-            )),
+            ));
         }
     }
     println!("{line}");
@@ -749,6 +747,12 @@ const RUNS: usize = 15;
 fn median(mut v: Vec<u64>) -> u64 {
     v.sort_unstable();
     v[v.len() / 2]
+}
+
+/// `[empty, baseline, this build]` medians of a row's runs on one hook; `None` for a
+/// program not run (no baseline).
+fn medians(v: [Vec<u64>; 3]) -> [Option<u64>; 3] {
+    v.map(|v| if v.is_empty() { None } else { Some(median(v)) })
 }
 
 const BPF_PROG_LOAD: i64 = 5;
