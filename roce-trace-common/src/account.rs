@@ -146,6 +146,75 @@ pub fn update_state(st: &mut FlowState, f: &Facts) -> StateUpdate {
     u
 }
 
+/// Why `f` is not a *plain* packet of its flow in state `st` (0: it is plain). A plain
+/// packet is the common one: the request the flow expects next (and a READ REQUEST only
+/// after one, so the flags stay) or a response that is not a NAK, of the flow's first
+/// DSCP, an expected one, not CE-marked, not a CNP and not hash-sampled: exactly the
+/// packets [`in_sequence`] with no news. Of such a packet [`update_state`] reports nothing
+/// and moves only the expected PSN, [`count`] adds what [`count_plain`] adds and
+/// [`reasons`] is 0 (`roce-trace/tests/account.rs` checks all of it on every opcode).
+///
+/// Branch-free: each test is arithmetic OR-ed into one word, so the kernel's fast path
+/// tells the common packet with one branch. At light load each packet meets a cold branch
+/// predictor, and a branch it has to take costs a misprediction: the tests one by one
+/// (as [`in_sequence`], [`update_state`], [`count`] and [`reasons`] make them) cost every
+/// packet a dozen.
+#[inline(always)]
+pub fn not_plain(st: &FlowState, f: &Facts, cfg: &DatapathConfig) -> u64 {
+    let facts = roce::facts(f.opcode);
+    let request = ((facts >> roce::FACT_REQUEST_BIT) & 1).wrapping_neg();
+    let flags = st.flags as u64;
+    const SEEN: u64 = STATE_INIT as u64;
+    const EXPECTING: u64 = (STATE_INIT | STATE_PSN_VALID) as u64;
+    // A READ REQUEST leaves STATE_AFTER_READ (2) behind it.
+    let after = (facts >> (roce::FACT_READ_REQUEST_BIT - 1)) & STATE_AFTER_READ as u64;
+    // The state has seen the flow; a request is the one it expects and leaves the flags
+    // as they are (a READ REQUEST after one, any other request after no READ).
+    let mut r = (flags & SEEN) ^ SEEN;
+    r |= request & ((flags ^ (EXPECTING | after)) | (st.next_psn ^ f.psn) as u64);
+    r |= facts & 1 << roce::FACT_CNP_BIT;
+    r |= f.nak as u64;
+    // CE (3): 3 + 1 has bit 2, 0 to 2 plus 1 do not.
+    r |= (f.ecn as u64 + 1) & 4;
+    r |= (st.first_dscp ^ f.dscp) as u64;
+    let mask = cfg.expected_dscp_mask;
+    r |= nonzero(mask) & !(mask >> (f.dscp & 63)) & 1;
+    if cfg.sample_enabled != 0 {
+        let h = identity_finish(st.sample_state, f.psn, f.opcode) as u64;
+        // Sampled when h <= threshold: h - (threshold + 1) wraps.
+        r |= crate::opaque(h.wrapping_sub(cfg.sample_threshold as u64 + 1)) >> 63;
+    }
+    r
+}
+
+/// 1 when `x` is not 0, else 0, without a branch.
+#[inline(always)]
+fn nonzero(x: u64) -> u64 {
+    crate::opaque(x | x.wrapping_neg()) >> 63
+}
+
+/// [`update_state`] and [`count`] of a plain packet (see [`not_plain`]): the expected
+/// PSN after a request, packets, bytes, the ECN codepoint, an ACK, the last packet's time
+/// and class. Straight-line code.
+#[inline(always)]
+pub fn count_plain(fc: &mut FlowCounters, f: &Facts, frame_len: u32, now: u64) {
+    let facts = roce::facts(f.opcode);
+    // Opaque: LLVM would make the masks a select, a branch in BPF.
+    let request = (crate::opaque((facts >> roce::FACT_REQUEST_BIT) & 1) as u32).wrapping_neg();
+    let st = &mut fc.state;
+    st.next_psn = ((f.psn.wrapping_add(1) & request) | (st.next_psn & !request)) & roce::PSN_MASK;
+    let c = &mut fc.counts;
+    c.packets += 1;
+    c.bytes += frame_len as u64;
+    c.ecn[(f.ecn & 3) as usize] += 1;
+    // A plain acknowledgement opcode carries an ACK (a NAK is not plain).
+    c.ack += (facts >> roce::FACT_ACK_BIT) & 1;
+    fc.last_ns = now;
+    fc.last_dscp = f.dscp;
+    fc.last_pcp = f.pcp;
+    fc.last_ttl = f.ttl;
+}
+
 /// Adds `f` to its flow's exact counters.
 #[inline(always)]
 pub fn count(fc: &mut FlowCounters, f: &Facts, frame_len: u32, now: u64, u: &StateUpdate) {

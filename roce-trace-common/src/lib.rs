@@ -5,6 +5,8 @@
 //! record that crosses the kernel/user line ([`datapath`]). The kernel runs the same
 //! parser over packet memory that host tests and pcap input run over byte slices.
 #![no_std]
+// `opaque` is inline asm, which the BPF target has behind a feature (the pinned nightly).
+#![cfg_attr(target_arch = "bpf", feature(asm_experimental_arch))]
 
 pub mod account;
 pub mod datapath;
@@ -31,4 +33,23 @@ pub fn cold_path() {
         reason = "compiled for the BPF target only, by the pinned nightly"
     )]
     core::hint::cold_path();
+}
+
+/// `x`, as a value the optimiser cannot see through. Arithmetic written to decide without
+/// a branch (`account::not_plain`) stays arithmetic: LLVM turns `(x | -x) >> 63` back into
+/// `x != 0`, which the BPF target (no conditional moves) compiles to a branch. Nothing in
+/// other builds.
+#[inline(always)]
+pub fn opaque(x: u64) -> u64 {
+    #[cfg(target_arch = "bpf")]
+    {
+        let mut x = x;
+        // SAFETY: a register moved onto itself: no memory, no effect.
+        unsafe {
+            core::arch::asm!("{0} = {0}", inout(reg) x, options(pure, nomem, nostack, preserves_flags));
+        }
+        x
+    }
+    #[cfg(not(target_arch = "bpf"))]
+    x
 }

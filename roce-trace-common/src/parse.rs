@@ -407,6 +407,9 @@ pub struct Facts {
     pub pcp: u8,
     /// The acknowledgement an AETH-bearing acknowledgement opcode carries.
     pub ack: Option<roce::AckKind>,
+    /// That acknowledgement's syndrome bits 6:5 (`syndrome & 0x60`), 0 without one: not 0
+    /// exactly when `ack` is a NAK. For tests without a branch (`account::not_plain`).
+    pub nak: u8,
 }
 
 impl Facts {
@@ -420,6 +423,11 @@ impl Facts {
             ttl: p.ttl,
             pcp: if p.present & HAS_PCP != 0 { p.pcp } else { PCP_NONE },
             ack: p.ack_kind(),
+            nak: if p.ack_kind().is_some() {
+                p.aeth.syndrome & roce::SYNDROME_NAK_BITS
+            } else {
+                0
+            },
         }
     }
 }
@@ -470,10 +478,12 @@ pub fn plain_v4<P: Packet>(p: &P) -> Option<PlainV4> {
         return None;
     }
     let mut ack = None;
+    let mut nak = 0;
     if let Some(at) = layout.aeth {
         let aeth: &Aeth = p.header(EXT_OFF + at as usize)?;
         if roce::is_ack_opcode(opcode) {
             ack = Some(roce::ack_kind(aeth.syndrome));
+            nak = aeth.syndrome & roce::SYNDROME_NAK_BITS;
         }
     }
     if let Some(at) = layout.reth {
@@ -498,6 +508,7 @@ pub fn plain_v4<P: Packet>(p: &P) -> Option<PlainV4> {
             ttl: ip.ttl,
             pcp,
             ack,
+            nak,
         },
     })
 }

@@ -148,12 +148,23 @@ pub static OPCODES: [u64; 256] = {
     }
     t
 };
-const FACT_REQUEST: u64 = 1 << 32;
-const FACT_READ_REQUEST: u64 = 1 << 33;
-const FACT_ACK: u64 = 1 << 34;
+/// [`OPCODES`] bit: [`is_request`].
+pub const FACT_REQUEST_BIT: u32 = 32;
+/// [`OPCODES`] bit: [`is_read_request`].
+pub const FACT_READ_REQUEST_BIT: u32 = 33;
+/// [`OPCODES`] bit: [`is_ack_opcode`].
+pub const FACT_ACK_BIT: u32 = 34;
+/// [`OPCODES`] bit: the opcode is [`OP_CNP`].
+pub const FACT_CNP_BIT: u32 = 35;
+const FACT_REQUEST: u64 = 1 << FACT_REQUEST_BIT;
+const FACT_READ_REQUEST: u64 = 1 << FACT_READ_REQUEST_BIT;
+const FACT_ACK: u64 = 1 << FACT_ACK_BIT;
+const FACT_CNP: u64 = 1 << FACT_CNP_BIT;
 
+/// The opcode's word of [`OPCODES`]: its `FACT_*_BIT` bits, for arithmetic on several
+/// facts at once (the kernel's plain packet, `account::not_plain`).
 #[inline(always)]
-const fn facts(opcode: u8) -> u64 {
+pub const fn facts(opcode: u8) -> u64 {
     OPCODES[opcode as usize]
 }
 
@@ -170,6 +181,7 @@ const fn pack(opcode: u8) -> u64 {
             0
         }
         | if ack_rule(opcode) { FACT_ACK } else { 0 }
+        | if opcode == OP_CNP { FACT_CNP } else { 0 }
 }
 
 const fn pack_offset(o: Option<u8>) -> u64 {
@@ -250,6 +262,8 @@ pub enum AckKind {
 }
 
 pub const SYNDROME_NAK_PSN_SEQ_ERR: u8 = 0x60;
+/// The syndrome bits (6:5) that are 0 in an ACK and not in a NAK ([`ack_kind`]).
+pub const SYNDROME_NAK_BITS: u8 = 0x60;
 
 #[inline(always)]
 pub const fn ack_kind(syndrome: u8) -> AckKind {

@@ -24,7 +24,10 @@ use aya_ebpf::{
 use roce_trace_common::{
     account,
     datapath::*,
-    parse::{Facts, Look, Packet, Parsed, first_look, load_icrc, parse_into, parse_plain_v4_into, plain_v4},
+    parse::{
+        Facts, Look, Packet, Parsed, PlainV4, first_look, load_icrc, parse_into, parse_plain_v4_into,
+        plain_v4,
+    },
     scratch::{Globals, Work},
 };
 
@@ -181,6 +184,38 @@ fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
     let g = unsafe { &mut *g };
     let c = &mut slot.counters;
     let f = &q.facts;
+    let now = coarse_now(g);
+    // The plain packet, nearly every one: one test (`not_plain` is arithmetic), then
+    // straight-line stores.
+    if account::not_plain(&c.state, f, cfg) != 0 {
+        roce_trace_common::cold_path();
+        return fast_rest(pkt, cfg, g, c, &q, words, cpu, dir, frame_len, now);
+    }
+    bump(&mut g.counters, GlobalCounter::RoceV2, dir);
+    account::count_plain(c, f, frame_len, now);
+    true
+}
+
+/// [`fast`] of a packet that is not plain (`account::not_plain`): out of sequence, to
+/// report, or with news for its flow's state.
+#[inline(always)]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "what fast has in registers, passed flat"
+)]
+fn fast_rest<P: Packet>(
+    pkt: &P,
+    cfg: &DatapathConfig,
+    g: &mut Globals,
+    c: &mut FlowCounters,
+    q: &PlainV4,
+    words: [u64; 6],
+    cpu: u32,
+    dir: u8,
+    frame_len: u32,
+    now: u64,
+) -> bool {
+    let f = &q.facts;
     let in_sequence = account::in_sequence(&c.state, f);
     if !in_sequence {
         // Out of line: the in-sequence packet's code stays one straight run.
@@ -192,7 +227,6 @@ fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
         *g.work.key.words_mut() = words;
     }
     bump(&mut g.counters, GlobalCounter::RoceV2, dir);
-    let now = coarse_now(g);
     let update = if in_sequence {
         account::update_state(&mut c.state, f)
     } else {
@@ -243,6 +277,8 @@ fn coarse_now(g: &mut Globals) -> u64 {
     // SAFETY: no preconditions.
     let jiffies = unsafe { bpf_jiffies64() };
     if g.clock_jiffies != jiffies {
+        // Once a tick.
+        roce_trace_common::cold_path();
         g.clock_jiffies = jiffies;
         // SAFETY: no preconditions.
         g.coarse_ns = unsafe { bpf_ktime_get_coarse_ns() };

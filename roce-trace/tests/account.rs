@@ -1,0 +1,145 @@
+//! The kernel's plain packet (`account::not_plain`, `account::count_plain`): one
+//! branch-free test and straight-line counting in place of the sequence test, the state
+//! update, the counters one by one and the reasons. They must count exactly what the full
+//! accounting counts, and take exactly the packets it would leave without news.
+
+use roce_trace_common::{
+    account::{self, StateUpdate},
+    datapath::{Counts, DatapathConfig, FlowCounters, FlowState, REASON_HASH},
+    parse::Facts,
+    roce::{self, OP_CNP, PSN_MASK, SYNDROME_NAK_BITS, op},
+    sampling::threshold_for_rate,
+};
+
+/// A packet's facts as the parsers give them: an acknowledgement opcode carries its
+/// syndrome's meaning, no other opcode does.
+fn facts(opcode: u8, psn: u32, dscp: u8, ecn: u8, syndrome: u8) -> Facts {
+    let ack = roce::is_ack_opcode(opcode).then(|| roce::ack_kind(syndrome));
+    Facts {
+        opcode,
+        psn,
+        dscp,
+        ecn,
+        ttl: 63,
+        pcp: 3,
+        ack,
+        nak: if ack.is_some() {
+            syndrome & SYNDROME_NAK_BITS
+        } else {
+            0
+        },
+    }
+}
+
+fn counters(st: FlowState, seed: u64) -> FlowCounters {
+    let mut c = FlowCounters {
+        state: st,
+        last_dscp: 1,
+        last_pcp: 2,
+        last_ttl: 3,
+        _pad: [0],
+        last_ns: 1_000,
+        first_ns: 500,
+        counts: Counts::default(),
+    };
+    // A flow already counted (the fast path reads only flows that hold their slot).
+    for (i, v) in c.counts.values_mut().iter_mut().enumerate() {
+        *v = seed.wrapping_mul(i as u64 + 7) % 1000 + 1;
+    }
+    c
+}
+
+/// Every opcode, every state flag combination, PSNs at, before and after the expected one
+/// (and across the wrap), each ECN codepoint, the first DSCP and another, ACK and NAK
+/// syndromes, under sampling off, on at 1 in 4 and on for every packet, with and without
+/// a DSCP expectation.
+#[test]
+fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_plain() {
+    let configs = [
+        DatapathConfig::with(7, 0, 0, 0),
+        DatapathConfig::with(7, threshold_for_rate(4).unwrap(), 1, 0),
+        DatapathConfig::with(9, u32::MAX, 1, 0),
+        DatapathConfig::with(7, 0, 0, 1 << 26),
+        DatapathConfig::with(7, threshold_for_rate(4).unwrap(), 1, 1 << 26 | 1 << 46),
+    ];
+    let (mut plain, mut not_plain, mut sampled_out) = (0u64, 0u64, 0u64);
+    let mut by_opcode = [false; 256];
+    for (ci, cfg) in configs.iter().enumerate() {
+        for opcode in 0..=255u8 {
+            for flags in 0..8u8 {
+                for next_psn in [5, PSN_MASK] {
+                    for dpsn in [0u32, 1, 2, PSN_MASK] {
+                        let psn = next_psn.wrapping_add(dpsn) & PSN_MASK;
+                        for ecn in 0..4u8 {
+                            for dscp in [26u8, 46] {
+                                for syndrome in [0x1f, 0x20, 0x60, 0x61] {
+                                    let st = FlowState {
+                                        next_psn,
+                                        sample_state: 0x9e37_79b9 ^ (psn << 3) ^ ci as u32,
+                                        first_dscp: 26,
+                                        flags,
+                                        _pad: [0; 2],
+                                    };
+                                    let f = facts(opcode, psn, dscp, ecn, syndrome);
+                                    let np = account::not_plain(&st, &f, cfg);
+
+                                    // What the full accounting makes of the packet.
+                                    let mut st_full = st;
+                                    let in_sequence = account::in_sequence(&st, &f);
+                                    let update = account::update_state(&mut st_full, &f);
+                                    let reasons = account::reasons(&f, cfg, st.sample_state);
+                                    let news = !in_sequence
+                                        || update != StateUpdate::default()
+                                        || st_full.flags != st.flags
+                                        || reasons != 0;
+                                    assert_eq!(
+                                        np == 0,
+                                        !news,
+                                        "plain or not: opcode {opcode:#x} flags {flags} psn {psn} \
+                                         (expected {next_psn}) ecn {ecn} dscp {dscp} syndrome \
+                                         {syndrome:#x} config {ci}: not_plain {np:#x}, in sequence \
+                                         {in_sequence}, {update:?}, flags {} -> {}, reasons {reasons:#x}",
+                                        st.flags,
+                                        st_full.flags
+                                    );
+                                    if np != 0 {
+                                        not_plain += 1;
+                                        sampled_out += u64::from(reasons == REASON_HASH && in_sequence);
+                                        continue;
+                                    }
+                                    plain += 1;
+                                    by_opcode[opcode as usize] = true;
+                                    let seed = u64::from(psn) ^ u64::from(opcode) << 24;
+                                    let mut a = counters(st, seed);
+                                    account::count_plain(&mut a, &f, 1078, 9_000);
+                                    let mut b = counters(st_full, seed);
+                                    account::count(&mut b, &f, 1078, 9_000, &update);
+                                    assert_eq!(
+                                        a, b,
+                                        "opcode {opcode:#x} flags {flags} psn {psn} syndrome {syndrome:#x}"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // The common packets are plain: data in sequence, an ACK, a read response, a READ
+    // REQUEST after one; a CNP never is (it is always reported).
+    for o in [
+        op::WRITE_MIDDLE,
+        op::SEND_ONLY,
+        op::ACKNOWLEDGE,
+        op::READ_RESPONSE_MIDDLE,
+        op::READ_REQUEST,
+    ] {
+        assert!(by_opcode[o as usize], "opcode {o:#x} is never plain");
+    }
+    assert!(!by_opcode[OP_CNP as usize], "a CNP was plain");
+    assert!(
+        plain > 10_000 && not_plain > 100_000 && sampled_out > 1000,
+        "{plain} plain, {not_plain} not"
+    );
+}
