@@ -146,45 +146,31 @@ pub fn update_state(st: &mut FlowState, f: &Facts) -> StateUpdate {
     u
 }
 
-/// Why `f` is not a *plain* packet of its flow in state `st` (0: it is plain). A plain
-/// packet is the common one: the request the flow expects next (and a READ REQUEST only
-/// after one, so the flags stay) or a response that is not a NAK, of the flow's first
-/// DSCP, an expected one, not CE-marked, not a CNP and not hash-sampled: exactly the
-/// packets [`in_sequence`] with no news. Of such a packet [`update_state`] reports nothing
-/// and moves only the expected PSN, [`count`] adds what [`count_plain`] adds and
-/// [`reasons`] is 0 (`roce-trace/tests/account.rs` checks all of it on every opcode).
+/// What `f` tells its flow in state `st` (0: nothing): not 0 unless `f` is in sequence
+/// ([`in_sequence`]), [`update_state`] reports nothing and the flags stay (a request is
+/// the one the flow expects, a READ REQUEST after one or another request after no READ;
+/// a response of a flow seen; the flow's first DSCP). A packet with no news and no
+/// [`reasons`] to report is *plain*, nearly every packet: [`update_state`] moves only its
+/// expected PSN and [`count`] adds what [`count_plain`] adds (`roce-trace/tests/account.rs`
+/// checks all of it on every opcode).
 ///
-/// Branch-free: each test is arithmetic OR-ed into one word, so the kernel's fast path
-/// tells the common packet with one branch. At light load each packet meets a cold branch
-/// predictor, and a branch it has to take costs a misprediction: the tests one by one
-/// (as [`in_sequence`], [`update_state`], [`count`] and [`reasons`] make them) cost every
-/// packet a dozen.
+/// Branch-free, as [`reasons`]: each test is arithmetic OR-ed into one word, so the
+/// kernel's fast path tells the plain packet with one branch. At light load each packet
+/// meets a cold branch predictor, and every branch it has to take costs a misprediction:
+/// the tests one by one (as [`in_sequence`], [`update_state`] and [`count`] make them)
+/// cost every packet a dozen.
 #[inline(always)]
-pub fn not_plain(st: &FlowState, f: &Facts, cfg: &DatapathConfig) -> u64 {
+pub fn news(st: &FlowState, f: &Facts) -> u64 {
     let facts = roce::facts(f.opcode);
     let request = ((facts >> roce::FACT_REQUEST_BIT) & 1).wrapping_neg();
+    // A READ REQUEST leaves STATE_AFTER_READ (2) behind it.
+    let after = (facts >> (roce::FACT_READ_REQUEST_BIT - 1)) & STATE_AFTER_READ as u64;
     let flags = st.flags as u64;
     const SEEN: u64 = STATE_INIT as u64;
     const EXPECTING: u64 = (STATE_INIT | STATE_PSN_VALID) as u64;
-    // A READ REQUEST leaves STATE_AFTER_READ (2) behind it.
-    let after = (facts >> (roce::FACT_READ_REQUEST_BIT - 1)) & STATE_AFTER_READ as u64;
-    // The state has seen the flow; a request is the one it expects and leaves the flags
-    // as they are (a READ REQUEST after one, any other request after no READ).
     let mut r = (flags & SEEN) ^ SEEN;
     r |= request & ((flags ^ (EXPECTING | after)) | (st.next_psn ^ f.psn) as u64);
-    r |= facts & 1 << roce::FACT_CNP_BIT;
-    r |= f.nak as u64;
-    // CE (3): 3 + 1 has bit 2, 0 to 2 plus 1 do not.
-    r |= (f.ecn as u64 + 1) & 4;
-    r |= (st.first_dscp ^ f.dscp) as u64;
-    let mask = cfg.expected_dscp_mask;
-    r |= nonzero(mask) & !(mask >> (f.dscp & 63)) & 1;
-    if cfg.sample_enabled != 0 {
-        let h = identity_finish(st.sample_state, f.psn, f.opcode) as u64;
-        // Sampled when h <= threshold: h - (threshold + 1) wraps.
-        r |= crate::opaque(h.wrapping_sub(cfg.sample_threshold as u64 + 1)) >> 63;
-    }
-    r
+    r | (st.first_dscp ^ f.dscp) as u64
 }
 
 /// 1 when `x` is not 0, else 0, without a branch.
@@ -193,7 +179,7 @@ fn nonzero(x: u64) -> u64 {
     crate::opaque(x | x.wrapping_neg()) >> 63
 }
 
-/// [`update_state`] and [`count`] of a plain packet (see [`not_plain`]): the expected
+/// [`update_state`] and [`count`] of a plain packet (see [`news`]): the expected
 /// PSN after a request, packets, bytes, the ECN codepoint, an ACK, the last packet's time
 /// and class. Straight-line code.
 #[inline(always)]
@@ -282,31 +268,22 @@ pub fn sample_state(p: &Parsed, cfg: &DatapathConfig) -> u32 {
 }
 
 /// Why `f` must be reported (`REASON_*` bits; 0: it need not be). `flow_state`: the
-/// [`sample_state`] of `f`'s flow, as the flow's state keeps it.
+/// [`sample_state`] of `f`'s flow, as the flow's state keeps it. Branch-free but for the
+/// sampling switch (see [`news`]).
 #[inline(always)]
 pub fn reasons(f: &Facts, cfg: &DatapathConfig, flow_state: u32) -> u32 {
-    let opcode = f.opcode;
-    let mut r = 0u32;
-    if opcode == OP_CNP {
-        r |= REASON_CNP;
-    }
-    if f.ecn == 3 {
-        r |= REASON_CE;
-    }
-    if matches!(
-        f.ack,
-        Some(AckKind::RnrNak | AckKind::NakPsnSeqErr | AckKind::NakOther)
-    ) {
-        r |= REASON_NAK;
-    }
-    if cfg.expected_dscp_mask != 0 && (cfg.expected_dscp_mask >> (f.dscp & 63)) & 1 == 0 {
-        r |= REASON_UNEXPECTED_DSCP;
-    }
+    let facts = roce::facts(f.opcode);
+    // Each test a 0 or 1 moved to its bit (multiplying by a power of two is a shift).
+    let mut r = ((facts >> roce::FACT_CNP_BIT) & 1) as u32 * REASON_CNP;
+    // CE (3): 3 + 1 has bit 2, 0 to 2 plus 1 do not.
+    r |= ((((f.ecn & 3) + 1) >> 2) as u32) * REASON_CE;
+    r |= nonzero(f.nak as u64) as u32 * REASON_NAK;
+    let mask = cfg.expected_dscp_mask;
+    r |= (nonzero(mask) & !(mask >> (f.dscp & 63)) & 1) as u32 * REASON_UNEXPECTED_DSCP;
     if cfg.sample_enabled != 0 {
-        let h = identity_finish(flow_state, f.psn, opcode);
-        if h <= cfg.sample_threshold {
-            r |= REASON_HASH;
-        }
+        let h = identity_finish(flow_state, f.psn, f.opcode) as u64;
+        // Sampled when h <= threshold: h - (threshold + 1) wraps.
+        r |= (crate::opaque(h.wrapping_sub(cfg.sample_threshold as u64 + 1)) >> 63) as u32 * REASON_HASH;
     }
     r
 }

@@ -36,7 +36,7 @@ pub fn cold_path() {
 }
 
 /// `x`, as a value the optimiser cannot see through. Arithmetic written to decide without
-/// a branch (`account::not_plain`) stays arithmetic: LLVM turns `(x | -x) >> 63` back into
+/// a branch (`account::news`, `account::reasons`) stays arithmetic: LLVM turns `(x | -x) >> 63` back into
 /// `x != 0`, which the BPF target (no conditional moves) compiles to a branch. Nothing in
 /// other builds.
 #[inline(always)]

@@ -162,7 +162,7 @@ const FACT_ACK: u64 = 1 << FACT_ACK_BIT;
 const FACT_CNP: u64 = 1 << FACT_CNP_BIT;
 
 /// The opcode's word of [`OPCODES`]: its `FACT_*_BIT` bits, for arithmetic on several
-/// facts at once (the kernel's plain packet, `account::not_plain`).
+/// facts at once (the kernel's plain packet, `account::news`).
 #[inline(always)]
 pub const fn facts(opcode: u8) -> u64 {
     OPCODES[opcode as usize]
@@ -174,6 +174,7 @@ const fn pack(opcode: u8) -> u64 {
         | pack_offset(l.aeth) << 8
         | pack_offset(l.deth) << 16
         | (l.min_len as u64) << 24
+        | (ext_end_rule(l) as u64) << EXT_END_SHIFT
         | if request_rule(opcode) { FACT_REQUEST } else { 0 }
         | if read_request_rule(opcode) {
             FACT_READ_REQUEST
@@ -183,6 +184,49 @@ const fn pack(opcode: u8) -> u64 {
         | if ack_rule(opcode) { FACT_ACK } else { 0 }
         | if opcode == OP_CNP { FACT_CNP } else { 0 }
 }
+
+/// Where [`ext_end`] sits in an [`OPCODES`] word.
+const EXT_END_SHIFT: u32 = 40;
+
+/// The end of the last extended header the parser reads (RETH, AETH, DETH), counted
+/// from the end of the BTH; 0 when it reads none.
+const fn ext_end_rule(l: ExtLayout) -> u8 {
+    let mut end = 0;
+    if let Some(at) = l.reth {
+        end = at + core::mem::size_of::<crate::wire::Reth>() as u8;
+    }
+    if let Some(at) = l.aeth
+        && at + core::mem::size_of::<crate::wire::Aeth>() as u8 > end
+    {
+        end = at + core::mem::size_of::<crate::wire::Aeth>() as u8;
+    }
+    if let Some(at) = l.deth
+        && at + core::mem::size_of::<crate::wire::Deth>() as u8 > end
+    {
+        end = at + core::mem::size_of::<crate::wire::Deth>() as u8;
+    }
+    end
+}
+
+/// The bytes after the BTH that hold every extended header the parser reads of
+/// `opcode` (its RETH, AETH and DETH, [`ext_layout`]): a packet holds them all exactly
+/// when it holds this many, one test where there were three.
+#[inline(always)]
+pub const fn ext_end(opcode: u8) -> usize {
+    ((facts(opcode) >> EXT_END_SHIFT) & 0xff) as usize
+}
+
+/// An acknowledgement opcode's AETH follows the BTH at once (asserted for every opcode
+/// below): the fast path reads it at a constant offset.
+pub const ACK_AETH_AT: u8 = 0;
+const _: () = {
+    let mut o = 0;
+    while o < 256 {
+        let l = layout_rule(o as u8);
+        assert!(!ack_rule(o as u8) || matches!(l.aeth, Some(ACK_AETH_AT)));
+        o += 1;
+    }
+};
 
 const fn pack_offset(o: Option<u8>) -> u64 {
     match o {

@@ -7,7 +7,7 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
 };
 use roce_trace_common::{
-    datapath::SAMPLE_HEAD_LEN,
+    datapath::{PCP_NONE, SAMPLE_HEAD_LEN},
     parse::{INNER_HEAD_LEN, MAX_VLAN_DEPTH, Packet},
     wire::{
         ETH_P_8021AD, ETH_P_8021Q, ETH_P_IPV4, ETH_P_IPV6, EthHdr, Header, IPPROTO_GRE, IPPROTO_UDP,
@@ -120,6 +120,11 @@ impl Packet for XdpPacket<'_> {
     }
 
     #[inline(always)]
+    fn holds(&self, len: usize) -> bool {
+        self.start + len <= self.end
+    }
+
+    #[inline(always)]
     fn offload_vlan_tci(&self) -> Option<u16> {
         // XDP sees the tag in packet data unless the driver strips it; the rx-vlan kfunc
         // needs a device-bound program, which generic attachment cannot offer.
@@ -165,9 +170,23 @@ impl<'a> TcPacket<'a> {
     #[inline(always)]
     pub fn pull_if_candidate(&mut self, udp_port: u16) -> bool {
         let len = self.ctx.len();
+        let linear = (self.end - self.start) as u32;
+        // Headers short of min(len, TC_PULL_LEN): the linear area is not the whole packet
+        // (`linear` <= `len`) and shorter than TC_PULL_LEN. The common packet, linear
+        // whole, falls through.
+        crate::rare_if_ne!(linear, len, {
+            if linear < TC_PULL_LEN {
+                return self.pull_candidate(udp_port, len);
+            }
+        });
+        false
+    }
+
+    /// [`TcPacket::pull_if_candidate`] of a packet whose headers are not all linear.
+    #[inline(always)]
+    fn pull_candidate(&mut self, udp_port: u16, len: u32) -> bool {
         let want = if len < TC_PULL_LEN { len } else { TC_PULL_LEN };
-        if ((self.end - self.start) as u32) < want && self.may_be_ours(udp_port) {
-            roce_trace_common::cold_path();
+        if self.may_be_ours(udp_port) {
             // Linearises the headers without changing a byte. Whether it succeeds or not,
             // it invalidates packet pointers, so they are read after it.
             let _ = self.ctx.pull_data(want);
@@ -271,6 +290,11 @@ impl Packet for TcPacket<'_> {
     }
 
     #[inline(always)]
+    fn holds(&self, len: usize) -> bool {
+        self.start + len <= self.end
+    }
+
+    #[inline(always)]
     fn offload_vlan_tci(&self) -> Option<u16> {
         // SAFETY: the context pointer is valid for the program's lifetime.
         let skb = unsafe { &*self.ctx.skb.skb };
@@ -279,6 +303,19 @@ impl Packet for TcPacket<'_> {
         } else {
             None
         }
+    }
+
+    /// Without a branch: the kernel makes `vlan_present` a test of `vlan_all` (the tag's
+    /// protocol and TCI) against 0, and the test above another.
+    #[inline(always)]
+    fn offload_pcp(&self) -> u8 {
+        // SAFETY: the context pointer is valid for the program's lifetime.
+        let skb = unsafe { &*self.ctx.skb.skb };
+        let tci = u64::from(skb.vlan_tci);
+        let all = u64::from(skb.vlan_proto) | tci;
+        // All ones without a tag, 0 with one.
+        let none = (roce_trace_common::opaque(all | all.wrapping_neg()) >> 63).wrapping_sub(1);
+        ((((tci >> 13) & 7) & !none) | (u64::from(PCP_NONE) & none)) as u8
     }
 
     #[inline(always)]

@@ -6,6 +6,27 @@
 // Inline asm keeps the bounds of helper lengths visible to the verifier (ctx.rs).
 #![feature(asm_experimental_arch)]
 
+/// `if $a != $b { $rare }` with the common case, `$a == $b`, falling through: a jump to
+/// `$rare` out of line. The BPF backend does not analyse conditional branches, so it
+/// cannot turn one around: LLVM's `cold_path` does not take a rare block out of the
+/// common packet's way, and the common packet may be the one that jumps. A taken branch
+/// costs a cold predictor a misprediction, and at light load every packet meets one.
+macro_rules! rare_if_ne {
+    ($a:expr, $b:expr, $rare:block) => {
+        // SAFETY: a compare and a jump to the label block; no memory, no stack.
+        unsafe {
+            core::arch::asm!(
+                "if {a} != {b} goto {rare}",
+                a = in(reg) ($a) as u64,
+                b = in(reg) ($b) as u64,
+                rare = label $rare,
+                options(nostack),
+            )
+        }
+    };
+}
+pub(crate) use rare_if_ne;
+
 mod ctx;
 mod maps;
 
@@ -185,19 +206,19 @@ fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
     let c = &mut slot.counters;
     let f = &q.facts;
     let now = coarse_now(g);
-    // The plain packet, nearly every one: one test (`not_plain` is arithmetic), then
-    // straight-line stores.
-    if account::not_plain(&c.state, f, cfg) != 0 {
-        roce_trace_common::cold_path();
-        return fast_rest(pkt, cfg, g, c, &q, words, cpu, dir, frame_len, now);
-    }
+    let reasons = account::reasons(f, cfg, c.state.sample_state);
+    // The plain packet, nearly every one (no news, nothing to report): one test, both
+    // sides arithmetic, then straight-line stores.
+    rare_if_ne!(account::news(&c.state, f) | reasons as u64, 0, {
+        return fast_rest(pkt, cfg, g, c, &q, words, cpu, dir, frame_len, now, reasons);
+    });
     bump(&mut g.counters, GlobalCounter::RoceV2, dir);
     account::count_plain(c, f, frame_len, now);
     true
 }
 
-/// [`fast`] of a packet that is not plain (`account::not_plain`): out of sequence, to
-/// report, or with news for its flow's state.
+/// [`fast`] of a packet that is not plain: out of sequence, with news for its flow's
+/// state, or to report for `reasons` (`account::reasons` before the state's update).
 #[inline(always)]
 #[expect(
     clippy::too_many_arguments,
@@ -214,6 +235,7 @@ fn fast_rest<P: Packet>(
     dir: u8,
     frame_len: u32,
     now: u64,
+    reasons: u32,
 ) -> bool {
     let f = &q.facts;
     let in_sequence = account::in_sequence(&c.state, f);
@@ -238,7 +260,13 @@ fn fast_rest<P: Packet>(
         bump(&mut g.counters, GlobalCounter::PsnRegressions, dir);
     }
     account::count(c, f, frame_len, now, &update);
-    let reasons = account::reasons(f, cfg, c.state.sample_state);
+    // An update in sequence leaves the flow's hash state as it was; catching up may have
+    // given it another CPU's copy.
+    let reasons = if in_sequence {
+        reasons
+    } else {
+        account::reasons(f, cfg, c.state.sample_state)
+    };
     if reasons != 0 {
         // Sampled, CE-marked, a CNP or a NAK: the few; their code goes out of line.
         roce_trace_common::cold_path();

@@ -1,14 +1,17 @@
-//! The kernel's plain packet (`account::not_plain`, `account::count_plain`): one
-//! branch-free test and straight-line counting in place of the sequence test, the state
-//! update, the counters one by one and the reasons. They must count exactly what the full
+//! The kernel's plain packet (`account::news`, `account::reasons`, `account::count_plain`):
+//! one branch-free test and straight-line counting in place of the sequence test, the
+//! state update, the counters one by one and the reasons. They must count exactly what the full
 //! accounting counts, and take exactly the packets it would leave without news.
 
 use roce_trace_common::{
     account::{self, StateUpdate},
-    datapath::{Counts, DatapathConfig, FlowCounters, FlowState, REASON_HASH},
+    datapath::{
+        Counts, DatapathConfig, FlowCounters, FlowState, REASON_CE, REASON_CNP, REASON_HASH, REASON_NAK,
+        REASON_UNEXPECTED_DSCP,
+    },
     parse::Facts,
-    roce::{self, OP_CNP, PSN_MASK, SYNDROME_NAK_BITS, op},
-    sampling::threshold_for_rate,
+    roce::{self, AckKind, OP_CNP, PSN_MASK, SYNDROME_NAK_BITS, op},
+    sampling::{identity_finish, threshold_for_rate},
 };
 
 /// A packet's facts as the parsers give them: an acknowledgement opcode carries its
@@ -29,6 +32,31 @@ fn facts(opcode: u8, psn: u32, dscp: u8, ecn: u8, syndrome: u8) -> Facts {
             0
         },
     }
+}
+
+/// Why a packet must be reported, test by test: what `account::reasons` computes without
+/// branches.
+fn reasons_spec(f: &Facts, cfg: &DatapathConfig, flow_state: u32) -> u32 {
+    let mut r = 0;
+    if f.opcode == OP_CNP {
+        r |= REASON_CNP;
+    }
+    if f.ecn == 3 {
+        r |= REASON_CE;
+    }
+    if matches!(
+        f.ack,
+        Some(AckKind::RnrNak | AckKind::NakPsnSeqErr | AckKind::NakOther)
+    ) {
+        r |= REASON_NAK;
+    }
+    if cfg.expected_dscp_mask != 0 && (cfg.expected_dscp_mask >> (f.dscp & 63)) & 1 == 0 {
+        r |= REASON_UNEXPECTED_DSCP;
+    }
+    if cfg.sample_enabled != 0 && identity_finish(flow_state, f.psn, f.opcode) <= cfg.sample_threshold {
+        r |= REASON_HASH;
+    }
+    r
 }
 
 fn counters(st: FlowState, seed: u64) -> FlowCounters {
@@ -81,13 +109,18 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                         _pad: [0; 2],
                                     };
                                     let f = facts(opcode, psn, dscp, ecn, syndrome);
-                                    let np = account::not_plain(&st, &f, cfg);
+                                    let reasons = account::reasons(&f, cfg, st.sample_state);
+                                    assert_eq!(
+                                        reasons,
+                                        reasons_spec(&f, cfg, st.sample_state),
+                                        "{f:?} config {ci}"
+                                    );
+                                    let np = account::news(&st, &f) | u64::from(reasons);
 
                                     // What the full accounting makes of the packet.
                                     let mut st_full = st;
                                     let in_sequence = account::in_sequence(&st, &f);
                                     let update = account::update_state(&mut st_full, &f);
-                                    let reasons = account::reasons(&f, cfg, st.sample_state);
                                     let news = !in_sequence
                                         || update != StateUpdate::default()
                                         || st_full.flags != st.flags
@@ -97,7 +130,7 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                         !news,
                                         "plain or not: opcode {opcode:#x} flags {flags} psn {psn} \
                                          (expected {next_psn}) ecn {ecn} dscp {dscp} syndrome \
-                                         {syndrome:#x} config {ci}: not_plain {np:#x}, in sequence \
+                                         {syndrome:#x} config {ci}: news | reasons {np:#x}, in sequence \
                                          {in_sequence}, {update:?}, flags {} -> {}, reasons {reasons:#x}",
                                         st.flags,
                                         st_full.flags
