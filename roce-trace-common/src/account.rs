@@ -215,7 +215,7 @@ pub fn count(fc: &mut FlowCounters, f: &Facts, frame_len: u32, now: u64, u: &Sta
     if f.opcode == OP_CNP {
         c.cnp += 1;
     }
-    match f.ack {
+    match f.ack() {
         Some(AckKind::Ack) => c.ack += 1,
         Some(AckKind::NakPsnSeqErr) => {
             crate::cold_path();
@@ -277,7 +277,8 @@ pub fn reasons(f: &Facts, cfg: &DatapathConfig, flow_state: u32) -> u32 {
     let mut r = ((facts >> roce::FACT_CNP_BIT) & 1) as u32 * REASON_CNP;
     // CE (3): 3 + 1 has bit 2, 0 to 2 plus 1 do not.
     r |= ((((f.ecn & 3) + 1) >> 2) as u32) * REASON_CE;
-    r |= nonzero(f.nak as u64) as u32 * REASON_NAK;
+    // A NAK: an acknowledgement whose syndrome's bits 6:5 are not 0 (`roce::ack_kind`).
+    r |= nonzero((f.syndrome & roce::SYNDROME_NAK_BITS) as u64) as u32 * REASON_NAK;
     let mask = cfg.expected_dscp_mask;
     r |= (nonzero(mask) & !(mask >> (f.dscp & 63)) & 1) as u32 * REASON_UNEXPECTED_DSCP;
     if cfg.sample_enabled != 0 {

@@ -432,14 +432,23 @@ pub struct Facts {
     pub ttl: u8,
     /// The outermost PCP, [`PCP_NONE`](crate::datapath::PCP_NONE) without a tag.
     pub pcp: u8,
-    /// The acknowledgement an AETH-bearing acknowledgement opcode carries.
-    pub ack: Option<roce::AckKind>,
-    /// That acknowledgement's syndrome bits 6:5 (`syndrome & 0x60`), 0 without one: not 0
-    /// exactly when `ack` is a NAK. For tests without a branch (`account::reasons`).
-    pub nak: u8,
+    /// The AETH syndrome of an acknowledgement opcode (ACK, ATOMIC ACK: [`Facts::ack`]),
+    /// 0 for any other opcode (a read response's AETH acknowledges nothing). A number, not
+    /// an `Option`, so that tests of it need no branch (`account::reasons`).
+    pub syndrome: u8,
 }
 
 impl Facts {
+    /// The acknowledgement an acknowledgement opcode carries.
+    #[inline(always)]
+    pub fn ack(&self) -> Option<roce::AckKind> {
+        if roce::is_ack_opcode(self.opcode) {
+            Some(roce::ack_kind(self.syndrome))
+        } else {
+            None
+        }
+    }
+
     #[inline(always)]
     pub fn of(p: &Parsed) -> Self {
         Self {
@@ -449,9 +458,8 @@ impl Facts {
             ecn: p.ecn,
             ttl: p.ttl,
             pcp: if p.present & HAS_PCP != 0 { p.pcp } else { PCP_NONE },
-            ack: p.ack_kind(),
-            nak: if p.ack_kind().is_some() {
-                p.aeth.syndrome & roce::SYNDROME_NAK_BITS
+            syndrome: if p.ack_kind().is_some() {
+                p.aeth.syndrome
             } else {
                 0
             },
@@ -506,13 +514,14 @@ pub fn plain_v4<P: Packet>(p: &P) -> Option<PlainV4> {
     if !p.holds(EXT_OFF + roce::ext_end(opcode)) {
         return None;
     }
-    let mut ack = None;
-    let mut nak = 0;
-    if roce::is_ack_opcode(opcode) {
-        let aeth: &Aeth = p.header(EXT_OFF + roce::ACK_AETH_AT as usize)?;
-        ack = Some(roce::ack_kind(aeth.syndrome));
-        nak = aeth.syndrome & roce::SYNDROME_NAK_BITS;
-    }
+    // An acknowledgement opcode's syndrome (its AETH is there: `ext_end` covers it), 0
+    // for any other opcode: read whatever the opcode where the frame holds the bytes and
+    // masked, so a data packet does not jump over an acknowledgement's code.
+    let ack = 0u8.wrapping_sub(roce::is_ack_opcode(opcode) as u8);
+    let syndrome = match p.header::<Aeth>(EXT_OFF + roce::ACK_AETH_AT as usize) {
+        Some(aeth) => aeth.syndrome & ack,
+        None => 0,
+    };
     // The BTH's second and third words: the QP and the PSN are each a word's low 24 bits.
     let qp_word: &[u8; 4] = p.header(BTH_OFF + 4)?;
     let psn_word: &[u8; 4] = p.header(BTH_OFF + 8)?;
@@ -528,8 +537,7 @@ pub fn plain_v4<P: Packet>(p: &P) -> Option<PlainV4> {
             ecn: ip.tos & 0x3,
             ttl: ip.ttl,
             pcp,
-            ack,
-            nak,
+            syndrome,
         },
     })
 }

@@ -10,14 +10,13 @@ use roce_trace_common::{
         REASON_UNEXPECTED_DSCP,
     },
     parse::Facts,
-    roce::{self, AckKind, OP_CNP, PSN_MASK, SYNDROME_NAK_BITS, op},
+    roce::{self, AckKind, OP_CNP, PSN_MASK, op},
     sampling::{identity_finish, threshold_for_rate},
 };
 
 /// A packet's facts as the parsers give them: an acknowledgement opcode carries its
 /// syndrome's meaning, no other opcode does.
 fn facts(opcode: u8, psn: u32, dscp: u8, ecn: u8, syndrome: u8) -> Facts {
-    let ack = roce::is_ack_opcode(opcode).then(|| roce::ack_kind(syndrome));
     Facts {
         opcode,
         psn,
@@ -25,12 +24,7 @@ fn facts(opcode: u8, psn: u32, dscp: u8, ecn: u8, syndrome: u8) -> Facts {
         ecn,
         ttl: 63,
         pcp: 3,
-        ack,
-        nak: if ack.is_some() {
-            syndrome & SYNDROME_NAK_BITS
-        } else {
-            0
-        },
+        syndrome: if roce::is_ack_opcode(opcode) { syndrome } else { 0 },
     }
 }
 
@@ -45,7 +39,7 @@ fn reasons_spec(f: &Facts, cfg: &DatapathConfig, flow_state: u32) -> u32 {
         r |= REASON_CE;
     }
     if matches!(
-        f.ack,
+        f.ack(),
         Some(AckKind::RnrNak | AckKind::NakPsnSeqErr | AckKind::NakOther)
     ) {
         r |= REASON_NAK;
