@@ -1422,6 +1422,12 @@ fn in_sequence_packets_take_the_fast_path_and_others_the_full_one() {
         let packets: u64 = flows.iter().map(|(_, c)| c.counts.packets).sum();
         assert_eq!(flows.len(), 3, "{hook:?}: three flows");
         assert_eq!(packets, steps.len() as u64, "{hook:?}");
+        // And in the global RoCEv2 count, the fast path's packets as the full path's.
+        assert_eq!(
+            t.globals().get(GlobalCounter::RoceV2, DIR_INGRESS),
+            steps.len() as u64,
+            "{hook:?}: RoCEv2 frames"
+        );
         t = ProgTest::new(&DatapathOptions {
             sample_rate: 0,
             ..Default::default()
