@@ -174,9 +174,11 @@ fn bump(counters: &mut Counters, counter: GlobalCounter, dir: u8) {
 }
 
 /// The fast path: a plain IPv4 packet whose flow holds its slot on this CPU — the common
-/// packet — counted from its headers read in place. In sequence and not to be reported (the
-/// common case), it touches the flow's slot and the first line of this CPU's globals only:
-/// no working memory, no flow key written out. A packet out of sequence (a retransmission,
+/// packet — counted from its headers read in place. A plain packet (in sequence, no news
+/// for its flow's state, nothing to report: `account::news`, `account::reasons`) is told
+/// by one test and counted in straight-line code; it touches the flow's slot and the first
+/// line of this CPU's globals only: no working memory, no flow key written out. Any other
+/// goes to [`fast_rest`]: a packet out of sequence (a retransmission,
 /// a flow that moved here) is parsed whole for what `catch_up` needs, and a packet to
 /// report (sampled, CE, a CNP, a NAK) after it is counted. Whether it counted `pkt`; when
 /// not (not plain IPv4, the flow not in its slot), nothing was counted and [`observe`]
@@ -240,7 +242,6 @@ fn fast_rest<P: Packet>(
     let f = &q.facts;
     let in_sequence = account::in_sequence(&c.state, f);
     if !in_sequence {
-        // Out of line: the in-sequence packet's code stays one straight run.
         roce_trace_common::cold_path();
         // It parses (`plain_v4` read it); the key and the headers as the full path has them.
         if parse_plain_v4_into(pkt, cfg.udp_port, &mut g.work.parsed).is_err() {
