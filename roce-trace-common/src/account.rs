@@ -173,12 +173,6 @@ pub fn news(st: &FlowState, f: &Facts) -> u64 {
     r | (st.first_dscp ^ f.dscp) as u64
 }
 
-/// 1 when `x` is not 0, else 0, without a branch.
-#[inline(always)]
-fn nonzero(x: u64) -> u64 {
-    crate::opaque(x | x.wrapping_neg()) >> 63
-}
-
 /// [`update_state`] and [`count`] of a plain packet (see [`news`]): the expected
 /// PSN after a request, packets, bytes, the ECN codepoint, an ACK, the last packet's time
 /// and class. Straight-line code.
@@ -278,9 +272,9 @@ pub fn reasons(f: &Facts, cfg: &DatapathConfig, flow_state: u32) -> u32 {
     // CE (3): 3 + 1 has bit 2, 0 to 2 plus 1 do not.
     r |= ((((f.ecn & 3) + 1) >> 2) as u32) * REASON_CE;
     // A NAK: an acknowledgement whose syndrome's bits 6:5 are not 0 (`roce::ack_kind`).
-    r |= nonzero((f.syndrome & roce::SYNDROME_NAK_BITS) as u64) as u32 * REASON_NAK;
+    r |= crate::nonzero((f.syndrome & roce::SYNDROME_NAK_BITS) as u64) as u32 * REASON_NAK;
     let mask = cfg.expected_dscp_mask;
-    r |= (nonzero(mask) & !(mask >> (f.dscp & 63)) & 1) as u32 * REASON_UNEXPECTED_DSCP;
+    r |= (crate::nonzero(mask) & !(mask >> (f.dscp & 63)) & 1) as u32 * REASON_UNEXPECTED_DSCP;
     if cfg.sample_enabled != 0 {
         let h = identity_finish(flow_state, f.psn, f.opcode) as u64;
         // Sampled when h <= threshold: h - (threshold + 1) wraps.

@@ -53,3 +53,9 @@ pub fn opaque(x: u64) -> u64 {
     #[cfg(not(target_arch = "bpf"))]
     x
 }
+
+/// 1 when `x` is not 0, else 0, without a branch (see [`opaque`]).
+#[inline(always)]
+pub fn nonzero(x: u64) -> u64 {
+    opaque(x | x.wrapping_neg()) >> 63
+}

@@ -191,21 +191,17 @@ const EXT_END_SHIFT: u32 = 40;
 /// The end of the last extended header the parser reads (RETH, AETH, DETH), counted
 /// from the end of the BTH; 0 when it reads none.
 const fn ext_end_rule(l: ExtLayout) -> u8 {
-    let mut end = 0;
-    if let Some(at) = l.reth {
-        end = at + core::mem::size_of::<crate::wire::Reth>() as u8;
+    const fn end(at: Option<u8>, len: usize) -> u8 {
+        match at {
+            Some(at) => at + len as u8,
+            None => 0,
+        }
     }
-    if let Some(at) = l.aeth
-        && at + core::mem::size_of::<crate::wire::Aeth>() as u8 > end
-    {
-        end = at + core::mem::size_of::<crate::wire::Aeth>() as u8;
-    }
-    if let Some(at) = l.deth
-        && at + core::mem::size_of::<crate::wire::Deth>() as u8 > end
-    {
-        end = at + core::mem::size_of::<crate::wire::Deth>() as u8;
-    }
-    end
+    let reth = end(l.reth, core::mem::size_of::<crate::wire::Reth>());
+    let aeth = end(l.aeth, core::mem::size_of::<crate::wire::Aeth>());
+    let deth = end(l.deth, core::mem::size_of::<crate::wire::Deth>());
+    let end = if reth > aeth { reth } else { aeth };
+    if end > deth { end } else { deth }
 }
 
 /// The bytes after the BTH that hold every extended header the parser reads of

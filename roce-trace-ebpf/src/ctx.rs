@@ -314,7 +314,7 @@ impl Packet for TcPacket<'_> {
         let tci = u64::from(skb.vlan_tci);
         let all = u64::from(skb.vlan_proto) | tci;
         // All ones without a tag, 0 with one.
-        let none = (roce_trace_common::opaque(all | all.wrapping_neg()) >> 63).wrapping_sub(1);
+        let none = roce_trace_common::nonzero(all).wrapping_sub(1);
         ((((tci >> 13) & 7) & !none) | (u64::from(PCP_NONE) & none)) as u8
     }
 

@@ -84,7 +84,7 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
         DatapathConfig::with(7, 0, 0, 1 << 26),
         DatapathConfig::with(7, threshold_for_rate(4).unwrap(), 1, 1 << 26 | 1 << 46),
     ];
-    let (mut plain, mut not_plain, mut sampled_out) = (0u64, 0u64, 0u64);
+    let (mut plain, mut others, mut sampled_out) = (0u64, 0u64, 0u64);
     let mut by_opcode = [false; 256];
     for (ci, cfg) in configs.iter().enumerate() {
         for opcode in 0..=255u8 {
@@ -115,13 +115,13 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                     let mut st_full = st;
                                     let in_sequence = account::in_sequence(&st, &f);
                                     let update = account::update_state(&mut st_full, &f);
-                                    let news = !in_sequence
+                                    let not_plain = !in_sequence
                                         || update != StateUpdate::default()
                                         || st_full.flags != st.flags
                                         || reasons != 0;
                                     assert_eq!(
                                         np == 0,
-                                        !news,
+                                        !not_plain,
                                         "plain or not: opcode {opcode:#x} flags {flags} psn {psn} \
                                          (expected {next_psn}) ecn {ecn} dscp {dscp} syndrome \
                                          {syndrome:#x} config {ci}: news | reasons {np:#x}, in sequence \
@@ -130,7 +130,7 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                         st_full.flags
                                     );
                                     if np != 0 {
-                                        not_plain += 1;
+                                        others += 1;
                                         sampled_out += u64::from(reasons == REASON_HASH && in_sequence);
                                         continue;
                                     }
@@ -166,7 +166,7 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
     }
     assert!(!by_opcode[OP_CNP as usize], "a CNP was plain");
     assert!(
-        plain > 10_000 && not_plain > 100_000 && sampled_out > 1000,
-        "{plain} plain, {not_plain} not"
+        plain > 10_000 && others > 100_000 && sampled_out > 1000,
+        "{plain} plain, {others} not"
     );
 }
