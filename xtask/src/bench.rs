@@ -1432,8 +1432,8 @@ fn capture(bin: &Path, baseline: Option<&Path>) -> anyhow::Result<()> {
 
 const CAPTURE_RUNS: u32 = 3;
 /// How often one run is tried when tcpdump misses packets (its kernel ring overflows
-/// when the VM stalls it: at the heavy load, a few hundred of a million packets, in one
-/// run in three or four).
+/// when the VM stalls it: at the heavy load on the development VM, in about one run in
+/// four, from a few to some fifteen thousand of a million packets).
 const CAPTURE_ATTEMPTS: u32 = 3;
 
 /// A run in which tcpdump captured fewer packets than the wire carried: its cost is of
