@@ -12,7 +12,7 @@ use roce_trace_common::{
     wire::{
         ETH_P_8021AD, ETH_P_8021Q, ETH_P_IPV4, ETH_P_IPV6, EthHdr, Header, IPPROTO_GRE, IPPROTO_UDP,
         IPV6_EXT_AUTH, IPV6_EXT_DEST_OPTS, IPV6_EXT_HOP_BY_HOP, IPV6_EXT_ROUTING, Ipv4Hdr, Ipv6Hdr, UdpHdr,
-        VlanHdr,
+        VlanHdr, pcp_of_tci,
     },
 };
 
@@ -311,11 +311,12 @@ impl Packet for TcPacket<'_> {
     fn offload_pcp(&self) -> u8 {
         // SAFETY: the context pointer is valid for the program's lifetime.
         let skb = unsafe { &*self.ctx.skb.skb };
-        let tci = u64::from(skb.vlan_tci);
-        let all = u64::from(skb.vlan_proto) | tci;
+        let tci = skb.vlan_tci;
+        let all = u64::from(skb.vlan_proto) | u64::from(tci);
         // All ones without a tag, 0 with one.
         let none = roce_trace_common::nonzero(all).wrapping_sub(1);
-        ((((tci >> 13) & 7) & !none) | (u64::from(PCP_NONE) & none)) as u8
+        let pcp = u64::from(pcp_of_tci(tci as u16));
+        ((pcp & !none) | (u64::from(PCP_NONE) & none)) as u8
     }
 
     #[inline(always)]
