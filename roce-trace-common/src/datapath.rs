@@ -244,20 +244,22 @@ impl FlowKey {
     /// [`FlowKey::slot`] of the key whose words are `w`: the top `bits` bits of a
     /// multiplicative hash. The words are mixed independently (an IPv4 address or IPv6
     /// interface id each, the interface and QP, the port, direction and mirror session,
-    /// the two IPv6 prefixes together), then together. A product's top bits depend on
-    /// every bit of its factor only through the factor's low bits, so each factor first
-    /// folds its high half onto its low half (a bijection): without the fold, flows to
-    /// consecutive hosts (an IPv4 address sits in a word's high half) used half the slots.
+    /// the two IPv6 prefixes together), each by its own odd multiplier, then together. A
+    /// product's top bits depend on every bit of its factor only through the factor's low
+    /// bits, so each factor first folds its high half onto its low half (a bijection):
+    /// without the fold, flows to consecutive hosts (an IPv4 address sits in a word's high
+    /// half) used half the slots. Each word's multiplier fits an instruction's 32-bit
+    /// immediate, and no word is rotated: the kernel's every packet computes this.
     #[inline(always)]
     pub fn slot_of(w: &[u64; 6], bits: u32) -> u32 {
         const K: u64 = 0x9E37_79B9_7F4A_7C15;
-        let mix = |x: u64| (x ^ (x >> 32)).wrapping_mul(K);
-        let x = mix(w[1])
-            ^ mix(w[3]).rotate_left(13)
-            ^ mix(w[4]).rotate_left(26)
-            ^ mix(w[5]).rotate_left(39)
-            ^ mix(w[0] ^ w[2].rotate_left(32)).rotate_left(52);
-        let h = mix(x);
+        let fold = |x: u64| x ^ (x >> 32);
+        let x = fold(w[1]).wrapping_mul(0x1656_67B1)
+            ^ fold(w[3]).wrapping_mul(0x61C8_8647)
+            ^ fold(w[4]).wrapping_mul(0x5BD1_E995)
+            ^ fold(w[5]).wrapping_mul(0x7FEB_352D)
+            ^ fold(w[0] ^ w[2].rotate_left(32)).wrapping_mul(0x119D_E1F3);
+        let h = fold(x).wrapping_mul(K);
         // In two steps, so that 0 bits is slot 0 without a shift by 64.
         ((h >> (63 - bits)) >> 1) as u32
     }

@@ -1436,6 +1436,75 @@ fn in_sequence_packets_take_the_fast_path_and_others_the_full_one() {
     pin_to_cpu_any();
 }
 
+/// Acknowledgements in a row are plain (an ACK has no PSN to follow): after a flow's
+/// first, each takes the fast path, which counts an ACK apart from the rest of a plain
+/// packet's counts (out of line: the ACK count is on the slot's third cache line, which a
+/// data packet does not touch). Each ACK is counted once, a data packet's ACKs are none,
+/// at every hook, whichever order they come in.
+#[test]
+fn plain_acks_are_counted_on_the_fast_path_and_data_packets_count_none() {
+    if !require_root() {
+        return;
+    }
+    if !pin_to_cpu(0) {
+        pin_to_cpu_any();
+        cannot_run("cannot pin the thread to CPU 0");
+        return;
+    }
+    let ack = |psn: u32| {
+        RoceFrame {
+            dest_qp: 0x51,
+            psn,
+            ext: ext::aeth(0x1f, psn),
+            ..f(op::ACKNOWLEDGE)
+        }
+        .build()
+    };
+    let data = |psn: u32| {
+        RoceFrame {
+            dest_qp: 0x52,
+            psn,
+            ..f(op::WRITE_MIDDLE)
+        }
+        .build()
+    };
+    for hook in [Hook::Xdp, Hook::TcIngress, Hook::TcEgress] {
+        let mut t = ProgTest::new(&DatapathOptions {
+            sample_rate: 0,
+            ..Default::default()
+        });
+        let run = |t: &mut ProgTest, frame: &[u8]| match hook {
+            Hook::Xdp => t.run_xdp(frame),
+            Hook::TcIngress => t.run_tc_in(frame),
+            Hook::TcEgress => t.run_tc(frame),
+        };
+        for i in 0..6u32 {
+            // Data and ACKs interleaved, each flow's first packet through the full path.
+            for frame in [ack(100 + i), data(200 + i)] {
+                let before = t.working_memory();
+                run(&mut t, &frame);
+                let fast = before == t.working_memory();
+                assert_eq!(fast, i > 0, "{hook:?} packet {i}: the fast path after the first");
+            }
+        }
+        let flows = t.flows();
+        let of = |qp: u32| {
+            flows
+                .iter()
+                .filter(|(k, _)| k.dest_qp == qp)
+                .map(|(_, c)| (c.counts.packets, c.counts.ack))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(of(0x51), [(6, 6)], "{hook:?}: the ACKs, each counted once");
+        assert_eq!(
+            of(0x52),
+            [(6, 0)],
+            "{hook:?}: the data packets, no ACK among them"
+        );
+    }
+    pin_to_cpu_any();
+}
+
 /// Anomalies are reported whatever the rate; ordinary packets are not when hash sampling
 /// is off.
 #[test]
