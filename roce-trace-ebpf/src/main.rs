@@ -622,8 +622,12 @@ fn catch_up(
 }
 
 /// Takes the flow's state over from CPU `left`, which saw it last, and marks it unknown
-/// there, so that the CPU the flow left cannot judge a later packet in sequence by what it
-/// saw before (a retransmission that happens to continue its old PSN).
+/// there when it follows requests' PSNs, so that the CPU the flow left cannot judge a
+/// later request in sequence by what it saw before (a retransmission that happens to
+/// continue its old PSN). A flow of responses alone (acknowledgements, READ responses)
+/// has no PSN to follow, and its state there (seen, its first DSCP) stays as good as the
+/// latest: so when it comes back, as a responder's thread moving between CPUs sends it
+/// back and forth, it is in sequence there without catching up again.
 #[inline(always)]
 fn take_over(st: &mut FlowState, key: &FlowKey, slot_bits: u32, left: u32) {
     // That CPU's copy of the flow: in its slot when it holds it, else in FLOWS.
@@ -650,7 +654,9 @@ fn take_over(st: &mut FlowState, key: &FlowKey, slot_bits: u32, left: u32) {
     let theirs = unsafe { &mut (*theirs).state };
     if theirs.flags & STATE_INIT != 0 {
         *st = *theirs;
-        theirs.flags = 0;
+        if theirs.flags & STATE_PSN_VALID != 0 {
+            theirs.flags = 0;
+        }
     }
 }
 

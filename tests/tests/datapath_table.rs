@@ -1147,6 +1147,98 @@ fn moving_flow(squatter: bool) {
     pin_to_cpu_any();
 }
 
+/// A flow of responses alone (acknowledgements) has no PSN to follow: once both CPUs have
+/// seen it, its packets are in sequence on either (the fast path, no catch-up) however
+/// often it moves, as a responder's thread moving between CPUs sends it. When requests
+/// join the flow, their sequence follows it from CPU to CPU as any request flow's does:
+/// no gap and no retransmission from moving, and a real gap still counted.
+#[test]
+fn a_response_flow_moving_between_cpus_does_not_catch_up_again() {
+    if !require_root() {
+        return;
+    }
+    if !pin_to_cpu(0) || !pin_to_cpu(1) {
+        pin_to_cpu_any();
+        cannot_run("needs two CPUs to move a flow between (cannot pin the thread to CPUs 0 and 1)");
+        return;
+    }
+    let mut t = ProgTest::new(&DatapathOptions {
+        sample_rate: 0,
+        ..Default::default()
+    });
+    let frame = |opcode: u8, psn: u32| {
+        let mut s = RoceFrame {
+            dest_qp: 0x61,
+            psn,
+            ..f(opcode)
+        };
+        if opcode == op::ACKNOWLEDGE {
+            s.ext = ext::aeth(0x1f, psn);
+        }
+        s.build()
+    };
+    // (CPU, opcode, PSNs, whether each packet takes the fast path)
+    let steps: [(usize, u8, std::ops::Range<u32>, bool, &str); 8] = [
+        (0, op::ACKNOWLEDGE, 0..1, false, "the flow's first packet"),
+        (0, op::ACKNOWLEDGE, 1..4, true, "in sequence on CPU 0"),
+        (1, op::ACKNOWLEDGE, 4..5, false, "CPU 1 catches up once"),
+        (1, op::ACKNOWLEDGE, 5..8, true, "in sequence on CPU 1"),
+        (
+            0,
+            op::ACKNOWLEDGE,
+            8..12,
+            true,
+            "back on CPU 0: in sequence, no catch-up",
+        ),
+        (1, op::ACKNOWLEDGE, 12..16, true, "back on CPU 1 likewise"),
+        (
+            1,
+            op::WRITE_MIDDLE,
+            100..101,
+            false,
+            "a request: the PSN sequence starts",
+        ),
+        (
+            1,
+            op::WRITE_MIDDLE,
+            101..104,
+            true,
+            "requests in sequence on CPU 1",
+        ),
+    ];
+    for (cpu, opcode, psns, fast, what) in steps {
+        assert!(pin_to_cpu(cpu));
+        for psn in psns {
+            let before = t.working_memory();
+            t.run_xdp(&frame(opcode, psn));
+            assert_eq!(before == t.working_memory(), fast, "PSN {psn}: {what}");
+        }
+    }
+    // The requests move: each move catches up, and none is a gap or a retransmission.
+    let requests = [(0, 104..108), (1, 108..112), (0, 112..116)];
+    for (cpu, psns) in requests {
+        assert!(pin_to_cpu(cpu));
+        for psn in psns {
+            t.run_xdp(&frame(op::WRITE_MIDDLE, psn));
+        }
+    }
+    // An ACK on CPU 1, whose request state CPU 0 took over: it catches up; then a real gap
+    // on CPU 1 is one.
+    assert!(pin_to_cpu(1));
+    t.run_xdp(&frame(op::ACKNOWLEDGE, 16));
+    t.run_xdp(&frame(op::WRITE_MIDDLE, 120));
+    let flows = t.flows();
+    assert_eq!(flows.len(), 1, "one flow");
+    let c = &flows[0].1;
+    assert_eq!(
+        (c.counts.packets, c.counts.ack, c.counts.psn_gaps),
+        (16 + 4 + 12 + 1 + 1, 17, 1),
+        "every packet counted once, every ACK, one gap"
+    );
+    assert_eq!(t.globals().get(GlobalCounter::PsnRegressions, DIR_INGRESS), 0);
+    pin_to_cpu_any();
+}
+
 /// A flow's packets, in sequence from `psn`, on QP `qp`.
 fn qp_frames(qp: u32, psns: std::ops::Range<u32>) -> Vec<Vec<u8>> {
     psns.map(|psn| {
