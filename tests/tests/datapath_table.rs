@@ -746,6 +746,17 @@ enum Hook {
     TcEgress,
 }
 
+impl Hook {
+    /// Runs `frame` through this hook's program; its verdict.
+    fn run(self, t: &mut ProgTest, frame: &[u8]) -> u32 {
+        match self {
+            Hook::Xdp => t.run_xdp(frame),
+            Hook::TcIngress => t.run_tc_in(frame),
+            Hook::TcEgress => t.run_tc(frame),
+        }
+    }
+}
+
 fn check_row(t: &mut ProgTest, r: &Row, hook: Hook) {
     let dir = match hook {
         Hook::Xdp | Hook::TcIngress => DIR_INGRESS,
@@ -753,12 +764,11 @@ fn check_row(t: &mut ProgTest, r: &Row, hook: Hook) {
     };
     let ctx = format!("[{hook:?}] {}", r.desc);
     for fr in &r.frames {
-        let (verdict, pass) = match hook {
-            Hook::Xdp => (t.run_xdp(fr), XDP_PASS),
-            Hook::TcIngress => (t.run_tc_in(fr), TC_ACT_UNSPEC),
-            Hook::TcEgress => (t.run_tc(fr), TC_ACT_UNSPEC),
+        let pass = match hook {
+            Hook::Xdp => XDP_PASS,
+            Hook::TcIngress | Hook::TcEgress => TC_ACT_UNSPEC,
         };
-        assert_eq!(verdict, pass, "{ctx}: verdict");
+        assert_eq!(hook.run(t, fr), pass, "{ctx}: verdict");
     }
     let g = t.globals();
     let n = r.frames.len() as u64;
@@ -1063,18 +1073,27 @@ fn pin_to_cpu(cpu: usize) -> bool {
     }
 }
 
+/// Whether this test can run a flow on CPU 0 and CPU 1 (as root, with both CPUs to pin
+/// the thread to); when not, says why (`cannot_run`: a failure under CI).
+fn can_move_between_cpus() -> bool {
+    if !require_root() {
+        return false;
+    }
+    if !pin_to_cpu(0) || !pin_to_cpu(1) {
+        pin_to_cpu_any();
+        cannot_run("needs two CPUs to move a flow between (cannot pin the thread to CPUs 0 and 1)");
+        return false;
+    }
+    true
+}
+
 /// A flow's PSN sequence follows it from CPU to CPU (each CPU keeps its own copy of the
 /// state; one that sees the flow after another takes that one's over): moving CPU is
 /// neither a gap nor a retransmission, a real gap or retransmission on the new CPU still
 /// is, and a DSCP change is judged against the flow's first DSCP everywhere.
 #[test]
 fn a_flow_moving_between_cpus_keeps_its_psn_sequence() {
-    if !require_root() {
-        return;
-    }
-    if !pin_to_cpu(0) || !pin_to_cpu(1) {
-        pin_to_cpu_any();
-        cannot_run("needs two CPUs to move a flow between (cannot pin the thread to CPUs 0 and 1)");
+    if !can_move_between_cpus() {
         return;
     }
     // The flow in its flow-table slot on each CPU; then in FLOWS, its slot taken by a
@@ -1154,12 +1173,7 @@ fn moving_flow(squatter: bool) {
 /// no gap and no retransmission from moving, and a real gap still counted.
 #[test]
 fn a_response_flow_moving_between_cpus_does_not_catch_up_again() {
-    if !require_root() {
-        return;
-    }
-    if !pin_to_cpu(0) || !pin_to_cpu(1) {
-        pin_to_cpu_any();
-        cannot_run("needs two CPUs to move a flow between (cannot pin the thread to CPUs 0 and 1)");
+    if !can_move_between_cpus() {
         return;
     }
     let mut t = ProgTest::new(&DatapathOptions {
@@ -1499,10 +1513,7 @@ fn in_sequence_packets_take_the_fast_path_and_others_the_full_one() {
             // Each full-path step's packet has another PSN than the last one the full path
             // saw, so its write shows.
             let before = t.working_memory();
-            match hook {
-                Hook::Xdp => t.run_xdp(frame),
-                _ => t.run_tc_in(frame),
-            };
+            hook.run(&mut t, frame);
             let after = t.working_memory();
             assert_eq!(before != after, *written, "{hook:?} step {i}, {what}");
         }
@@ -1565,16 +1576,11 @@ fn plain_acks_are_counted_on_the_fast_path_and_data_packets_count_none() {
             sample_rate: 0,
             ..Default::default()
         });
-        let run = |t: &mut ProgTest, frame: &[u8]| match hook {
-            Hook::Xdp => t.run_xdp(frame),
-            Hook::TcIngress => t.run_tc_in(frame),
-            Hook::TcEgress => t.run_tc(frame),
-        };
         for i in 0..6u32 {
             // Data and ACKs interleaved, each flow's first packet through the full path.
             for frame in [ack(100 + i), data(200 + i)] {
                 let before = t.working_memory();
-                run(&mut t, &frame);
+                hook.run(&mut t, &frame);
                 let fast = before == t.working_memory();
                 assert_eq!(fast, i > 0, "{hook:?} packet {i}: the fast path after the first");
             }
