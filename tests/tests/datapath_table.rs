@@ -1603,6 +1603,90 @@ fn plain_acks_are_counted_on_the_fast_path_and_data_packets_count_none() {
     pin_to_cpu_any();
 }
 
+/// The configuration the common packet reads from its instructions (`datapath::imm`,
+/// written by the loader) is the configured one: with a UDP port other than 4791, an
+/// expected DSCP and a sampling rate, a flow's packets after its first take the fast path
+/// on that port alone, and its reports (an unexpected DSCP, the hash's picks) are what the
+/// configuration asks for. Frames to 4791 are then not RoCE.
+#[test]
+fn the_configured_port_dscp_and_rate_reach_the_fast_path() {
+    if !require_root() {
+        return;
+    }
+    if !pin_to_cpu(0) {
+        pin_to_cpu_any();
+        cannot_run("cannot pin the thread to CPU 0");
+        return;
+    }
+    use roce_trace_common::sampling::{identity_hash, threshold_for_rate};
+    let (port, rate, seed) = (4792u16, 4u32, 0x5eed_0001u32);
+    let frame = |dport: u16, psn: u32, dscp: u8| RoceFrame {
+        udp_dport: dport,
+        dest_qp: 0x61,
+        psn,
+        dscp,
+        ..f(op::WRITE_MIDDLE)
+    };
+    for hook in [Hook::Xdp, Hook::TcIngress, Hook::TcEgress] {
+        let mut t = ProgTest::new(&DatapathOptions {
+            udp_port: port,
+            sample_rate: rate,
+            seed,
+            expected_dscp: vec![26],
+            ..Default::default()
+        });
+        let threshold = threshold_for_rate(rate).unwrap();
+        let mut want = Vec::new();
+        for i in 0..40u32 {
+            // Every tenth packet (but the first) carries DSCP 0, which is not expected.
+            let dscp = if i % 10 == 9 { 0 } else { 26 };
+            let spec = frame(port, 1000 + i, dscp);
+            let hashed = identity_hash(
+                seed,
+                &mapped(spec.src),
+                &mapped(spec.dst),
+                spec.udp_sport,
+                port,
+                0x61,
+                1000 + i,
+                op::WRITE_MIDDLE,
+            ) <= threshold;
+            let reasons =
+                (u32::from(dscp != 26) * REASON_UNEXPECTED_DSCP) | (u32::from(hashed) * REASON_HASH);
+            if reasons != 0 {
+                want.push((1000 + i, reasons));
+            }
+            let before = t.working_memory();
+            hook.run(&mut t, &spec.build());
+            if i > 0 && reasons == 0 {
+                assert_eq!(before, t.working_memory(), "{hook:?} packet {i}: the fast path");
+            }
+            // The standard port is not the configured one: not RoCE, not counted.
+            hook.run(&mut t, &frame(4791, 5000 + i, 26).build());
+        }
+        let got: Vec<(u32, u32)> = t.samples().iter().map(|s| (s.psn, s.reasons)).collect();
+        assert_eq!(got, want, "{hook:?}: the reports the configuration asks for");
+        assert!(
+            want.iter().any(|w| w.1 == REASON_HASH) && want.iter().any(|w| w.1 & REASON_UNEXPECTED_DSCP != 0),
+            "the stream has both kinds of report"
+        );
+        let flows = t.flows();
+        assert_eq!(flows.len(), 1, "{hook:?}: one flow, on port {port}");
+        assert_eq!(flows[0].1.counts.packets, 40);
+        assert_eq!(
+            flows[0].1.counts.dscp_changed, 4,
+            "{hook:?}: the four packets not in the flow's first DSCP"
+        );
+        let g = t.globals();
+        assert_eq!(
+            g.total(GlobalCounter::RoceV2),
+            40,
+            "{hook:?}: the 4791 frames are not RoCE"
+        );
+    }
+    pin_to_cpu_any();
+}
+
 /// Anomalies are reported whatever the rate; ordinary packets are not when hash sampling
 /// is off.
 #[test]
