@@ -280,33 +280,6 @@ pub fn sample_state(p: &Parsed, cfg: &DatapathConfig) -> u32 {
 /// sampling switch (see [`news`]).
 #[inline(always)]
 pub fn reasons(f: &Facts, cfg: &DatapathConfig, flow_state: u32) -> u32 {
-    reasons_by(f, Judging::of(cfg), flow_state)
-}
-
-/// What [`reasons`] reads of the configuration. The datapath's fast path takes these from
-/// its instructions' immediates (`datapath::imm`), every other caller from a
-/// [`DatapathConfig`] ([`Judging::of`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Judging {
-    pub expected_dscp_mask: u64,
-    pub sample_enabled: u64,
-    pub sample_threshold: u64,
-}
-
-impl Judging {
-    #[inline(always)]
-    pub const fn of(cfg: &DatapathConfig) -> Self {
-        Self {
-            expected_dscp_mask: cfg.expected_dscp_mask,
-            sample_enabled: cfg.sample_enabled as u64,
-            sample_threshold: cfg.sample_threshold as u64,
-        }
-    }
-}
-
-/// [`reasons`] by a [`Judging`].
-#[inline(always)]
-pub fn reasons_by(f: &Facts, cfg: Judging, flow_state: u32) -> u32 {
     let facts = roce::facts(f.opcode);
     // Each test a 0 or 1 moved to its bit (multiplying by a power of two is a shift).
     let mut r = ((facts >> roce::FACT_CNP_BIT) & 1) as u32 * REASON_CNP;
@@ -319,7 +292,7 @@ pub fn reasons_by(f: &Facts, cfg: Judging, flow_state: u32) -> u32 {
     if cfg.sample_enabled != 0 {
         let h = identity_finish(flow_state, f.psn, f.opcode) as u64;
         // Sampled when h <= threshold: h - (threshold + 1) wraps.
-        r |= (crate::opaque(h.wrapping_sub(cfg.sample_threshold + 1)) >> 63) as u32 * REASON_HASH;
+        r |= (crate::opaque(h.wrapping_sub(cfg.sample_threshold as u64 + 1)) >> 63) as u32 * REASON_HASH;
     }
     r
 }

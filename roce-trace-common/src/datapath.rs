@@ -635,48 +635,6 @@ impl DatapathConfig {
             slot_idle_ms: DEFAULT_SLOT_IDLE_MS,
         }
     }
-
-    /// The fields the common packet's code takes as instruction immediates ([`imm`]), each
-    /// with its marker: what the loader writes into the instructions in place of each
-    /// marker.
-    pub const fn immediates(&self) -> [(u64, u64); imm::ALL.len()] {
-        [
-            (imm::UDP_PORT, self.udp_port as u64),
-            (imm::SLOT_BITS, self.slot_bits as u64),
-            (imm::EXPECTED_DSCP_MASK, self.expected_dscp_mask),
-            (imm::SAMPLE_ENABLED, self.sample_enabled as u64),
-            (imm::SAMPLE_THRESHOLD, self.sample_threshold as u64),
-        ]
-    }
-}
-
-/// Configuration the common packet's code reads from its own instructions rather than
-/// from `CONFIG`. A program loads each of these with `lddw` of a marker (a 64-bit
-/// immediate no other instruction holds), and the loader writes the value over the marker
-/// in the object's code before the kernel sees it ([`DatapathConfig::immediates`]). So a
-/// packet touches no configuration line: at a light load, where every line a packet touches has
-/// gone cold since the one before, `CONFIG`'s line was one cache miss a packet, RoCE or
-/// not. The verifier sees the values as the constants they are. `CONFIG` keeps every
-/// field, for the rest of the code: the same values, written by the same loader.
-pub mod imm {
-    /// `DatapathConfig::udp_port`: every frame's first look.
-    pub const UDP_PORT: u64 = 0x5254_494d_4d5f_0001;
-    /// `DatapathConfig::slot_bits`: the fast path's slot.
-    pub const SLOT_BITS: u64 = 0x5254_494d_4d5f_0002;
-    /// `DatapathConfig::expected_dscp_mask`: the fast path's reasons.
-    pub const EXPECTED_DSCP_MASK: u64 = 0x5254_494d_4d5f_0003;
-    /// `DatapathConfig::sample_enabled`: the fast path's reasons.
-    pub const SAMPLE_ENABLED: u64 = 0x5254_494d_4d5f_0004;
-    /// `DatapathConfig::sample_threshold`: the fast path's reasons.
-    pub const SAMPLE_THRESHOLD: u64 = 0x5254_494d_4d5f_0005;
-    /// Every marker.
-    pub const ALL: [u64; 5] = [
-        UDP_PORT,
-        SLOT_BITS,
-        EXPECTED_DSCP_MASK,
-        SAMPLE_ENABLED,
-        SAMPLE_THRESHOLD,
-    ];
 }
 
 /// What a global counter counts, and so which lists it is in.

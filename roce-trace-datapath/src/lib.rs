@@ -5,7 +5,6 @@
 //! ([`netstat`]) and the readers' periodic timer ([`timer`]). The only crate whose build
 //! script builds the eBPF object.
 
-pub mod immediates;
 pub mod loader;
 pub mod mapped;
 pub mod mirror;

@@ -51,8 +51,6 @@ pub enum DatapathError {
     },
     #[error("invalid option: {0}")]
     InvalidOption(String),
-    #[error("writing the configuration into the eBPF object's code")]
-    Immediates(#[from] crate::immediates::ImmediateError),
 }
 
 /// Bytes the kernel's flow table may take over all CPUs (see
@@ -230,8 +228,6 @@ impl Datapath {
             slot_bits: slots.trailing_zeros(),
             ..opts.config()?
         };
-        // The common packet's configuration goes into the code itself (`imm`).
-        let (object, _) = crate::immediates::write_immediates(object, &cfg.immediates())?;
         let mut ebpf = EbpfLoader::new()
             .override_global(GLOBAL_CONFIG, &cfg, true)
             .map_max_entries(MAP_FLOWS, opts.max_flows)
@@ -242,7 +238,7 @@ impl Datapath {
             )
             .map_max_entries(MAP_FLOW_SLOTS, (cpus as u32) << flow_chunk_bits(cfg.slot_bits))
             .map_max_entries(MAP_GLOBALS, cpus as u32)
-            .load(object.bytes())
+            .load(object)
             .map_err(DatapathError::Load)?;
         if !opts.mirror_from.is_empty() {
             let map = ebpf

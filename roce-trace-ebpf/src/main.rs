@@ -54,10 +54,7 @@ use roce_trace_common::{
 
 use crate::{
     ctx::{TcPacket, XdpPacket},
-    maps::{
-        CONFIG, FLOW_OWNER, FLOW_SLOTS, FLOWS, GLOBALS, MIRROR_FROM, MIRRORS, SAMPLES, SAMPLES_WOKEN_AT,
-        load_time_imm,
-    },
+    maps::{CONFIG, FLOW_OWNER, FLOW_SLOTS, FLOWS, GLOBALS, MIRROR_FROM, MIRRORS, SAMPLES, SAMPLES_WOKEN_AT},
 };
 
 #[xdp]
@@ -66,18 +63,11 @@ pub fn roce_xdp(ctx: XdpContext) -> u32 {
     let pkt = XdpPacket::new(&ctx);
     // Most frames are not RoCE: told from their first headers, before any map is
     // touched, and not counted (the interface's own counters have them).
-    let look = first_look(&pkt, udp_port());
+    let look = first_look(&pkt, CONFIG.get().udp_port);
     if look != Look::NotRoce {
         watch(&pkt, look, DIR_INGRESS, pkt.ifindex(), pkt.frame_len());
     }
     XDP_PASS
-}
-
-/// The RoCEv2 UDP port every frame is looked at for (`DatapathConfig::udp_port`), from the
-/// instructions (`imm::UDP_PORT`).
-#[inline(always)]
-fn udp_port() -> u16 {
-    load_time_imm::<{ imm::UDP_PORT }>() as u16
 }
 
 /// A candidate frame: a plain IPv4 packet of a flow that holds its slot here is counted by
@@ -111,7 +101,7 @@ pub fn roce_tc_in(ctx: TcContext) -> i32 {
 #[inline(always)]
 fn tc(ctx: &TcContext, dir: u8) {
     let mut pkt = TcPacket::new(ctx);
-    let udp_port = udp_port();
+    let udp_port = CONFIG.get().udp_port;
     let look = first_look(&pkt, udp_port);
     if look == Look::NotRoce {
         return;
@@ -187,8 +177,7 @@ fn bump(counters: &mut Counters, counter: GlobalCounter, dir: u8) {
 /// packet — counted from its headers read in place. A plain packet (in sequence, no news
 /// for its flow's state, nothing to report: `account::news`, `account::reasons`) is told
 /// by one test and counted in straight-line code; it touches the flow's slot and the first
-/// line of this CPU's globals only: no configuration line (its configuration is in its
-/// instructions, `imm`), no working memory, no flow key written out. Any other
+/// line of this CPU's globals only: no working memory, no flow key written out. Any other
 /// goes to [`fast_rest`]: a packet out of sequence (a retransmission,
 /// a flow that moved here) is parsed whole for what `catch_up` needs, and a packet to
 /// report (sampled, CE, a CNP, a NAK) after it is counted. Whether it counted `pkt`; when
@@ -197,18 +186,21 @@ fn bump(counters: &mut Counters, counter: GlobalCounter, dir: u8) {
 /// packet alike.
 #[inline(always)]
 fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
-    // The configuration it needs from its own instructions, not `CONFIG`'s line.
-    let slot_bits = load_time_imm::<{ imm::SLOT_BITS }>() as u32;
-    // The flow's slot before this CPU's globals: at a light load both lines are misses,
-    // the slot's the longer, and asked for first the two are in flight together (with
-    // `CONFIG`'s line gone as well, 3-4 % of the programs' time; either change alone,
-    // nothing measurable: BENCHMARKS.md, issue 19's fourteenth step).
+    let cfg = CONFIG.get();
+    // The helpers first (this CPU, its globals, the clock), while little is live: LLVM
+    // keeps what is live across a helper call on the stack.
     let cpu = this_cpu();
+    let Some(g) = GLOBALS.get_ptr_mut(cpu) else {
+        return false;
+    };
+    // SAFETY: this CPU's element; programs do not nest on one CPU for these hooks.
+    let g = unsafe { &mut *g };
+    let now = coarse_now(g);
     let Some(q) = plain_v4(pkt) else {
         return false;
     };
     let words = account::plain_v4_key_words(&q, ifindex, dir);
-    let Some(slot) = flow_slot(cpu, FlowKey::slot_of(&words, slot_bits), slot_bits) else {
+    let Some(slot) = flow_slot(cpu, FlowKey::slot_of(&words, cfg.slot_bits), cfg.slot_bits) else {
         return false;
     };
     // SAFETY: this CPU's slot, as in `account`.
@@ -216,24 +208,13 @@ fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
     if slot.counters.counts.packets == 0 || !slot.key.same_words(&words) {
         return false;
     }
-    let Some(g) = GLOBALS.get_ptr_mut(cpu) else {
-        return false;
-    };
-    // SAFETY: this CPU's element; programs do not nest on one CPU for these hooks.
-    let g = unsafe { &mut *g };
-    let now = coarse_now(g);
     let c = &mut slot.counters;
     let f = &q.facts;
-    let judging = account::Judging {
-        expected_dscp_mask: load_time_imm::<{ imm::EXPECTED_DSCP_MASK }>(),
-        sample_enabled: load_time_imm::<{ imm::SAMPLE_ENABLED }>(),
-        sample_threshold: load_time_imm::<{ imm::SAMPLE_THRESHOLD }>(),
-    };
-    let reasons = account::reasons_by(f, judging, c.state.sample_state);
+    let reasons = account::reasons(f, cfg, c.state.sample_state);
     // The plain packet, nearly every one (no news, nothing to report): one test, both
     // sides arithmetic, then straight-line stores.
     rare_if_ne!(account::news(&c.state, f) | reasons as u64, 0, {
-        return fast_rest(pkt, g, c, &q, words, cpu, dir, frame_len, now, reasons);
+        return fast_rest(pkt, cfg, g, c, &q, words, cpu, dir, frame_len, now, reasons);
     });
     bump(&mut g.counters, GlobalCounter::RoceV2, dir);
     account::count_plain_but_ack(c, f, frame_len, now);
@@ -254,6 +235,7 @@ fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
 )]
 fn fast_rest<P: Packet>(
     pkt: &P,
+    cfg: &DatapathConfig,
     g: &mut Globals,
     c: &mut FlowCounters,
     q: &PlainV4,
@@ -264,7 +246,6 @@ fn fast_rest<P: Packet>(
     now: u64,
     reasons: u32,
 ) -> bool {
-    let cfg = CONFIG.get();
     let f = &q.facts;
     let in_sequence = account::in_sequence(&c.state, f);
     if !in_sequence {

@@ -7,10 +7,7 @@ use aya_ebpf::{
 };
 use roce_trace_common::{datapath::*, scratch::Globals};
 
-/// Load-time configuration (port, sampling, expected DSCPs), overridden by the loader. The
-/// first look and the fast path take the fields they need from their own instructions
-/// instead ([`load_time_imm`], `datapath::imm`), which the same loader writes from the same
-/// values: every other path reads them here.
+/// Load-time configuration (port, sampling, expected DSCPs), overridden by the loader.
 #[unsafe(no_mangle)]
 pub static CONFIG: LoadTime<DatapathConfig> = LoadTime(DatapathConfig::DEFAULT);
 
@@ -41,24 +38,6 @@ impl<T> LoadTime<T> {
         // SAFETY: `p` is still `&self.0`.
         unsafe { &*p }
     }
-}
-
-/// The value the loader wrote over the marker `MARK` (one of `datapath::imm`): a 64-bit
-/// immediate load (`lddw`) of the marker, which the loader replaces in the object's code
-/// before the kernel sees it. No map, no memory: the common packet's configuration.
-#[inline(always)]
-pub fn load_time_imm<const MARK: u64>() -> u64 {
-    let v: u64;
-    // SAFETY: a register loaded with an immediate; no memory, no stack.
-    unsafe {
-        core::arch::asm!(
-            "{v} = {mark} ll",
-            v = lateout(reg) v,
-            mark = const MARK,
-            options(pure, nomem, nostack, preserves_flags)
-        )
-    };
-    v
 }
 
 /// The flow table every packet looks in first: one per CPU, direct-mapped by

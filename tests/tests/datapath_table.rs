@@ -1603,11 +1603,11 @@ fn plain_acks_are_counted_on_the_fast_path_and_data_packets_count_none() {
     pin_to_cpu_any();
 }
 
-/// The configuration the common packet reads from its instructions (`datapath::imm`,
-/// written by the loader) is the configured one: with a UDP port other than 4791, an
-/// expected DSCP and a sampling rate, a flow's packets after its first take the fast path
-/// on that port alone, and its reports (an unexpected DSCP, the hash's picks) are what the
-/// configuration asks for. Frames to 4791 are then not RoCE.
+/// The fast path and the first look judge by the loaded configuration, not the defaults:
+/// with a UDP port other than 4791, an expected DSCP and a sampling rate, a flow's packets
+/// after its first take the fast path on that port alone, and its reports (an unexpected
+/// DSCP, the hash's picks) are what the configuration asks for. Frames to 4791 are then
+/// not RoCE.
 #[test]
 fn the_configured_port_dscp_and_rate_reach_the_fast_path() {
     if !require_root() {
