@@ -1073,6 +1073,21 @@ fn pin_to_cpu(cpu: usize) -> bool {
     }
 }
 
+/// Whether this test can run its packets on CPU 0 alone (as root, the thread pinned
+/// there: a flow's slot and its copy in `FLOWS` are per CPU); when not, says why
+/// (`cannot_run`: a failure under CI).
+fn can_run_on_cpu0() -> bool {
+    if !require_root() {
+        return false;
+    }
+    if !pin_to_cpu(0) {
+        pin_to_cpu_any();
+        cannot_run("cannot pin the thread to CPU 0");
+        return false;
+    }
+    true
+}
+
 /// Whether this test can run a flow on CPU 0 and CPU 1 (as root, with both CPUs to pin
 /// the thread to); when not, says why (`cannot_run`: a failure under CI).
 fn can_move_between_cpus() -> bool {
@@ -1359,13 +1374,8 @@ fn placement(t: &ProgTest) -> Placement {
 /// counters in the move, fails.
 #[test]
 fn an_idle_flows_slot_goes_to_a_new_flow_and_nothing_is_lost() {
-    if !require_root() {
-        return;
-    }
     // The slot and FLOWS are per CPU: all on one.
-    if !pin_to_cpu(0) {
-        pin_to_cpu_any();
-        cannot_run("cannot pin the thread to CPU 0");
+    if !can_run_on_cpu0() {
         return;
     }
     // Idle means 250 ms without a packet: far longer than a pause between two packets of
@@ -1446,14 +1456,9 @@ fn pin_to_cpu_any() {
 /// sequence tests check every number).
 #[test]
 fn in_sequence_packets_take_the_fast_path_and_others_the_full_one() {
-    if !require_root() {
-        return;
-    }
     // A flow's slot is per CPU: a packet run on another CPU than the last finds its flow
     // not in that CPU's slot and takes the full path.
-    if !pin_to_cpu(0) {
-        pin_to_cpu_any();
-        cannot_run("cannot pin the thread to CPU 0");
+    if !can_run_on_cpu0() {
         return;
     }
     let mut t = ProgTest::new(&DatapathOptions {
@@ -1546,12 +1551,7 @@ fn in_sequence_packets_take_the_fast_path_and_others_the_full_one() {
 /// at every hook, whichever order they come in.
 #[test]
 fn plain_acks_are_counted_on_the_fast_path_and_data_packets_count_none() {
-    if !require_root() {
-        return;
-    }
-    if !pin_to_cpu(0) {
-        pin_to_cpu_any();
-        cannot_run("cannot pin the thread to CPU 0");
+    if !can_run_on_cpu0() {
         return;
     }
     let ack = |psn: u32| {
@@ -1610,12 +1610,7 @@ fn plain_acks_are_counted_on_the_fast_path_and_data_packets_count_none() {
 /// not RoCE.
 #[test]
 fn the_configured_port_dscp_and_rate_reach_the_fast_path() {
-    if !require_root() {
-        return;
-    }
-    if !pin_to_cpu(0) {
-        pin_to_cpu_any();
-        cannot_run("cannot pin the thread to CPU 0");
+    if !can_run_on_cpu0() {
         return;
     }
     use roce_trace_common::sampling::{identity_hash, threshold_for_rate};
