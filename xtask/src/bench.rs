@@ -59,10 +59,11 @@ pub fn run(
     repeat: u32,
     baseline: Option<&Path>,
     baseline_bin: Option<&Path>,
+    cold: Cold,
 ) -> anyhow::Result<()> {
     let bin = Path::new("target/release/roce-trace");
     match which {
-        "datapath" => datapath(repeat, baseline),
+        "datapath" => datapath(repeat, baseline, cold),
         "gen" => generator(bin),
         "capture" => capture(bin, baseline_bin),
         "collector" => collector(),
@@ -99,7 +100,7 @@ pub fn run(
         }
         "pcap" => pcap_ingest(bin),
         "all" => {
-            datapath(repeat, baseline)?;
+            datapath(repeat, baseline, cold)?;
             generator(bin)?;
             capture(bin, baseline_bin)?;
             pcap_ingest(bin)?;
@@ -145,7 +146,7 @@ struct Row {
 
 /// Datapath cost per packet: the real object under BPF_PROG_TEST_RUN, beside an empty
 /// program of each type on the same frames in the same run.
-fn datapath(repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
+fn datapath(repeat: u32, baseline: Option<&Path>, cold_kind: Cold) -> anyhow::Result<()> {
     let f = |opcode| RoceFrame {
         opcode,
         ..Default::default()
@@ -329,7 +330,7 @@ fn datapath(repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
     );
     print_header(baseline.is_some());
     let mut cold = Vec::new();
-    let mut evict = vec![0u8; EVICT_BYTES];
+    let mut evict = Evict::new(cold_kind)?;
     // ROCE_TRACE_BENCH_ROWS=text: only the rows whose name holds it (while working on one
     // path).
     let only = std::env::var("ROCE_TRACE_BENCH_ROWS").ok();
@@ -485,15 +486,14 @@ fn datapath(repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
          and exactly the samples the identity hash selects, and so on.)"
     );
     println!(
-        "\n== the same frames with cold caches: before each packet the bench writes {} MiB (the CPU's L1 and L2 \n   \
-         over again; this VM reports 2 MiB of L2 and an L3 too large to flush), then times one packet (repeat 1);\n   \
+        "\n== the same frames {}, then one packet timed (repeat 1);\n   \
          median of {COLD_RUNS}, each program alternating with the empty one (and the baseline, which of the two\n   \
          builds runs first alternating too: the second runs with some of the test run's own lines warm).\n   \
          A live hook sits between this and the cache-hot table: what runs between two of our packets evicts\n   \
          some of our lines.\n   \
          Sampled rows also as a reader that keeps up sees them, woken for each sample (the kernel's default)\n   \
          or with wake-ups batched (a wake-up is an IRQ-work self-IPI).",
-        EVICT_BYTES >> 20
+        cold_kind.describe()
     );
     print_header(baseline.is_some());
     for (name, [x, t]) in cold {
@@ -502,8 +502,146 @@ fn datapath(repeat: u32, baseline: Option<&Path>) -> anyhow::Result<()> {
     verifier_stats()
 }
 
-/// Bytes written between cold packets: twice the L2 this VM reports.
-const EVICT_BYTES: usize = 4 << 20;
+/// What the cold table evicts before each packet (`bench datapath --cold`). A cold packet
+/// waits on its cache lines and on the walks of its pages' tables (in a VM, through the
+/// guest's tables and the host's); the three kinds tell the two apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Cold {
+    /// 4 MiB written a line at a time on 4 KiB pages: the L1 and L2 (twice the L2 this VM
+    /// reports; its L3 is too large to flush) and half the second-level data TLB.
+    Both,
+    /// The same 4 MiB on two 2 MiB pages (transparent huge pages, `madvise`): the caches,
+    /// two TLB entries.
+    Caches,
+    /// One line of each of 8192 4 KiB pages: every TLB entry the CPU has for 4 KiB pages,
+    /// 512 KiB of lines, all at a page's start (few of the L2's sets).
+    Tlb,
+}
+
+impl Cold {
+    fn describe(self) -> &'static str {
+        match self {
+            Cold::Both => {
+                "with cold caches and TLB (--cold both): before each packet the bench writes 4 MiB on 4 KiB pages\n   \
+                 (the CPU's L1 and L2 over again, half its second-level TLB; this VM reports 2 MiB of L2 and an L3 too\n   \
+                 large to flush)"
+            }
+            Cold::Caches => {
+                "with cold caches, the TLB warm (--cold caches): before each packet the bench writes 4 MiB on two\n   \
+                 2 MiB huge pages (the L1 and L2 over again, two TLB entries)"
+            }
+            Cold::Tlb => {
+                "with a cold TLB, the caches mostly warm (--cold tlb): before each packet the bench writes one line\n   \
+                 at the start of each of 8192 4 KiB pages (every TLB entry, few of the L2's sets)"
+            }
+        }
+    }
+}
+
+/// The memory the cold table writes before each packet.
+struct Evict {
+    mem: std::ptr::NonNull<u8>,
+    len: usize,
+    /// Bytes from one write to the next: a line, or a page.
+    stride: usize,
+    /// Where the writes start (a huge page's boundary for `Cold::Caches`).
+    start: usize,
+    bytes: usize,
+    pass: u8,
+}
+
+impl Evict {
+    fn new(kind: Cold) -> anyhow::Result<Self> {
+        const HUGE: usize = 2 << 20;
+        let (bytes, stride) = match kind {
+            Cold::Both | Cold::Caches => (4 << 20, 64),
+            Cold::Tlb => (8192 * 4096, 4096),
+        };
+        // Room to start on a huge page's boundary.
+        let len = bytes + HUGE;
+        // SAFETY: a new private anonymous mapping; nothing else is at the address it returns.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        ensure!(
+            p != libc::MAP_FAILED,
+            "mapping the eviction buffer: {}",
+            std::io::Error::last_os_error()
+        );
+        let mem = std::ptr::NonNull::new(p.cast::<u8>()).context("mmap returned null")?;
+        let start = if kind == Cold::Caches {
+            (HUGE - p as usize % HUGE) % HUGE
+        } else {
+            0
+        };
+        let mut e = Self {
+            mem,
+            len,
+            stride,
+            start,
+            bytes,
+            pass: 0,
+        };
+        match kind {
+            Cold::Caches => {
+                // SAFETY: advice on our own mapping.
+                let r = unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
+                ensure!(
+                    r == 0,
+                    "madvise(MADV_HUGEPAGE): {}",
+                    std::io::Error::last_os_error()
+                );
+                e.touch();
+                let huge = anon_huge_kib()?;
+                ensure!(
+                    huge >= (bytes >> 10) as u64,
+                    "--cold caches needs the eviction buffer on huge pages, and this process has {huge} KiB of them \
+                     (/sys/kernel/mm/transparent_hugepage/enabled must allow madvise)"
+                );
+            }
+            Cold::Both | Cold::Tlb => {
+                // SAFETY: advice on our own mapping.
+                unsafe { libc::madvise(p, len, libc::MADV_NOHUGEPAGE) };
+                e.touch();
+            }
+        }
+        Ok(e)
+    }
+
+    /// Writes a new value at every stride (none is skipped as already there).
+    fn touch(&mut self) {
+        self.pass = self.pass.wrapping_add(1);
+        let mut off = self.start;
+        while off < self.start + self.bytes {
+            // SAFETY: inside the mapping (`start + bytes <= len`).
+            unsafe { self.mem.as_ptr().add(off).write_volatile(self.pass) };
+            off += self.stride;
+        }
+    }
+}
+
+impl Drop for Evict {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped once.
+        unsafe { libc::munmap(self.mem.as_ptr().cast(), self.len) };
+    }
+}
+
+/// This process's anonymous memory on transparent huge pages, in KiB.
+fn anon_huge_kib() -> anyhow::Result<u64> {
+    let s = std::fs::read_to_string("/proc/self/smaps_rollup").context("reading /proc/self/smaps_rollup")?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("AnonHugePages:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no AnonHugePages in /proc/self/smaps_rollup")
+}
 const COLD_RUNS: usize = 301;
 
 /// A row's packets one at a time after `evict` is rewritten: `[empty, baseline, this
@@ -516,7 +654,7 @@ fn cold_row(
     r: &Row,
     first_psn: Option<u32>,
     [empty_xdp, empty_tc]: [&EmptyProg; 2],
-    evict: &mut [u8],
+    evict: &mut Evict,
     drain_each: bool,
 ) -> anyhow::Result<[[Option<u64>; 3]; 2]> {
     use roce_trace_common::datapath::PROG_TC;
@@ -528,7 +666,6 @@ fn cold_row(
     };
     // [empty, baseline, this build] for XDP and for TC.
     let mut out: [[Vec<u64>; 3]; 2] = Default::default();
-    let mut pass = 0u8;
     for i in 0..COLD_RUNS as u32 {
         if let (Some(off), Some(psn)) = (psn_off, first_psn) {
             // The same PSN on both hooks: XDP counts ingress, TC egress, two flows.
@@ -547,12 +684,7 @@ fn cold_row(
                     },
                     _ => Some(&mut *t),
                 };
-                // A different value each pass, so no write is skipped as already there.
-                pass = pass.wrapping_add(1);
-                for line in evict.chunks_mut(64) {
-                    line[0] = pass;
-                }
-                std::hint::black_box(&evict);
+                evict.touch();
                 let ns = match (dp.as_deref_mut(), hook) {
                     (None, _) => empty.time(&frame, 1)?,
                     (Some(d), 0) => test_run(d.dp.xdp()?.fd()?, &frame, 1)?.0,

@@ -43,6 +43,10 @@ enum Cmd {
         /// two alternate run by run on the same lab, and each one's median is printed.
         #[arg(long)]
         baseline_bin: Option<std::path::PathBuf>,
+        /// What the datapath's cold table evicts before each packet: both the caches and
+        /// the TLB, the caches alone (the eviction buffer on huge pages), or the TLB alone.
+        #[arg(long, value_enum, default_value_t = bench::Cold::Both)]
+        cold: bench::Cold,
     },
     /// The virtual leaf-spine fabric: up, down, status, faults.
     Lab(lab::LabArgs),
@@ -95,7 +99,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             repeat,
             baseline,
             baseline_bin,
-        } => bench::run(&which, repeat, baseline.as_deref(), baseline_bin.as_deref()),
+            cold,
+        } => bench::run(&which, repeat, baseline.as_deref(), baseline_bin.as_deref(), cold),
         Cmd::Demo { seconds, nats, keep } => demo::run(seconds, nats, keep),
         Cmd::Lab(a) => lab::run(a),
     }
