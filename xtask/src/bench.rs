@@ -314,6 +314,8 @@ fn datapath(repeat: u32, baseline: Option<&Path>, cold_kind: Cold) -> anyhow::Re
     // timed on the same frames in the same run — what any program costs under test run.
     let empty_xdp = EmptyProg::load(BPF_PROG_TYPE_XDP, 2)?; // XDP_PASS
     let empty_tc = EmptyProg::load(BPF_PROG_TYPE_SCHED_CLS, 0)?; // TC_ACT_OK
+    // Before anything is printed: a buffer that cannot evict what was asked for ends the bench.
+    let mut evict = Evict::new(cold_kind)?;
     let baseline = match baseline {
         Some(p) => {
             Some(std::fs::read(p).with_context(|| format!("reading the baseline object {}", p.display()))?)
@@ -330,7 +332,6 @@ fn datapath(repeat: u32, baseline: Option<&Path>, cold_kind: Cold) -> anyhow::Re
     );
     print_header(baseline.is_some());
     let mut cold = Vec::new();
-    let mut evict = Evict::new(cold_kind)?;
     // ROCE_TRACE_BENCH_ROWS=text: only the rows whose name holds it (while working on one
     // path).
     let only = std::env::var("ROCE_TRACE_BENCH_ROWS").ok();
