@@ -558,8 +558,8 @@ impl Evict {
             Cold::Both | Cold::Caches => (4 << 20, 64),
             Cold::Tlb => (8192 * 4096, 4096),
         };
-        // Room to start on a huge page's boundary.
-        let len = bytes + HUGE;
+        // For huge pages, room to start on a huge page's boundary.
+        let len = if kind == Cold::Caches { bytes + HUGE } else { bytes };
         // SAFETY: a new private anonymous mapping; nothing else is at the address it returns.
         let p = unsafe {
             libc::mmap(
