@@ -37,6 +37,8 @@ use async_nats::jetstream::{
 use bytes::{Bytes, BytesMut};
 use thiserror::Error;
 
+use roce_trace_common::sampling::fmix64;
+
 use crate::{
     observation::{CounterDelta, FlowId, Observation, PointDecl},
     protocol::{Decoder, Frame, MAX_BATCH, ProtoError, encode, points_frames},
@@ -54,18 +56,10 @@ fn fnv1a64(seed: u64, bytes: &[u8]) -> u64 {
         .fold(seed, |h, &b| (h ^ b as u64).wrapping_mul(FNV_PRIME))
 }
 
-/// MurmurHash3's 64-bit finaliser: every input bit moves every output bit. FNV-1a alone
-/// leaves its low bits as the parity of its input's (all even with 16 partitions for
-/// host pairs that differ in step), and a modulo takes exactly those bits.
-fn fmix64(mut h: u64) -> u64 {
-    h ^= h >> 33;
-    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    h ^= h >> 33;
-    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    h ^ (h >> 33)
-}
-
 /// The flow's host pair, lower address first: the same for both directions of it.
+/// Finalised by MurmurHash3's [`fmix64`], in which every input bit moves every output
+/// bit: FNV-1a alone leaves its low bits as the parity of its input's (all even with 16
+/// partitions for host pairs that differ in step), and a modulo takes exactly those bits.
 fn pair_hash(flow: &FlowId) -> u64 {
     let (a, b) = if flow.src <= flow.dst {
         (&flow.src, &flow.dst)
@@ -179,6 +173,13 @@ impl Subjects {
 
 /// The header naming the agent's node on every message.
 pub const NODE_HEADER: &str = "Roce-Node";
+
+/// The header carrying the publisher's protocol version ([`crate::protocol::VERSION`]) on
+/// every message: what HELLO says on TCP. A member skips a message of another version
+/// (or of none: an agent before version 8), as a collector refuses such an agent: points
+/// of two versions may sample different packets, and a packet one sampled and the other
+/// did not would be taken for a loss between them.
+pub const PROTOCOL_HEADER: &str = "Roce-Protocol";
 
 /// The header an agent whose clock is synchronised (PTP/NTP: `--clock-synced`) puts on
 /// every message, value `1` (what HELLO says on TCP): its points' one-way delays count.
@@ -776,6 +777,10 @@ impl Fleet {
 pub enum PayloadError {
     #[error("no {NODE_HEADER} header")]
     NoNode,
+    #[error("no {PROTOCOL_HEADER} header (an agent before protocol 8; this side speaks {v})", v = crate::protocol::VERSION)]
+    NoProtocol,
+    #[error("protocol version {got:?} (this side speaks {v}): its points may sample other packets", v = crate::protocol::VERSION)]
+    OtherProtocol { got: String },
     #[error(transparent)]
     Frame(#[from] ProtoError),
     #[error("payload ends inside its frame")]
@@ -784,6 +789,17 @@ pub enum PayloadError {
     Trailing,
     #[error("a {got} frame on a subject that carries {want}")]
     WrongKind { got: &'static str, want: &'static str },
+}
+
+/// Whether a message's [`PROTOCOL_HEADER`] value (`None`: absent) is this side's version.
+pub fn check_protocol(value: Option<&str>) -> Result<(), PayloadError> {
+    match value {
+        None => Err(PayloadError::NoProtocol),
+        Some(v) if v == crate::protocol::VERSION.to_string() => Ok(()),
+        Some(v) => Err(PayloadError::OtherProtocol {
+            got: v.chars().take(32).collect(),
+        }),
+    }
 }
 
 /// The one frame a message carries (encoded with sequence number 0).

@@ -18,8 +18,11 @@ use roce_trace_common::datapath::Counts;
 /// proves no loss, and POINTS carry each point's MTU (declared again when it changes). 6:
 /// the collector sends HEARTBEATs too (keepalives both ways), and refuses a second
 /// session of a node whose connection is live. 7: NIC frames (a port's NIC and PFC
-/// counters per interval).
-pub const VERSION: u16 = 7;
+/// counters per interval). 8: the identity hash's per-packet finish is MurmurHash3's
+/// fmix64 (`sampling::identity_finish`), so points of 7 and 8 sample different packets;
+/// as with every version, a collector refuses an agent of another (and a fleet member
+/// skips its messages), so no join compares two sampling schemes.
+pub const VERSION: u16 = 8;
 /// Largest frame either side accepts (length field included).
 pub const MAX_FRAME: usize = 4 << 20;
 /// Now, Unix nanoseconds: the time a HEARTBEAT carries (either way) and agents stamp

@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use super::{
-    CLOCK_HEADER, Fleet, FleetError, NODE_HEADER, PayloadError, check_name, decode_payload, decode_points,
-    kv_key, kv_key_name, partition_of,
+    CLOCK_HEADER, Fleet, FleetError, NODE_HEADER, PROTOCOL_HEADER, PayloadError, check_name, check_protocol,
+    decode_payload, decode_points, kv_key, kv_key_name, partition_of,
 };
 use crate::protocol::Frame;
 
@@ -412,6 +412,12 @@ async fn handle(sh: &Arc<Shared>, partition: Option<u32>, msg: &jetstream::Messa
             .map(|v| v.as_str().to_string())
             .filter(|n| !n.is_empty())
             .ok_or(PayloadError::NoNode)?;
+        check_protocol(
+            msg.headers
+                .as_ref()
+                .and_then(|h| h.get(PROTOCOL_HEADER))
+                .map(|v| v.as_str()),
+        )?;
         let frame = decode_payload(&msg.payload)?;
         fits(sh, partition, &subject, &frame)?;
         Ok((node, frame))

@@ -17,7 +17,10 @@ use serde::Serialize;
 use thiserror::Error;
 use tokio::sync::Notify;
 
-use super::{CLOCK_HEADER, Fleet, FleetError, NODE_HEADER, Subjects, check_name, encode_points, kv_key};
+use super::{
+    CLOCK_HEADER, Fleet, FleetError, NODE_HEADER, PROTOCOL_HEADER, Subjects, check_name, encode_points,
+    kv_key,
+};
 use crate::{
     agent::Delivery,
     observation::PointDecl,
@@ -464,6 +467,7 @@ async fn publish(
     let mut p = PublishMessage::build()
         .payload(m.payload.clone())
         .header(NODE_HEADER, sh.node.as_str())
+        .header(PROTOCOL_HEADER, crate::protocol::VERSION.to_string())
         .message_id(&m.id);
     if sh.clock_synced {
         p = p.header(CLOCK_HEADER, "1");

@@ -627,8 +627,24 @@ async fn a_malformed_message_is_counted_and_skipped_and_later_ones_arrive() {
     let p = partition_of(&good(0).id.flow, 16);
     let data = subjects.data(p);
     let js = f.jetstream();
-    let with_node = |payload: Bytes| PublishMessage::build().payload(payload).header(NODE_HEADER, "h1");
+    let with_node = |payload: Bytes| {
+        PublishMessage::build()
+            .payload(payload)
+            .header(NODE_HEADER, "h1")
+            .header(PROTOCOL_HEADER, crate::protocol::VERSION.to_string())
+    };
     let valid = encode(&Frame::Observations(vec![good(1)]), 0).expect("encodes");
+    // A valid frame from an agent of another protocol version, or of one before the
+    // header (whose points sample other packets).
+    let of_version = |v: Option<&str>| {
+        let m = PublishMessage::build()
+            .payload(valid.clone())
+            .header(NODE_HEADER, "h1");
+        match v {
+            Some(v) => m.header(PROTOCOL_HEADER, v),
+            None => m,
+        }
+    };
     let mut trailing = valid.to_vec();
     trailing.push(0);
     let health = encode(&Frame::Health(Vec::new()), 0).expect("encodes");
@@ -638,6 +654,8 @@ async fn a_malformed_message_is_counted_and_skipped_and_later_ones_arrive() {
         with_node(Bytes::from(trailing)),
         with_node(health),
         with_node(valid.slice(..valid.len() - 3)),
+        of_version(None),
+        of_version(Some("7")),
     ] {
         js.send_publish(data.clone(), msg)
             .await
@@ -664,7 +682,7 @@ async fn a_malformed_message_is_counted_and_skipped_and_later_ones_arrive() {
         r.obs.contains_key(&1)
     })
     .await;
-    assert_eq!(m.stats().malformed, 6);
+    assert_eq!(m.stats().malformed, 8);
     // Still reading.
     let again = encode(&Frame::Observations(vec![good(2)]), 0).expect("encodes");
     js.send_publish(data, with_node(again))
@@ -677,7 +695,7 @@ async fn a_malformed_message_is_counted_and_skipped_and_later_ones_arrive() {
         r.obs.contains_key(&2)
     })
     .await;
-    assert_eq!(m.stats().malformed, 6);
+    assert_eq!(m.stats().malformed, 8);
     assert_eq!(r.obs.len(), 2);
 }
 
