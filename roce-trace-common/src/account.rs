@@ -97,7 +97,7 @@ pub fn new_state(p: &Parsed, cfg: &DatapathConfig) -> FlowState {
             } else {
                 0
             },
-        _pad: [0; 2],
+        repeat: [0; 2],
     }
 }
 
@@ -165,12 +165,77 @@ pub fn news(st: &FlowState, f: &Facts) -> u64 {
     let request = ((facts >> roce::FACT_REQUEST_BIT) & 1).wrapping_neg();
     // A READ REQUEST leaves STATE_AFTER_READ (2) behind it.
     let after = (facts >> (roce::FACT_READ_REQUEST_BIT - 1)) & STATE_AFTER_READ as u64;
-    let flags = st.flags as u64;
+    // STATE_REPEAT is what the fast path remembers, not what the flow is.
+    let flags = (st.flags & !STATE_REPEAT) as u64;
     const SEEN: u64 = STATE_INIT as u64;
     const EXPECTING: u64 = (STATE_INIT | STATE_PSN_VALID) as u64;
     let mut r = (flags & SEEN) ^ SEEN;
     r |= request & ((flags ^ (EXPECTING | after)) | (st.next_psn ^ f.psn) as u64);
     r | (st.first_dscp ^ f.dscp) as u64
+}
+
+/// The state's word from its first DSCP on, in memory order: the first DSCP, the flags,
+/// the repeated request's TOS and opcode ([`STATE_REPEAT`]); one load.
+#[inline(always)]
+fn repeat_word(st: &FlowState) -> u32 {
+    u32::from_ne_bytes([st.first_dscp, st.flags, st.repeat[0], st.repeat[1]])
+}
+
+/// [`repeat_word`] of a flow whose last plain request was like `f` (its DSCP the flow's
+/// first).
+#[inline(always)]
+fn repeat_word_of(f: &Facts) -> u32 {
+    let tos = (f.dscp << 2) | (f.ecn & 3);
+    u32::from_ne_bytes([f.dscp, STATE_INIT | STATE_PSN_VALID | STATE_REPEAT, tos, f.opcode])
+}
+
+/// Whether `f` repeats its flow's last plain request (0: it does): the flow remembers
+/// one ([`STATE_REPEAT`], set by [`note_repeat`]), `f` has its TOS and opcode, and `f`'s
+/// PSN is the one the flow expects. Such a packet is plain but for its sampling: no news
+/// ([`news`]: the flow has seen a request, expects this PSN, its flags stay, its first
+/// DSCP is this one's) and no reason to report but the hash ([`reasons`]: a request is
+/// no CNP and carries no syndrome, and this TOS was neither CE nor an unexpected DSCP in
+/// the packet before). One word compared and one PSN, where [`news`] and [`reasons`] test
+/// a dozen facts: the kernel's most common packet (`roce-trace/tests/account.rs` checks
+/// it against both on every opcode and state).
+#[inline(always)]
+pub fn repeats(st: &FlowState, f: &Facts) -> u64 {
+    u64::from((repeat_word(st) ^ repeat_word_of(f)) | (st.next_psn ^ f.psn))
+}
+
+/// After a plain packet `f`, counted ([`count_plain`]): a request other than a READ
+/// REQUEST is remembered ([`STATE_REPEAT`]: the flags were `STATE_INIT |
+/// STATE_PSN_VALID` and the first DSCP `f`'s, or it would not be plain), so that the
+/// next like it is told by [`repeats`]; after any other the state stays as it was (a
+/// response between requests keeps what they left). Branch-free.
+#[inline(always)]
+pub fn note_repeat(st: &mut FlowState, f: &Facts) {
+    let facts = roce::facts(f.opcode);
+    let remembered = (facts >> roce::FACT_REQUEST_BIT) & !(facts >> roce::FACT_READ_REQUEST_BIT) & 1;
+    // All ones: keep the word (not a request, or a READ REQUEST). Opaque: LLVM would make
+    // the masks a select, a branch in BPF.
+    let keep = (crate::opaque(remembered) as u32).wrapping_sub(1);
+    let w = (repeat_word(st) & keep) | (repeat_word_of(f) & !keep);
+    let [first_dscp, flags, tos, opcode] = w.to_ne_bytes();
+    st.first_dscp = first_dscp;
+    st.flags = flags;
+    st.repeat = [tos, opcode];
+}
+
+/// [`count_plain`] of a packet that [`repeats`] its flow's last plain request: the
+/// expected PSN after it, packets, bytes, the ECN codepoint, the last packet's time and
+/// class (no ACK: it is a request). Straight-line code.
+#[inline(always)]
+pub fn count_repeat(fc: &mut FlowCounters, f: &Facts, frame_len: u32, now: u64) {
+    fc.state.next_psn = f.psn.wrapping_add(1) & roce::PSN_MASK;
+    let c = &mut fc.counts;
+    c.packets += 1;
+    c.bytes += frame_len as u64;
+    c.ecn[(f.ecn & 3) as usize] += 1;
+    fc.last_ns = now;
+    fc.last_dscp = f.dscp;
+    fc.last_pcp = f.pcp;
+    fc.last_ttl = f.ttl;
 }
 
 /// [`update_state`] and [`count`] of a plain packet (see [`news`]): the expected
@@ -289,10 +354,17 @@ pub fn reasons(f: &Facts, cfg: &DatapathConfig, flow_state: u32) -> u32 {
     r |= crate::nonzero((f.syndrome & roce::SYNDROME_NAK_BITS) as u64) as u32 * REASON_NAK;
     let mask = cfg.expected_dscp_mask;
     r |= (crate::nonzero(mask) & !(mask >> (f.dscp & 63)) & 1) as u32 * REASON_UNEXPECTED_DSCP;
-    if cfg.sample_enabled != 0 {
-        let h = identity_finish(flow_state, f.psn, f.opcode) as u64;
-        // Sampled when h <= threshold: h - (threshold + 1) wraps.
-        r |= (crate::opaque(h.wrapping_sub(cfg.sample_threshold as u64 + 1)) >> 63) as u32 * REASON_HASH;
+    r | sampled(f, cfg, flow_state)
+}
+
+/// [`REASON_HASH`] when `f` is sampled (its identity hash is at or below the threshold),
+/// else 0. `flow_state`: as for [`reasons`].
+#[inline(always)]
+pub fn sampled(f: &Facts, cfg: &DatapathConfig, flow_state: u32) -> u32 {
+    if cfg.sample_enabled == 0 {
+        return 0;
     }
-    r
+    let h = identity_finish(flow_state, f.psn, f.opcode) as u64;
+    // Sampled when h <= threshold: h - (threshold + 1) wraps.
+    (crate::opaque(h.wrapping_sub(cfg.sample_threshold as u64 + 1)) >> 63) as u32 * REASON_HASH
 }

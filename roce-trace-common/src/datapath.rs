@@ -449,18 +449,27 @@ pub struct FlowState {
     pub next_psn: u32,
     /// The identity hash's state after the flow's constant fields
     /// (`sampling::identity_flow_state`; 0 when hash sampling is off): a packet's
-    /// sampling decision then costs two rounds, not seven (IPv4) or thirteen (IPv6).
+    /// sampling decision then costs the finish (`sampling::identity_finish`), not the
+    /// rounds over its addresses, ports and QP.
     pub sample_state: u32,
     pub first_dscp: u8,
-    /// [`STATE_INIT`] | [`STATE_PSN_VALID`] | [`STATE_AFTER_READ`].
+    /// [`STATE_INIT`] | [`STATE_PSN_VALID`] | [`STATE_AFTER_READ`] | [`STATE_REPEAT`].
     pub flags: u8,
-    pub _pad: [u8; 2],
+    /// With [`STATE_REPEAT`]: the IPv4 TOS byte and the opcode of the flow's last plain
+    /// request (`account::repeats`).
+    pub repeat: [u8; 2],
 }
 pub const STATE_PSN_VALID: u8 = 1;
 /// The last request was a READ REQUEST: the next PSN may jump by the response count.
 pub const STATE_AFTER_READ: u8 = 2;
 /// The state holds the flow's first DSCP (it has seen the flow).
 pub const STATE_INIT: u8 = 4;
+/// The flow's last request was plain (`account::news`, `account::reasons`), not a READ
+/// REQUEST, and `FlowState::repeat` holds its TOS and opcode: a request with the same
+/// two and the expected PSN is plain as well, but for its sampling (`account::repeats`).
+/// What the kernel's fast path remembers, not what the flow is: every test of the state
+/// but that one leaves it out, and a request it does not take clears it.
+pub const STATE_REPEAT: u8 = 8;
 
 /// Which CPU last saw a flow (shared by all CPUs; touched only when a packet is not in
 /// sequence on its CPU: a new flow, a flow that moved CPU, a gap or a retransmission).

@@ -131,7 +131,7 @@ static ZERO_COUNTERS: FlowCounters = FlowCounters {
         sample_state: 0,
         first_dscp: 0,
         flags: 0,
-        _pad: [0; 2],
+        repeat: [0; 2],
     },
     last_dscp: 0,
     last_pcp: 0,
@@ -174,9 +174,11 @@ fn bump(counters: &mut Counters, counter: GlobalCounter, dir: u8) {
 }
 
 /// The fast path: a plain IPv4 packet whose flow holds its slot on this CPU — the common
-/// packet — counted from its headers read in place. A plain packet (in sequence, no news
-/// for its flow's state, nothing to report: `account::news`, `account::reasons`) is told
-/// by one test and counted in straight-line code; it touches the flow's slot and the first
+/// packet — counted from its headers read in place. A request that repeats its flow's
+/// last plain one (`account::repeats`) is told by one word and its PSN; any other plain
+/// packet (in sequence, no news for its flow's state, nothing to report: `account::news`,
+/// `account::reasons`) by one test ([`fast_plain`]). Both are counted in straight-line
+/// code; they touch the flow's slot and the first
 /// line of this CPU's globals only: no working memory, no flow key written out. Any other
 /// goes to [`fast_rest`]: a packet out of sequence (a retransmission,
 /// a flow that moved here) is parsed whole for what `catch_up` needs, and a packet to
@@ -187,15 +189,7 @@ fn bump(counters: &mut Counters, counter: GlobalCounter, dir: u8) {
 #[inline(always)]
 fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
     let cfg = CONFIG.get();
-    // The helpers first (this CPU, its globals, the clock), while little is live: LLVM
-    // keeps what is live across a helper call on the stack.
     let cpu = this_cpu();
-    let Some(g) = GLOBALS.get_ptr_mut(cpu) else {
-        return false;
-    };
-    // SAFETY: this CPU's element; programs do not nest on one CPU for these hooks.
-    let g = unsafe { &mut *g };
-    let now = coarse_now(g);
     let Some(q) = plain_v4(pkt) else {
         return false;
     };
@@ -208,16 +202,63 @@ fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
     if slot.counters.counts.packets == 0 || !slot.key.same_words(&words) {
         return false;
     }
+    // This CPU's globals (the clock, the count) right after the slot's first loads: at
+    // light load both lines miss, and a miss holds what follows it only as far as the
+    // core looks ahead. Read before the slot, as they were, the globals' line was some
+    // 180 instructions earlier, and the two misses came one after the other.
+    let Some(g) = GLOBALS.get_ptr_mut(cpu) else {
+        return false;
+    };
+    // SAFETY: this CPU's element; programs do not nest on one CPU for these hooks.
+    let g = unsafe { &mut *g };
+    let now = coarse_now(g);
     let c = &mut slot.counters;
     let f = &q.facts;
+    // Nearly every packet: a request like the flow's last plain one, at the expected
+    // PSN. One word and the PSN tell it, where the plain packet's tests are a dozen
+    // facts; then its sampling, then straight-line stores.
+    rare_if_ne!(account::repeats(&c.state, f), 0, {
+        return fast_plain(pkt, cfg, g, c, &q, words, cpu, dir, frame_len, now);
+    });
+    let sampled = account::sampled(f, cfg, c.state.sample_state);
+    rare_if_ne!(sampled, 0, {
+        return fast_rest(pkt, cfg, g, c, &q, words, cpu, dir, frame_len, now, sampled);
+    });
+    bump(&mut g.counters, GlobalCounter::RoceV2, dir);
+    account::count_repeat(c, f, frame_len, now);
+    true
+}
+
+/// [`fast`] of a packet that does not repeat its flow's last plain request (an
+/// acknowledgement, another opcode or TOS, the flow's first request in its slot): plain
+/// (no news, nothing to report) or not.
+#[inline(always)]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "what fast has in registers, passed flat"
+)]
+fn fast_plain<P: Packet>(
+    pkt: &P,
+    cfg: &DatapathConfig,
+    g: &mut Globals,
+    c: &mut FlowCounters,
+    q: &PlainV4,
+    words: [u64; 6],
+    cpu: u32,
+    dir: u8,
+    frame_len: u32,
+    now: u64,
+) -> bool {
+    let f = &q.facts;
     let reasons = account::reasons(f, cfg, c.state.sample_state);
-    // The plain packet, nearly every one (no news, nothing to report): one test, both
-    // sides arithmetic, then straight-line stores.
+    // The plain packet (no news, nothing to report): one test, both sides arithmetic,
+    // then straight-line stores.
     rare_if_ne!(account::news(&c.state, f) | reasons as u64, 0, {
-        return fast_rest(pkt, cfg, g, c, &q, words, cpu, dir, frame_len, now, reasons);
+        return fast_rest(pkt, cfg, g, c, q, words, cpu, dir, frame_len, now, reasons);
     });
     bump(&mut g.counters, GlobalCounter::RoceV2, dir);
     account::count_plain_but_ack(c, f, frame_len, now);
+    account::note_repeat(&mut c.state, f);
     // An acknowledgement's count is on the slot's third line: a jump out of line, so a
     // data packet, which counts none, leaves that line alone.
     rare_if_ne!(account::plain_ack(f), 0, {

@@ -7,7 +7,7 @@ use roce_trace_common::{
     account::{self, StateUpdate},
     datapath::{
         Counts, DatapathConfig, FlowCounters, FlowState, REASON_CE, REASON_CNP, REASON_HASH, REASON_NAK,
-        REASON_UNEXPECTED_DSCP,
+        REASON_UNEXPECTED_DSCP, STATE_REPEAT,
     },
     parse::Facts,
     roce::{self, AckKind, OP_CNP, PSN_MASK, op},
@@ -84,23 +84,35 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
         DatapathConfig::with(7, 0, 0, 1 << 26),
         DatapathConfig::with(7, threshold_for_rate(4).unwrap(), 1, 1 << 26 | 1 << 46),
     ];
-    let (mut plain, mut others, mut sampled_out) = (0u64, 0u64, 0u64);
+    let (mut plain, mut others, mut sampled_out, mut repeats) = (0u64, 0u64, 0u64, 0u64);
     let mut by_opcode = [false; 256];
     for (ci, cfg) in configs.iter().enumerate() {
         for opcode in 0..=255u8 {
-            for flags in 0..8u8 {
+            // STATE_REPEAT with the packet's own TOS and opcode, another's, or none.
+            for (flags, remembered) in (0..16u8).flat_map(|fl| [(fl, 0u8), (fl, 1), (fl, 2)]) {
                 for next_psn in [5, PSN_MASK] {
                     for dpsn in [0u32, 1, 2, PSN_MASK] {
                         let psn = next_psn.wrapping_add(dpsn) & PSN_MASK;
                         for ecn in 0..4u8 {
                             for dscp in [26u8, 46] {
                                 for syndrome in [0x1f, 0x20, 0x60, 0x61] {
+                                    let tos = dscp << 2 | ecn;
                                     let st = FlowState {
                                         next_psn,
                                         sample_state: 0x9e37_79b9 ^ (psn << 3) ^ ci as u32,
                                         first_dscp: 26,
                                         flags,
-                                        _pad: [0; 2],
+                                        // Only a request other than a READ REQUEST is
+                                        // ever remembered (`note_repeat`, checked below).
+                                        repeat: match remembered {
+                                            1 if roce::is_request(opcode)
+                                                && !roce::is_read_request(opcode) =>
+                                            {
+                                                [tos, opcode]
+                                            }
+                                            2 => [26 << 2, op::WRITE_MIDDLE],
+                                            _ => [0; 2],
+                                        },
                                     };
                                     let f = facts(opcode, psn, dscp, ecn, syndrome);
                                     let reasons = account::reasons(&f, cfg, st.sample_state);
@@ -115,10 +127,32 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                     let mut st_full = st;
                                     let in_sequence = account::in_sequence(&st, &f);
                                     let update = account::update_state(&mut st_full, &f);
+                                    // The flags stay but for what the fast path remembers.
                                     let not_plain = !in_sequence
                                         || update != StateUpdate::default()
-                                        || st_full.flags != st.flags
+                                        || st_full.flags & !STATE_REPEAT != st.flags & !STATE_REPEAT
                                         || reasons != 0;
+                                    // A packet that repeats the flow's last plain request is
+                                    // plain but for its sampling, and counted alike. (Its
+                                    // other reasons are the remembered packet's, none: a
+                                    // state remembers only a plain packet, checked below.)
+                                    if account::repeats(&st, &f) == 0 {
+                                        assert!(
+                                            !not_plain
+                                                || reasons & !REASON_HASH != 0
+                                                || reasons == REASON_HASH,
+                                            "repeats but is not plain: opcode {opcode:#x} flags {flags} \
+                                             psn {psn} (expected {next_psn}) ecn {ecn} dscp {dscp} config \
+                                             {ci}: in sequence {in_sequence}, {update:?}, reasons {reasons:#x}"
+                                        );
+                                        let seed = u64::from(psn);
+                                        let mut a = counters(st, seed);
+                                        account::count_repeat(&mut a, &f, 1078, 9_000);
+                                        let mut b = counters(st, seed);
+                                        account::count_plain(&mut b, &f, 1078, 9_000);
+                                        assert_eq!(a, b, "repeat: opcode {opcode:#x} psn {psn}");
+                                        repeats += 1;
+                                    }
                                     assert_eq!(
                                         np == 0,
                                         !not_plain,
@@ -139,8 +173,46 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                     let seed = u64::from(psn) ^ u64::from(opcode) << 24;
                                     let mut a = counters(st, seed);
                                     account::count_plain(&mut a, &f, 1078, 9_000);
+                                    // The kernel's plain packet: counted, then remembered
+                                    // when it is a request other than a READ REQUEST.
+                                    let remembers =
+                                        roce::is_request(opcode) && !roce::is_read_request(opcode);
+                                    account::note_repeat(&mut a.state, &f);
+                                    if remembers {
+                                        assert_eq!(
+                                            (a.state.first_dscp, a.state.flags, a.state.repeat),
+                                            (dscp, flags | STATE_REPEAT, [tos, opcode]),
+                                            "remembered: opcode {opcode:#x}"
+                                        );
+                                        // The next like it repeats it, and is plain but for
+                                        // its sampling.
+                                        let next = facts(opcode, (psn + 1) & PSN_MASK, dscp, ecn, syndrome);
+                                        assert_eq!(
+                                            account::repeats(&a.state, &next),
+                                            0,
+                                            "opcode {opcode:#x}"
+                                        );
+                                        let r = account::reasons(&next, cfg, a.state.sample_state);
+                                        assert_eq!(
+                                            (account::news(&a.state, &next), r & !REASON_HASH),
+                                            (0, 0),
+                                            "the repeat of opcode {opcode:#x} is not plain"
+                                        );
+                                    } else {
+                                        assert_eq!(
+                                            (a.state.first_dscp, a.state.flags, a.state.repeat),
+                                            (st.first_dscp, st.flags, st.repeat),
+                                            "not remembered: opcode {opcode:#x}"
+                                        );
+                                    }
                                     let mut b = counters(st_full, seed);
                                     account::count(&mut b, &f, 1078, 9_000, &update);
+                                    // What the full accounting leaves of what the fast path
+                                    // remembers: a request clears it, a response keeps it.
+                                    for c in [&mut a, &mut b] {
+                                        c.state.flags &= !STATE_REPEAT;
+                                        c.state.repeat = [0; 2];
+                                    }
                                     assert_eq!(
                                         a, b,
                                         "opcode {opcode:#x} flags {flags} psn {psn} syndrome {syndrome:#x}"
@@ -166,7 +238,7 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
     }
     assert!(!by_opcode[OP_CNP as usize], "a CNP was plain");
     assert!(
-        plain > 10_000 && others > 100_000 && sampled_out > 1000,
-        "{plain} plain, {others} not"
+        plain > 10_000 && others > 100_000 && sampled_out > 1000 && repeats > 1000,
+        "{plain} plain, {others} not, {repeats} repeats"
     );
 }
