@@ -79,7 +79,7 @@ pub const fn identity_flow_state_v4(
 /// high, then PSN, then opcode), through MurmurHash3's 64-bit finaliser ([`fmix64`]),
 /// whose high half is the hash. Every packet of every watched flow pays for this, so it
 /// is two multiplies and three shifts where murmur3's 32-bit rounds over the PSN and the
-/// opcode and their finaliser were eight multiplies and five rotations (the sampling
+/// opcode and their finaliser were eight multiplies and four rotations (the sampling
 /// scheme of protocol 8; protocol 7's points sampled other packets).
 #[inline(always)]
 pub const fn identity_finish(flow_state: u32, psn: u32, opcode: u8) -> u32 {
