@@ -228,6 +228,13 @@ pub fn note_repeat(st: &mut FlowState, f: &Facts) {
 #[inline(always)]
 pub fn count_repeat(fc: &mut FlowCounters, f: &Facts, frame_len: u32, now: u64) {
     fc.state.next_psn = f.psn.wrapping_add(1) & roce::PSN_MASK;
+    count_packet(fc, f, frame_len, now);
+}
+
+/// What every plain packet adds, whatever its opcode: packets, bytes, its ECN
+/// codepoint, the last packet's time and class.
+#[inline(always)]
+fn count_packet(fc: &mut FlowCounters, f: &Facts, frame_len: u32, now: u64) {
     let c = &mut fc.counts;
     c.packets += 1;
     c.bytes += frame_len as u64;
@@ -257,14 +264,7 @@ pub fn count_plain_but_ack(fc: &mut FlowCounters, f: &Facts, frame_len: u32, now
     let request = (crate::opaque((facts >> roce::FACT_REQUEST_BIT) & 1) as u32).wrapping_neg();
     let st = &mut fc.state;
     st.next_psn = ((f.psn.wrapping_add(1) & request) | (st.next_psn & !request)) & roce::PSN_MASK;
-    let c = &mut fc.counts;
-    c.packets += 1;
-    c.bytes += frame_len as u64;
-    c.ecn[(f.ecn & 3) as usize] += 1;
-    fc.last_ns = now;
-    fc.last_dscp = f.dscp;
-    fc.last_pcp = f.pcp;
-    fc.last_ttl = f.ttl;
+    count_packet(fc, f, frame_len, now);
 }
 
 /// The ACKs a plain packet adds: 1 for an acknowledgement opcode (a NAK is not plain),
