@@ -267,12 +267,7 @@ mod tests {
         for k in [((sport as u32) << 16) | dport as u32, qp] {
             h = mix(h, k);
         }
-        let mut x = (h as u64) << 32 | (psn as u64) << 8 | op as u64;
-        x ^= x >> 33;
-        x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-        x ^= x >> 33;
-        x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-        ((x ^ (x >> 33)) >> 32) as u32
+        (fmix64((h as u64) << 32 | (psn as u64) << 8 | op as u64) >> 32) as u32
     }
 
     #[test]

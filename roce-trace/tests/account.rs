@@ -132,15 +132,16 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                         || update != StateUpdate::default()
                                         || st_full.flags & !STATE_REPEAT != st.flags & !STATE_REPEAT
                                         || reasons != 0;
-                                    // A packet that repeats the flow's last plain request is
-                                    // plain but for its sampling, and counted alike. (Its
-                                    // other reasons are the remembered packet's, none: a
-                                    // state remembers only a plain packet, checked below.)
+                                    // A packet that repeats the flow's last plain request
+                                    // leaves its flow's state as a plain packet does, and is
+                                    // counted alike. (Its reasons are the remembered
+                                    // packet's but for the hash, none: a state remembers
+                                    // only a plain packet, checked below.)
                                     if account::repeats(&st, &f) == 0 {
                                         assert!(
-                                            !not_plain
-                                                || reasons & !REASON_HASH != 0
-                                                || reasons == REASON_HASH,
+                                            in_sequence
+                                                && update == StateUpdate::default()
+                                                && st_full.flags & !STATE_REPEAT == st.flags & !STATE_REPEAT,
                                             "repeats but is not plain: opcode {opcode:#x} flags {flags} \
                                              psn {psn} (expected {next_psn}) ecn {ecn} dscp {dscp} config \
                                              {ci}: in sequence {in_sequence}, {update:?}, reasons {reasons:#x}"
