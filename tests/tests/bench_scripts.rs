@@ -16,8 +16,8 @@ import importlib.machinery, importlib.util, os, sys, tempfile
 spec = importlib.util.spec_from_loader("bao", importlib.machinery.SourceFileLoader("bao", sys.argv[1]))
 m = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(m)
-d = tempfile.mkdtemp()
-image = os.path.join(d, "image.bin")
+d = tempfile.TemporaryDirectory()
+image = os.path.join(d.name, "image.bin")
 with open(image, "wb") as f:
     f.write(bytes([0x48, 0x89, 0xc0]) * 300)  # mov %rax,%rax
 ins = m.instructions(image)
@@ -34,6 +34,7 @@ for i, (off, n) in enumerate(ins):
         extra += 20 if start else 0
 print(m.code_lines(image, starts))
 print(f"{extra / sum(starts.values()):.1%}")
+d.cleanup()
 "#;
     let out = Command::new("python3")
         .args(["-c", program, script])
