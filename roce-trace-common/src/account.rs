@@ -98,6 +98,7 @@ pub fn new_state(p: &Parsed, cfg: &DatapathConfig) -> FlowState {
                 0
             },
         repeat: [0; 2],
+        repeat_lens: 0,
     }
 }
 
@@ -190,26 +191,31 @@ fn repeat_word_of(f: &Facts) -> u32 {
 }
 
 /// Whether `f` repeats its flow's last plain request (0: it does): the flow remembers
-/// one ([`STATE_REPEAT`], set by [`note_repeat`]), `f` has its TOS and opcode, and `f`'s
-/// PSN is the one the flow expects. Such a packet is plain but for its sampling: no news
-/// ([`news`]: the flow has seen a request, expects this PSN, its flags stay, its first
-/// DSCP is this one's) and no reason to report but the hash ([`reasons`]: a request is
-/// no CNP and carries no syndrome, and this TOS was neither CE nor an unexpected DSCP in
-/// the packet before). One word compared and one PSN, where [`news`] and [`reasons`] test
-/// a dozen facts: the kernel's most common packet (`roce-trace/tests/account.rs` checks
-/// it against both on every opcode and state).
+/// one ([`STATE_REPEAT`], set by [`note_repeat`]), `f` has its TOS and opcode, `lens`
+/// are its lengths (`PlainV4::lens`), and `f`'s PSN is the one the flow expects. Such a
+/// packet is plain but for its sampling: no news ([`news`]: the flow has seen a request,
+/// expects this PSN, its flags stay, its first DSCP is this one's) and no reason to
+/// report but the hash ([`reasons`]: a request is no CNP and carries no syndrome, and this
+/// TOS was neither CE nor an unexpected DSCP in the packet before). Its frame, read by
+/// `parse::plain_v4_fields`, passes `parse::plain_v4_checks` as the remembered one did
+/// when it holds `parse::PLAIN_V4_REQUEST_LEN` bytes (the caller's one test): the same
+/// lengths and opcode. Two words compared and one PSN, where the checks, [`news`] and
+/// [`reasons`] test a dozen facts: the kernel's most common packet
+/// (`roce-trace/tests/account.rs` checks it against `news` and `reasons` on every opcode
+/// and state, `roce-trace/tests/parse.rs` the checks).
 #[inline(always)]
-pub fn repeats(st: &FlowState, f: &Facts) -> u64 {
-    u64::from((repeat_word(st) ^ repeat_word_of(f)) | (st.next_psn ^ f.psn))
+pub fn repeats(st: &FlowState, f: &Facts, lens: u32) -> u64 {
+    u64::from((repeat_word(st) ^ repeat_word_of(f)) | (st.next_psn ^ f.psn) | (st.repeat_lens ^ lens))
 }
 
-/// After a plain packet `f`, counted ([`count_plain`]): a request other than a READ
+/// After a plain packet `f` of lengths `lens` (`PlainV4::lens` of a frame that passed
+/// `parse::plain_v4_checks`), counted ([`count_plain`]): a request other than a READ
 /// REQUEST is remembered ([`STATE_REPEAT`]: the flags were `STATE_INIT |
 /// STATE_PSN_VALID` and the first DSCP `f`'s, or it would not be plain), so that the
 /// next like it is told by [`repeats`]; after any other the state stays as it was (a
 /// response between requests keeps what they left). Branch-free.
 #[inline(always)]
-pub fn note_repeat(st: &mut FlowState, f: &Facts) {
+pub fn note_repeat(st: &mut FlowState, f: &Facts, lens: u32) {
     let facts = roce::facts(f.opcode);
     let remembered = (facts >> roce::FACT_REQUEST_BIT) & !(facts >> roce::FACT_READ_REQUEST_BIT) & 1;
     // All ones: keep the word (not a request, or a READ REQUEST). Opaque: LLVM would make
@@ -220,6 +226,7 @@ pub fn note_repeat(st: &mut FlowState, f: &Facts) {
     st.first_dscp = first_dscp;
     st.flags = flags;
     st.repeat = [tos, opcode];
+    st.repeat_lens = (st.repeat_lens & keep) | (lens & !keep);
 }
 
 /// [`count_plain`] of a packet that [`repeats`] its flow's last plain request: the

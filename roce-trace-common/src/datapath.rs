@@ -268,14 +268,13 @@ impl FlowKey {
 /// One entry of the kernel's direct-mapped flow table (`FLOW_SLOTS`, one table per CPU):
 /// the flow that holds it and its counters on that CPU. Empty while
 /// `counters.counts.packets` is 0. Three cache lines: the table starts on a page and each
-/// slot on a line, so a packet's 128 hot bytes (key, state, class, times, packets, bytes,
-/// ECN) are two lines, never three.
+/// slot on a line, so a packet's 128 hot bytes (key and state; the last packet's time and
+/// class, packets, bytes, ECN) are two lines, never three.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FlowSlot {
     pub key: FlowKey,
     pub counters: FlowCounters,
-    pub _pad: [u8; 8],
 }
 
 /// A mirror session: the switch that mirrored a copy (its outer source), the session id
@@ -394,25 +393,28 @@ impl Counts {
 }
 
 /// Exact per-flow counters, one copy per CPU (summed in userspace). What every packet reads
-/// or writes comes first, so that in a flow slot ([`FlowSlot`]) the key, the sequence
-/// state and the class fill the first 64 bytes and the times, packets, bytes and ECN
-/// counts the next 64: a data packet in sequence touches those 128 bytes and no others.
+/// or writes comes first, so that in a flow slot ([`FlowSlot`]) the key and the sequence
+/// state fill the first 64 bytes and the last packet's time and class, packets, bytes and
+/// ECN counts the next 64: a data packet in sequence touches those 128 bytes and no
+/// others.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FlowCounters {
     /// The flow's PSN sequence and first DSCP as this CPU last left them (kernel
     /// bookkeeping, not a counter: merging per-CPU copies drops it).
     pub state: FlowState,
+    /// Last packet, `CLOCK_MONOTONIC` to a scheduler tick (the kernel's coarse clock;
+    /// samples carry precise times).
+    pub last_ns: u64,
     pub last_dscp: u8,
     /// PCP of the outermost VLAN tag; [`PCP_NONE`] when untagged.
     pub last_pcp: u8,
     pub last_ttl: u8,
-    pub _pad: [u8; 1],
-    /// Last and first packet, `CLOCK_MONOTONIC` to a scheduler tick (the kernel's coarse
-    /// clock; samples carry precise times).
-    pub last_ns: u64,
-    pub first_ns: u64,
+    pub _pad: [u8; 5],
     pub counts: Counts,
+    /// First packet, as `last_ns`: written once, so after the counts, off the lines every
+    /// packet writes.
+    pub first_ns: u64,
 }
 
 pub const PCP_NONE: u8 = 0xff;
@@ -458,6 +460,10 @@ pub struct FlowState {
     /// With [`STATE_REPEAT`]: the IPv4 TOS byte and the opcode of the flow's last plain
     /// request (`account::repeats`).
     pub repeat: [u8; 2],
+    /// With [`STATE_REPEAT`]: that request's IPv4 total length and UDP length
+    /// (`parse::PlainV4::lens`), so a request like it is known to pass the same length
+    /// checks without making them.
+    pub repeat_lens: u32,
 }
 pub const STATE_PSN_VALID: u8 = 1;
 /// The last request was a READ REQUEST: the next PSN may jump by the response count.
@@ -797,16 +803,24 @@ const _: () = {
     assert!(core::mem::size_of::<MirrorInfo>() == 24);
     assert!(core::mem::size_of::<Counts>() == core::mem::size_of::<[u64; Counts::LEN]>());
     assert!(core::mem::align_of::<Counts>() == core::mem::align_of::<[u64; Counts::LEN]>());
-    assert!(core::mem::size_of::<FlowCounters>() == 136);
-    assert!(core::mem::size_of::<FlowState>() == 12);
+    assert!(core::mem::size_of::<FlowCounters>() == 144);
+    assert!(core::mem::size_of::<FlowState>() == 16);
     assert!(core::mem::size_of::<FlowOwner>() == 8);
     assert!(core::mem::size_of::<Sample>() == 264);
     assert!(core::mem::offset_of!(Sample, head) == 136);
     assert!(core::mem::offset_of!(Sample, head) + SAMPLE_HEAD_LEN == core::mem::size_of::<Sample>());
     assert!(core::mem::size_of::<DatapathConfig>() == 40);
     assert!(core::mem::size_of::<FlowSlot>() == 192);
-    // The hot part of a slot: key, state and class; then times, packets, bytes and ECN.
+    // The hot part of a slot: key and state; then the last time and class, packets,
+    // bytes and ECN.
     assert!(core::mem::offset_of!(FlowSlot, counters) + core::mem::offset_of!(FlowCounters, last_ns) == 64);
+    assert!(
+        core::mem::offset_of!(FlowSlot, counters)
+            + core::mem::offset_of!(FlowCounters, counts)
+            + core::mem::offset_of!(Counts, ecn)
+            + core::mem::size_of::<[u64; 4]>()
+            == 128
+    );
     assert!(
         core::mem::offset_of!(FlowSlot, counters)
             + core::mem::offset_of!(FlowCounters, counts)

@@ -479,7 +479,53 @@ pub struct PlainV4 {
     pub udp_sport: u16,
     pub dest_qp: u32,
     pub facts: Facts,
+    /// The IPv4 total length (low half) and the UDP length (high half): with the opcode,
+    /// all that [`plain_v4_checks`] tests of a frame that holds
+    /// [`REQUEST_EXT_END`] bytes after its BTH.
+    pub lens: u32,
 }
+
+/// The headers of a plain IPv4 RoCEv2 frame as [`plain_v4_fields`] reads them: Ethernet,
+/// IPv4 without options, UDP and the BTH (its first word, then the QP's and the PSN's
+/// words), in place behind one bounds test.
+#[repr(C)]
+struct PlainV4Headers {
+    eth: EthHdr,
+    ip: Ipv4Hdr,
+    udp: UdpHdr,
+    /// The BTH's first word: the opcode first.
+    bth_head: [u8; 4],
+    /// The QP is its low 24 bits.
+    qp_word: [u8; 4],
+    /// The PSN is its low 24 bits.
+    psn_word: [u8; 4],
+}
+// SAFETY: only byte structs and byte arrays.
+unsafe impl Header for PlainV4Headers {}
+const _: () = assert!(PlainV4Headers::LEN == EthHdr::LEN + Ipv4Hdr::LEN + UdpHdr::LEN + Bth::LEN);
+
+/// Where a plain IPv4 frame's extended headers start: right after its BTH.
+const PLAIN_V4_EXT_OFF: usize = PlainV4Headers::LEN;
+
+/// The most bytes after the BTH that any request opcode's extended headers the parser
+/// reads take ([`roce::ext_end`] over the requests): a plain IPv4 frame that holds
+/// [`PLAIN_V4_EXT_OFF`] + this many bytes holds the extended headers of whatever request
+/// it carries, and its [`plain_v4_checks`] then depend on its [`PlainV4::lens`] and opcode
+/// alone.
+pub const REQUEST_EXT_END: usize = {
+    let mut max = 0;
+    let mut o = 0;
+    while o < 256 {
+        if roce::is_request(o as u8) && roce::ext_end(o as u8) > max {
+            max = roce::ext_end(o as u8);
+        }
+        o += 1;
+    }
+    max
+};
+
+/// The bytes a plain IPv4 frame must hold for [`REQUEST_EXT_END`].
+pub const PLAIN_V4_REQUEST_LEN: usize = PLAIN_V4_EXT_OFF + REQUEST_EXT_END;
 
 /// A frame [`first_look`] called [`Look::PlainV4`], read for the kernel's fast path: `Some`
 /// only when [`parse_plain_v4_into`] would parse it (`Ok`), and then with the same
@@ -487,59 +533,74 @@ pub struct PlainV4 {
 /// the parser would refuse or count as a failure, which the full path then counts. Reads
 /// the headers in place and writes nothing. What `first_look` established it does not
 /// test again: the UDP port (so it takes none), the IPv4 header's version and length.
+/// [`plain_v4_fields`], then [`plain_v4_checks`].
 #[inline(always)]
 pub fn plain_v4<P: Packet>(p: &P) -> Option<PlainV4> {
+    let mut q = plain_v4_fields(p)?;
+    q.facts.syndrome = plain_v4_checks(p, &q)?;
+    Some(q)
+}
+
+/// What [`plain_v4`] reads, behind one bounds test (the BTH's end) and none of its
+/// checks, the syndrome 0: the same as `plain_v4`'s when that is `Some`. The kernel's fast
+/// path reads this first; a request like its flow's last plain one (the same opcode and
+/// [`PlainV4::lens`]) in a frame that holds [`PLAIN_V4_REQUEST_LEN`] bytes passes the
+/// checks that one passed and has no syndrome, so it is counted without them
+/// (`account::repeats`); any other packet goes through [`plain_v4_checks`].
+#[inline(always)]
+pub fn plain_v4_fields<P: Packet>(p: &P) -> Option<PlainV4> {
     let pcp = p.offload_pcp();
-    const IP_OFF: usize = EthHdr::LEN;
-    let ip: &Ipv4Hdr = p.header(IP_OFF)?;
+    let h: &PlainV4Headers = p.header(0)?;
+    let tot_len = h.ip.tot_len();
+    let udp_len = h.udp.length();
+    Some(PlainV4 {
+        src: mapped_v4_word(p.word(&h.ip.src)),
+        dst: mapped_v4_word(p.word(&h.ip.dst)),
+        udp_sport: h.udp.src_port(),
+        dest_qp: u32::from_be(p.word(&h.qp_word)) & roce::QPN_MASK,
+        facts: Facts {
+            opcode: h.bth_head[0],
+            psn: u32::from_be(p.word(&h.psn_word)) & roce::PSN_MASK,
+            dscp: h.ip.tos >> 2,
+            ecn: h.ip.tos & 0x3,
+            ttl: h.ip.ttl,
+            pcp,
+            syndrome: 0,
+        },
+        lens: tot_len as u32 | (udp_len as u32) << 16,
+    })
+}
+
+/// [`plain_v4`]'s checks of a frame [`plain_v4_fields`] read as `q`: `parse_roce`'s (the
+/// port is first_look's) on the lengths and the opcode, and that the frame holds the
+/// extended headers the parser reads. The syndrome when they pass: an acknowledgement
+/// opcode's (its AETH is there: `ext_end` covers it), 0 for any other opcode.
+#[inline(always)]
+pub fn plain_v4_checks<P: Packet>(p: &P, q: &PlainV4) -> Option<u8> {
     // first_look saw a total length that holds the header.
-    let l4_len = (ip.tot_len() as usize).wrapping_sub(Ipv4Hdr::LEN);
-    const UDP_OFF: usize = IP_OFF + Ipv4Hdr::LEN;
-    let udp: &UdpHdr = p.header(UDP_OFF)?;
-    let udp_len = udp.length() as usize;
-    // `parse_roce`'s checks, in its order (the port is first_look's).
-    if udp_len < UdpHdr::LEN + Bth::LEN + ICRC_LEN || udp_len > l4_len {
-        return None;
-    }
-    const BTH_OFF: usize = UDP_OFF + UdpHdr::LEN;
-    const EXT_OFF: usize = BTH_OFF + Bth::LEN;
-    let bth: &Bth = p.header(BTH_OFF)?;
-    let opcode = bth.opcode;
-    let layout = ext_layout(opcode);
-    if UdpHdr::LEN + Bth::LEN + layout.min_len as usize + ICRC_LEN > udp_len {
+    let l4_len = ((q.lens & 0xffff) as usize).wrapping_sub(Ipv4Hdr::LEN);
+    let udp_len = (q.lens >> 16) as usize;
+    let opcode = q.facts.opcode;
+    // The UDP length holds the BTH, the opcode's fixed extended bytes and the ICRC (and
+    // so at least the BTH and the ICRC, parse_roce's first test), and fits the IP payload.
+    let min_len = ext_layout(opcode).min_len as usize;
+    if UdpHdr::LEN + Bth::LEN + min_len + ICRC_LEN > udp_len || udp_len > l4_len {
         return None;
     }
     // The extended headers the parser reads, in one test (none of them is read here but
     // an acknowledgement's AETH).
-    if !p.holds(EXT_OFF + roce::ext_end(opcode)) {
+    if !p.holds(PLAIN_V4_EXT_OFF + roce::ext_end(opcode)) {
         return None;
     }
-    // An acknowledgement opcode's syndrome (its AETH is there: `ext_end` covers it), 0
-    // for any other opcode: read whatever the opcode where the frame holds the bytes and
-    // masked, so a data packet does not jump over an acknowledgement's code.
+    // Read whatever the opcode where the frame holds the bytes, and masked, so a data
+    // packet does not jump over an acknowledgement's code.
     let ack = 0u8.wrapping_sub(roce::is_ack_opcode(opcode) as u8);
-    let syndrome = match p.header::<Aeth>(EXT_OFF + roce::ACK_AETH_AT as usize) {
-        Some(aeth) => aeth.syndrome & ack,
-        None => 0,
-    };
-    // The BTH's second and third words: the QP and the PSN are each a word's low 24 bits.
-    let qp_word: &[u8; 4] = p.header(BTH_OFF + 4)?;
-    let psn_word: &[u8; 4] = p.header(BTH_OFF + 8)?;
-    Some(PlainV4 {
-        src: mapped_v4_word(p.word(&ip.src)),
-        dst: mapped_v4_word(p.word(&ip.dst)),
-        udp_sport: udp.src_port(),
-        dest_qp: u32::from_be(p.word(qp_word)) & roce::QPN_MASK,
-        facts: Facts {
-            opcode,
-            psn: u32::from_be(p.word(psn_word)) & roce::PSN_MASK,
-            dscp: ip.tos >> 2,
-            ecn: ip.tos & 0x3,
-            ttl: ip.ttl,
-            pcp,
-            syndrome,
+    Some(
+        match p.header::<Aeth>(PLAIN_V4_EXT_OFF + roce::ACK_AETH_AT as usize) {
+            Some(aeth) => aeth.syndrome & ack,
+            None => 0,
         },
-    })
+    )
 }
 
 /// [`parse_into`] of a frame [`first_look`] called [`Look::PlainV4`], without walking

@@ -731,7 +731,6 @@ mod tests {
         let slot = |qp, counters| FlowSlot {
             key: key(qp),
             counters,
-            ..FlowSlot::default()
         };
         let mut copies = FlowCopies::default();
         copies.slot(0, 2, &slot(1, c(5, 10))); // QP 1 on CPU 0, being moved

@@ -77,6 +77,13 @@ fn header_at<'a, T: Header>(start: usize, end: usize, off: usize) -> Option<&'a 
     Some(unsafe { &*(at as *const T) })
 }
 
+/// Where a packet's data starts and ends, as the verifier tracks them (a packet pointer
+/// and the end), for a bounds test written as one jump (`rare_if_short!`).
+pub trait Span {
+    fn start(&self) -> usize;
+    fn end(&self) -> usize;
+}
+
 pub struct XdpPacket<'a> {
     ctx: &'a XdpContext,
     start: usize,
@@ -100,6 +107,17 @@ impl<'a> XdpPacket<'a> {
     #[inline(always)]
     pub fn frame_len(&self) -> u32 {
         (self.end - self.start) as u32
+    }
+}
+
+impl Span for XdpPacket<'_> {
+    #[inline(always)]
+    fn start(&self) -> usize {
+        self.start
+    }
+    #[inline(always)]
+    fn end(&self) -> usize {
+        self.end
     }
 }
 
@@ -270,6 +288,17 @@ impl<'a> TcPacket<'a> {
     #[inline(always)]
     pub fn frame_len(&self) -> u32 {
         self.ctx.len()
+    }
+}
+
+impl Span for TcPacket<'_> {
+    #[inline(always)]
+    fn start(&self) -> usize {
+        self.start
+    }
+    #[inline(always)]
+    fn end(&self) -> usize {
+        self.end
     }
 }
 

@@ -27,6 +27,25 @@ macro_rules! rare_if_ne {
 }
 pub(crate) use rare_if_ne;
 
+/// `if` the packet `$pkt` ([`ctx::Span`]) holds fewer than `$len` bytes `{ $rare }`, the
+/// common case (it holds them) falling through, as [`rare_if_ne!`] (written as an `if`,
+/// the common case jumped over the jump to the rare block).
+macro_rules! rare_if_short {
+    ($pkt:expr, $len:expr, $rare:block) => {
+        // SAFETY: a compare of a packet pointer with the packet's end and a jump to the
+        // label block; no memory, no stack.
+        unsafe {
+            core::arch::asm!(
+                "if {at} > {end} goto {rare}",
+                at = in(reg) $pkt.start() + $len,
+                end = in(reg) $pkt.end(),
+                rare = label $rare,
+                options(nostack),
+            )
+        }
+    };
+}
+
 mod ctx;
 mod maps;
 
@@ -46,14 +65,14 @@ use roce_trace_common::{
     account,
     datapath::*,
     parse::{
-        Facts, Look, Packet, Parsed, PlainV4, first_look, load_icrc, parse_into, parse_plain_v4_into,
-        plain_v4,
+        Facts, Look, PLAIN_V4_REQUEST_LEN, Packet, Parsed, PlainV4, first_look, load_icrc, parse_into,
+        parse_plain_v4_into, plain_v4_checks, plain_v4_fields,
     },
     scratch::{Globals, Work},
 };
 
 use crate::{
-    ctx::{TcPacket, XdpPacket},
+    ctx::{Span, TcPacket, XdpPacket},
     maps::{CONFIG, FLOW_OWNER, FLOW_SLOTS, FLOWS, GLOBALS, MIRROR_FROM, MIRRORS, SAMPLES, SAMPLES_WOKEN_AT},
 };
 
@@ -73,7 +92,7 @@ pub fn roce_xdp(ctx: XdpContext) -> u32 {
 /// A candidate frame: a plain IPv4 packet of a flow that holds its slot here is counted by
 /// the fast path ([`fast`]); any other by the full one ([`observe`]).
 #[inline(always)]
-fn watch<P: Packet>(pkt: &P, look: Look, dir: u8, ifindex: u32, frame_len: u32) {
+fn watch<P: Packet + Span>(pkt: &P, look: Look, dir: u8, ifindex: u32, frame_len: u32) {
     if look != Look::PlainV4 || !fast(pkt, dir, ifindex, frame_len) {
         observe(pkt, look, dir, ifindex, frame_len);
     }
@@ -124,7 +143,7 @@ fn count_pull(dir: u8) {
     }
 }
 
-/// Inserted for a new flow; a static so its 136 bytes never sit on the BPF stack.
+/// Inserted for a new flow; a static so its 144 bytes never sit on the BPF stack.
 static ZERO_COUNTERS: FlowCounters = FlowCounters {
     state: FlowState {
         next_psn: 0,
@@ -132,12 +151,13 @@ static ZERO_COUNTERS: FlowCounters = FlowCounters {
         first_dscp: 0,
         flags: 0,
         repeat: [0; 2],
+        repeat_lens: 0,
     },
+    last_ns: 0,
     last_dscp: 0,
     last_pcp: 0,
     last_ttl: 0,
-    _pad: [0; 1],
-    last_ns: 0,
+    _pad: [0; 5],
     first_ns: 0,
     counts: Counts {
         packets: 0,
@@ -175,22 +195,23 @@ fn bump(counters: &mut Counters, counter: GlobalCounter, dir: u8) {
 
 /// The fast path: a plain IPv4 packet whose flow holds its slot on this CPU — the common
 /// packet — counted from its headers read in place. A request that repeats its flow's
-/// last plain one (`account::repeats`) is told by one word and its PSN; any other plain
-/// packet (in sequence, no news for its flow's state, nothing to report: `account::news`,
-/// `account::reasons`) by one test ([`fast_plain`]). Both are counted in straight-line
-/// code; they touch the flow's slot and the first
-/// line of this CPU's globals only: no working memory, no flow key written out. Any other
-/// goes to [`fast_rest`]: a packet out of sequence (a retransmission,
-/// a flow that moved here) is parsed whole for what `catch_up` needs, and a packet to
+/// last plain one (`account::repeats`) is told by two words and its PSN, without the
+/// headers' checks (its lengths and opcode are the last one's, which passed them); any
+/// other is checked ([`fast_checked`]) and, plain (in sequence, no news for its flow's
+/// state, nothing to report: `account::news`, `account::reasons`), told by one test
+/// ([`fast_plain`]). Both are counted in straight-line code; they touch the flow's slot
+/// and the first line of this CPU's globals only: no working memory, no flow key written
+/// out. Any other goes to [`fast_rest`]: a packet out of sequence (a retransmission, a
+/// flow that moved here) is parsed whole for what `catch_up` needs, and a packet to
 /// report (sampled, CE, a CNP, a NAK) after it is counted. Whether it counted `pkt`; when
-/// not (not plain IPv4, the flow not in its slot), nothing was counted and [`observe`]
-/// takes the packet whole. The same `account` functions as the full path, so both count a
-/// packet alike.
+/// not (not plain IPv4, its headers not what the parser parses, the flow not in its
+/// slot), nothing was counted and [`observe`] takes the packet whole. The same `account`
+/// functions as the full path, so both count a packet alike.
 #[inline(always)]
-fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
+fn fast<P: Packet + Span>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
     let cfg = CONFIG.get();
     let cpu = this_cpu();
-    let Some(q) = plain_v4(pkt) else {
+    let Some(q) = plain_v4_fields(pkt) else {
         return false;
     };
     let words = account::plain_v4_key_words(&q, ifindex, dir);
@@ -214,24 +235,63 @@ fn fast<P: Packet>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
     let now = coarse_now(g);
     let c = &mut slot.counters;
     let f = &q.facts;
-    // Nearly every packet: a request like the flow's last plain one, at the expected
-    // PSN. One word and the PSN tell it, where the plain packet's tests are a dozen
-    // facts; then its sampling, then straight-line stores.
-    rare_if_ne!(account::repeats(&c.state, f), 0, {
-        return fast_plain(pkt, cfg, g, c, &q, words, cpu, dir, frame_len, now);
-    });
-    let sampled = account::sampled(f, cfg, c.state.sample_state);
-    rare_if_ne!(sampled, 0, {
-        return fast_rest(pkt, cfg, g, c, &q, words, cpu, dir, frame_len, now, sampled);
-    });
-    bump(&mut g.counters, GlobalCounter::RoceV2, dir);
-    account::count_repeat(c, f, frame_len, now);
-    true
+    // Nearly every packet: a request like the flow's last plain one (its TOS, opcode and
+    // lengths), at the expected PSN, in a frame that holds any request's extended
+    // headers. Two words and the PSN tell it, where the checks and the plain packet's
+    // tests are a dozen facts; then its sampling, then straight-line stores. Both rare
+    // sides break to one copy of the checked path.
+    'checked: {
+        rare_if_ne!(account::repeats(&c.state, f, q.lens), 0, {
+            break 'checked;
+        });
+        rare_if_short!(pkt, PLAIN_V4_REQUEST_LEN, {
+            break 'checked;
+        });
+        let sampled = account::sampled(f, cfg, c.state.sample_state);
+        rare_if_ne!(sampled, 0, {
+            return fast_rest(pkt, cfg, g, c, &q, words, cpu, dir, frame_len, now, sampled);
+        });
+        bump(&mut g.counters, GlobalCounter::RoceV2, dir);
+        account::count_repeat(c, f, frame_len, now);
+        return true;
+    }
+    fast_checked(pkt, cfg, g, c, &q, words, cpu, dir, frame_len, now)
 }
 
 /// [`fast`] of a packet that does not repeat its flow's last plain request (an
-/// acknowledgement, another opcode or TOS, the flow's first request in its slot): plain
-/// (no news, nothing to report) or not.
+/// acknowledgement, another opcode, TOS or length, the flow's first request in its slot,
+/// a frame shorter than any request's extended headers): its headers checked as
+/// `parse::plain_v4` checks them; when they fail, nothing is counted (the full path takes
+/// the frame).
+#[inline(always)]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "what fast has in registers, passed flat"
+)]
+fn fast_checked<P: Packet>(
+    pkt: &P,
+    cfg: &DatapathConfig,
+    g: &mut Globals,
+    c: &mut FlowCounters,
+    q: &PlainV4,
+    words: [u64; 6],
+    cpu: u32,
+    dir: u8,
+    frame_len: u32,
+    now: u64,
+) -> bool {
+    let Some(syndrome) = plain_v4_checks(pkt, q) else {
+        return false;
+    };
+    let q = &PlainV4 {
+        facts: Facts { syndrome, ..q.facts },
+        ..*q
+    };
+    fast_plain(pkt, cfg, g, c, q, words, cpu, dir, frame_len, now)
+}
+
+/// [`fast_checked`] of a packet whose headers passed: plain (no news, nothing to report)
+/// or not.
 #[inline(always)]
 #[expect(
     clippy::too_many_arguments,
@@ -258,7 +318,7 @@ fn fast_plain<P: Packet>(
     });
     bump(&mut g.counters, GlobalCounter::RoceV2, dir);
     account::count_plain_but_ack(c, f, frame_len, now);
-    account::note_repeat(&mut c.state, f);
+    account::note_repeat(&mut c.state, f, q.lens);
     // An acknowledgement's count is on the slot's third line: a jump out of line, so a
     // data packet, which counts none, leaves that line alone.
     rare_if_ne!(account::plain_ack(f), 0, {

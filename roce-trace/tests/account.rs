@@ -53,13 +53,19 @@ fn reasons_spec(f: &Facts, cfg: &DatapathConfig, flow_state: u32) -> u32 {
     r
 }
 
+/// The lengths (`PlainV4::lens`) of the frame a state remembers: IPv4 total length 1064,
+/// UDP length 1044.
+const LENS: u32 = 1064 | 1044 << 16;
+/// Other lengths, for the packet a test has the state remember.
+const OTHER_LENS: u32 = 96 | 76 << 16;
+
 fn counters(st: FlowState, seed: u64) -> FlowCounters {
     let mut c = FlowCounters {
         state: st,
         last_dscp: 1,
         last_pcp: 2,
         last_ttl: 3,
-        _pad: [0],
+        _pad: [0; 5],
         last_ns: 1_000,
         first_ns: 500,
         counts: Counts::default(),
@@ -113,6 +119,7 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                             2 => [26 << 2, op::WRITE_MIDDLE],
                                             _ => [0; 2],
                                         },
+                                        repeat_lens: if remembered == 0 { 0 } else { LENS },
                                     };
                                     let f = facts(opcode, psn, dscp, ecn, syndrome);
                                     let reasons = account::reasons(&f, cfg, st.sample_state);
@@ -137,7 +144,16 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                     // counted alike. (Its reasons are the remembered
                                     // packet's but for the hash, none: a state remembers
                                     // only a plain packet, checked below.)
-                                    if account::repeats(&st, &f) == 0 {
+                                    // Another frame's lengths: never a repeat (its
+                                    // headers' checks are not the remembered one's).
+                                    for lens in [0, LENS ^ 1, LENS ^ 1 << 16, LENS ^ 0x8000_8000] {
+                                        assert_ne!(
+                                            account::repeats(&st, &f, lens),
+                                            0,
+                                            "a repeat with lengths {lens:#x}: opcode {opcode:#x}"
+                                        );
+                                    }
+                                    if account::repeats(&st, &f, LENS) == 0 {
                                         assert!(
                                             in_sequence
                                                 && update == StateUpdate::default()
@@ -178,20 +194,31 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                     // when it is a request other than a READ REQUEST.
                                     let remembers =
                                         roce::is_request(opcode) && !roce::is_read_request(opcode);
-                                    account::note_repeat(&mut a.state, &f);
+                                    let lens = OTHER_LENS ^ u32::from(opcode);
+                                    account::note_repeat(&mut a.state, &f, lens);
                                     if remembers {
                                         assert_eq!(
-                                            (a.state.first_dscp, a.state.flags, a.state.repeat),
-                                            (dscp, flags | STATE_REPEAT, [tos, opcode]),
+                                            (
+                                                a.state.first_dscp,
+                                                a.state.flags,
+                                                a.state.repeat,
+                                                a.state.repeat_lens
+                                            ),
+                                            (dscp, flags | STATE_REPEAT, [tos, opcode], lens),
                                             "remembered: opcode {opcode:#x}"
                                         );
                                         // The next like it repeats it, and is plain but for
-                                        // its sampling.
+                                        // its sampling; of other lengths it does not.
                                         let next = facts(opcode, (psn + 1) & PSN_MASK, dscp, ecn, syndrome);
                                         assert_eq!(
-                                            account::repeats(&a.state, &next),
+                                            account::repeats(&a.state, &next, lens),
                                             0,
                                             "opcode {opcode:#x}"
+                                        );
+                                        assert_ne!(
+                                            account::repeats(&a.state, &next, lens ^ 4 << 16),
+                                            0,
+                                            "opcode {opcode:#x}, another UDP length"
                                         );
                                         let r = account::reasons(&next, cfg, a.state.sample_state);
                                         assert_eq!(
@@ -201,8 +228,13 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                         );
                                     } else {
                                         assert_eq!(
-                                            (a.state.first_dscp, a.state.flags, a.state.repeat),
-                                            (st.first_dscp, st.flags, st.repeat),
+                                            (
+                                                a.state.first_dscp,
+                                                a.state.flags,
+                                                a.state.repeat,
+                                                a.state.repeat_lens
+                                            ),
+                                            (st.first_dscp, st.flags, st.repeat, st.repeat_lens),
                                             "not remembered: opcode {opcode:#x}"
                                         );
                                     }
@@ -213,6 +245,7 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                     for c in [&mut a, &mut b] {
                                         c.state.flags &= !STATE_REPEAT;
                                         c.state.repeat = [0; 2];
+                                        c.state.repeat_lens = 0;
                                     }
                                     assert_eq!(
                                         a, b,

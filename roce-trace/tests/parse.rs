@@ -454,10 +454,15 @@ fn the_first_test_lets_by_only_what_the_parser_calls_non_roce() {
         account,
         datapath::FlowKey,
         parse::{
-            Facts, INNER_HEAD_LEN, Look, Parsed, first_look, parse_into, parse_plain_v4_into, plain_v4,
-            surely_not_roce,
+            Facts, INNER_HEAD_LEN, Look, PLAIN_V4_REQUEST_LEN, Parsed, PlainV4, first_look, parse_into,
+            parse_plain_v4_into, plain_v4, plain_v4_checks, plain_v4_fields, surely_not_roce,
         },
+        roce,
     };
+    // A request's frame that holds PLAIN_V4_REQUEST_LEN bytes: whether it passes the
+    // checks, by its lengths and opcode (the kernel counts a repeat without them).
+    let mut by_lens = std::collections::HashMap::new();
+    let mut repeats_judged = 0;
     let v6 = |mut s: RoceFrame| {
         s.src = "fd00::1".parse().unwrap();
         s.dst = "fd00::2".parse().unwrap();
@@ -575,6 +580,36 @@ fn the_first_test_lets_by_only_what_the_parser_calls_non_roce() {
                     let mut b = Parsed::default();
                     let rb = parse_plain_v4_into(&pkt, ROCEV2_UDP_PORT, &mut b);
                     assert_eq!(q.is_some(), rb.is_ok(), "{rb:?} {f:02x?}");
+                    // What the fast path reads first, then checks: plain_v4 in two.
+                    let fields = plain_v4_fields(&pkt);
+                    let checked = fields.and_then(|x| Some((x, plain_v4_checks(&pkt, &x)?)));
+                    assert_eq!(
+                        checked.map(|(x, syndrome)| PlainV4 {
+                            facts: Facts { syndrome, ..x.facts },
+                            ..x
+                        }),
+                        q,
+                        "{f:02x?}"
+                    );
+                    if let Some(x) = fields
+                        && roce::is_request(x.facts.opcode)
+                        && f.len() >= PLAIN_V4_REQUEST_LEN
+                    {
+                        // A request's checks in such a frame are its lengths' and opcode's,
+                        // and it has no syndrome: what a repeat is counted by.
+                        let passes = plain_v4_checks(&pkt, &x);
+                        assert!(matches!(passes, None | Some(0)), "{f:02x?}");
+                        let first = by_lens
+                            .entry((x.lens, x.facts.opcode))
+                            .or_insert_with(|| (passes.is_some(), f.to_vec()));
+                        assert_eq!(
+                            passes.is_some(),
+                            first.0,
+                            "the same lengths and opcode, checked otherwise: {f:02x?} and {:02x?}",
+                            first.1
+                        );
+                        repeats_judged += 1;
+                    }
                     if let Some(q) = q {
                         fast_read += 1;
                         assert_eq!(q.facts, Facts::of(&b), "{f:02x?}");
@@ -624,6 +659,13 @@ fn the_first_test_lets_by_only_what_the_parser_calls_non_roce() {
     assert!(
         let_by > 1000 && plain > 1000 && fast_read > 1000 && checked > 40_000,
         "{let_by} let by, {plain} plain IPv4 ({fast_read} read by the fast path) of {checked}"
+    );
+    // Frames judged against another of the same lengths and opcode, passing and not.
+    let passing = by_lens.values().filter(|v| v.0).count();
+    assert!(
+        repeats_judged > 1000 && by_lens.len() > 100 && passing > 10 && passing < by_lens.len(),
+        "{repeats_judged} requests judged by {} lengths and opcodes, {passing} passing",
+        by_lens.len()
     );
 }
 

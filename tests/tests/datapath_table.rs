@@ -1603,6 +1603,138 @@ fn plain_acks_are_counted_on_the_fast_path_and_data_packets_count_none() {
     pin_to_cpu_any();
 }
 
+/// A request like its flow's last plain one is counted without its headers' checks only
+/// when its lengths are the last one's and its frame holds any request's extended
+/// headers: a frame of the same opcode, TOS and expected PSN whose UDP length does not fit
+/// its IP payload, or is too short for a BTH, or that is cut inside its RETH, is refused
+/// as the parser refuses it (counted as that failure, not in the flow), and one of other
+/// lengths that parses is counted and remembered. Through each hook, a WRITE ONLY flow
+/// (RETH) and a WRITE MIDDLE flow.
+#[test]
+fn a_request_like_the_last_but_for_its_lengths_is_checked_again() {
+    if !can_run_on_cpu0() {
+        return;
+    }
+    // Bytes of a plain IPv4 frame: the IPv4 total length and the UDP length.
+    const TOT_LEN: usize = 16;
+    const UDP_LEN: usize = 38;
+    let set = |f: &mut Vec<u8>, at: usize, v: usize| {
+        f[at..at + 2].copy_from_slice(&(v as u16).to_be_bytes());
+    };
+    for opcode in [op::WRITE_ONLY, op::WRITE_MIDDLE] {
+        let frame = |psn: u32, payload: usize| {
+            RoceFrame {
+                dest_qp: 0x61,
+                psn,
+                ext: if opcode == op::WRITE_ONLY {
+                    ext::reth(0x1000, 7, payload as u32)
+                } else {
+                    Vec::new()
+                },
+                payload: vec![0x5a; payload],
+                ..f(opcode)
+            }
+            .build()
+        };
+        let ip_len = |f: &[u8]| f.len() - EthHdr::LEN;
+        // (frame, counted in the flow, the failure it is counted as, what it is)
+        let mut steps: Vec<(Vec<u8>, bool, Option<GlobalCounter>, &str)> = vec![
+            (frame(10, 256), true, None, "the flow's first: the full path"),
+            (frame(11, 256), true, None, "plain: checked, remembered"),
+            (frame(12, 256), true, None, "its repeat"),
+        ];
+        // The UDP length past the IP payload, the rest as the repeat's.
+        let mut long = frame(13, 256);
+        let past = ip_len(&long) - Ipv4Hdr::LEN + 4;
+        set(&mut long, UDP_LEN, past);
+        steps.push((
+            long,
+            false,
+            Some(GlobalCounter::BadUdpLength),
+            "UDP length past the payload",
+        ));
+        // Shorter than a BTH and an ICRC.
+        let mut short = frame(13, 256);
+        set(&mut short, UDP_LEN, UdpHdr::LEN + Bth::LEN + 3);
+        steps.push((
+            short,
+            false,
+            Some(GlobalCounter::BadUdpLength),
+            "UDP length short of a BTH",
+        ));
+        // Its lengths the repeat's, the frame cut inside the RETH (a WRITE MIDDLE has
+        // none: cut there, its frame still holds what the parser reads).
+        let mut cut = frame(13, 256);
+        cut.truncate(EthHdr::LEN + Ipv4Hdr::LEN + UdpHdr::LEN + Bth::LEN + 10);
+        let (counted, failure) = if opcode == op::WRITE_ONLY {
+            (false, Some(GlobalCounter::TruncatedExtHeader))
+        } else {
+            (true, None)
+        };
+        steps.push((cut, counted, failure, "cut short, the lengths the repeat's"));
+        let next = if counted { 14 } else { 13 };
+        // Other lengths that parse: counted, then remembered.
+        steps.push((frame(next, 64), true, None, "other lengths: checked, remembered"));
+        steps.push((frame(next + 1, 64), true, None, "their repeat"));
+        // The IP payload one byte longer than the UDP datagram (padding the parser
+        // allows): other lengths again, not the repeat's.
+        let mut padded = frame(next + 2, 64);
+        padded.push(0);
+        let l = ip_len(&padded);
+        set(&mut padded, TOT_LEN, l);
+        steps.push((padded, true, None, "IP padding: checked"));
+        for hook in [Hook::Xdp, Hook::TcIngress, Hook::TcEgress] {
+            let mut t = ProgTest::new(&DatapathOptions {
+                sample_rate: 0,
+                ..Default::default()
+            });
+            let dir = if matches!(hook, Hook::TcEgress) {
+                DIR_EGRESS
+            } else {
+                DIR_INGRESS
+            };
+            let (mut packets, mut bytes) = (0u64, 0u64);
+            for (i, (f, counted, failure, what)) in steps.iter().enumerate() {
+                let before = t.globals();
+                hook.run(&mut t, f);
+                let after = t.globals();
+                if *counted {
+                    packets += 1;
+                    bytes += f.len() as u64;
+                }
+                let flow: Vec<_> = t
+                    .flows()
+                    .into_iter()
+                    .filter(|(k, _)| k.dest_qp == 0x61)
+                    .map(|(_, c)| (c.counts.packets, c.counts.bytes, c.counts.psn_gaps))
+                    .collect();
+                assert_eq!(
+                    flow,
+                    [(packets, bytes, 0)],
+                    "{hook:?} {opcode:#x} step {i}, {what}"
+                );
+                for g in [
+                    GlobalCounter::RoceV2,
+                    GlobalCounter::BadUdpLength,
+                    GlobalCounter::TruncatedExtHeader,
+                ] {
+                    let want = u64::from(if g == GlobalCounter::RoceV2 {
+                        *counted
+                    } else {
+                        *failure == Some(g)
+                    });
+                    assert_eq!(
+                        after.get(g, dir) - before.get(g, dir),
+                        want,
+                        "{hook:?} {opcode:#x} step {i}, {what}: {g:?}"
+                    );
+                }
+            }
+        }
+    }
+    pin_to_cpu_any();
+}
+
 /// The fast path and the first look judge by the loaded configuration, not the defaults:
 /// with a UDP port other than 4791, an expected DSCP and a sampling rate, a flow's packets
 /// after its first take the fast path on that port alone, and its reports (an unexpected
