@@ -4,7 +4,7 @@
 
 use crate::{
     datapath::*,
-    parse::{Facts, Parsed, PlainV4},
+    parse::{Facts, Parsed, PlainV4Key},
     roce::{self, AckKind, OP_CNP},
     sampling::{identity_finish, identity_flow_state, identity_flow_state_v4},
 };
@@ -40,8 +40,8 @@ pub fn set_flow_key(k: &mut FlowKey, p: &Parsed, ifindex: u32, direction: u8) ->
 /// The flow key's words of a plain IPv4 packet read by the kernel's fast path: the same
 /// words [`set_flow_key`] makes of the packet's [`Parsed`].
 #[inline(always)]
-pub fn plain_v4_key_words(q: &PlainV4, ifindex: u32, direction: u8) -> [u64; 6] {
-    key_words(q.src, q.dst, ifindex, q.dest_qp, 0, q.udp_sport, direction, 4)
+pub fn plain_v4_key_words(k: &PlainV4Key, ifindex: u32, direction: u8) -> [u64; 6] {
+    key_words(k.src, k.dst, ifindex, k.dest_qp, 0, k.udp_sport, direction, 4)
 }
 
 /// The six words of a flow key ([`FlowKey::words`]), from the addresses as two words each

@@ -90,7 +90,11 @@ pub const GLOBALS_PAD_WORDS: usize = (64 - (16 + 8 * GLOBAL_COUNTERS_LEN as usiz
 /// one chunk): CPU `cpu`'s chunk `c` is element `cpu << chunk_bits | c`.
 #[inline(always)]
 pub const fn flow_chunk_bits(slot_bits: u32) -> u32 {
-    slot_bits.saturating_sub(SLOTS_PER_CHUNK.trailing_zeros())
+    // `slot_bits.saturating_sub(7)` in arithmetic: every packet computes it, and BPF has
+    // no conditional move (the select was two branches). 0 below 7, where the difference
+    // wraps to a negative i32 (`slot_bits` is at most 32).
+    let d = slot_bits.wrapping_sub(SLOTS_PER_CHUNK.trailing_zeros());
+    d & !(((d as i32) >> 31) as u32)
 }
 
 /// Where CPU `cpu`'s slot `i` of a flow table of `1 << slot_bits` slots a CPU lives: the
@@ -828,6 +832,12 @@ const _: () = {
             == 128
     );
     assert!(MAX_FLOW_SLOTS.is_power_of_two() && SLOTS_PER_CHUNK.is_power_of_two());
+    // The chunks' arithmetic is the saturating difference it stands for.
+    let mut b = 0;
+    while b <= 32 {
+        assert!(flow_chunk_bits(b) == b.saturating_sub(SLOTS_PER_CHUNK.trailing_zeros()));
+        b += 1;
+    }
     assert!(MAX_FLOW_SLOTS.is_multiple_of(SLOTS_PER_CHUNK));
     // Each CPU's chunks start on a page (the map's values do).
     assert!(core::mem::size_of::<FlowSlotChunk>().is_multiple_of(4096));

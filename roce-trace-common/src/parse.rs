@@ -472,24 +472,32 @@ impl Facts {
 /// written out as a [`Parsed`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PlainV4 {
+    pub key: PlainV4Key,
+    pub facts: Facts,
+    /// The IPv4 total length (low half) and the UDP length (high half): with the opcode,
+    /// all that [`plain_v4_checks`] tests of a frame that holds
+    /// [`PLAIN_V4_REQUEST_LEN`] bytes.
+    pub lens: u32,
+}
+
+/// The flow key's fields of a plain IPv4 RoCEv2 packet ([`PlainV4`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlainV4Key {
     /// The addresses mapped as `::ffff:a.b.c.d`, two words each in memory order (as
     /// [`Parsed::src_dwords`] reads them).
     pub src: [u64; 2],
     pub dst: [u64; 2],
     pub udp_sport: u16,
     pub dest_qp: u32,
-    pub facts: Facts,
-    /// The IPv4 total length (low half) and the UDP length (high half): with the opcode,
-    /// all that [`plain_v4_checks`] tests of a frame that holds
-    /// [`REQUEST_EXT_END`] bytes after its BTH.
-    pub lens: u32,
 }
 
-/// The headers of a plain IPv4 RoCEv2 frame as [`plain_v4_fields`] reads them: Ethernet,
+/// The headers of a plain IPv4 RoCEv2 frame as [`plain_v4_headers`] finds them: Ethernet,
 /// IPv4 without options, UDP and the BTH (its first word, then the QP's and the PSN's
-/// words), in place behind one bounds test.
+/// words), in place behind one bounds test. Read apart, [`PlainV4Headers::key`] and
+/// [`PlainV4Headers::facts`], so that the kernel reads the facts after the calls that find
+/// the flow's slot rather than holding them across (on the stack).
 #[repr(C)]
-struct PlainV4Headers {
+pub struct PlainV4Headers {
     eth: EthHdr,
     ip: Ipv4Hdr,
     udp: UdpHdr,
@@ -503,6 +511,40 @@ struct PlainV4Headers {
 // SAFETY: only byte structs and byte arrays.
 unsafe impl Header for PlainV4Headers {}
 const _: () = assert!(PlainV4Headers::LEN == EthHdr::LEN + Ipv4Hdr::LEN + UdpHdr::LEN + Bth::LEN);
+
+impl PlainV4Headers {
+    /// The flow key's fields.
+    #[inline(always)]
+    pub fn key<P: Packet>(&self, p: &P) -> PlainV4Key {
+        PlainV4Key {
+            src: mapped_v4_word(p.word(&self.ip.src)),
+            dst: mapped_v4_word(p.word(&self.ip.dst)),
+            udp_sport: self.udp.src_port(),
+            dest_qp: u32::from_be(p.word(&self.qp_word)) & roce::QPN_MASK,
+        }
+    }
+
+    /// What accounting reads, the syndrome 0 ([`plain_v4_checks`] has an
+    /// acknowledgement's).
+    #[inline(always)]
+    pub fn facts<P: Packet>(&self, p: &P) -> Facts {
+        Facts {
+            opcode: self.bth_head[0],
+            psn: u32::from_be(p.word(&self.psn_word)) & roce::PSN_MASK,
+            dscp: self.ip.tos >> 2,
+            ecn: self.ip.tos & 0x3,
+            ttl: self.ip.ttl,
+            pcp: p.offload_pcp(),
+            syndrome: 0,
+        }
+    }
+
+    /// [`PlainV4::lens`].
+    #[inline(always)]
+    pub fn lens(&self) -> u32 {
+        self.ip.tot_len() as u32 | (self.udp.length() as u32) << 16
+    }
+}
 
 /// Where a plain IPv4 frame's extended headers start: right after its BTH.
 const PLAIN_V4_EXT_OFF: usize = PlainV4Headers::LEN;
@@ -537,50 +579,43 @@ pub const PLAIN_V4_REQUEST_LEN: usize = PLAIN_V4_EXT_OFF + REQUEST_EXT_END;
 #[inline(always)]
 pub fn plain_v4<P: Packet>(p: &P) -> Option<PlainV4> {
     let mut q = plain_v4_fields(p)?;
-    q.facts.syndrome = plain_v4_checks(p, &q)?;
+    q.facts.syndrome = plain_v4_checks(p, q.facts.opcode, q.lens)?;
     Some(q)
+}
+
+/// The headers [`plain_v4`] reads, behind one bounds test (the BTH's end) and none of its
+/// checks.
+#[inline(always)]
+pub fn plain_v4_headers<P: Packet>(p: &P) -> Option<&PlainV4Headers> {
+    p.header(0)
 }
 
 /// What [`plain_v4`] reads, behind one bounds test (the BTH's end) and none of its
 /// checks, the syndrome 0: the same as `plain_v4`'s when that is `Some`. The kernel's fast
-/// path reads this first; a request like its flow's last plain one (the same opcode and
-/// [`PlainV4::lens`]) in a frame that holds [`PLAIN_V4_REQUEST_LEN`] bytes passes the
-/// checks that one passed and has no syndrome, so it is counted without them
-/// (`account::repeats`); any other packet goes through [`plain_v4_checks`].
+/// path reads this first ([`plain_v4_headers`]); a request like its flow's last plain one
+/// (the same opcode and [`PlainV4::lens`]) in a frame that holds [`PLAIN_V4_REQUEST_LEN`]
+/// bytes passes the checks that one passed and has no syndrome, so it is counted without
+/// them (`account::repeats`); any other packet goes through [`plain_v4_checks`].
 #[inline(always)]
 pub fn plain_v4_fields<P: Packet>(p: &P) -> Option<PlainV4> {
-    let pcp = p.offload_pcp();
-    let h: &PlainV4Headers = p.header(0)?;
-    let tot_len = h.ip.tot_len();
-    let udp_len = h.udp.length();
+    let h = plain_v4_headers(p)?;
     Some(PlainV4 {
-        src: mapped_v4_word(p.word(&h.ip.src)),
-        dst: mapped_v4_word(p.word(&h.ip.dst)),
-        udp_sport: h.udp.src_port(),
-        dest_qp: u32::from_be(p.word(&h.qp_word)) & roce::QPN_MASK,
-        facts: Facts {
-            opcode: h.bth_head[0],
-            psn: u32::from_be(p.word(&h.psn_word)) & roce::PSN_MASK,
-            dscp: h.ip.tos >> 2,
-            ecn: h.ip.tos & 0x3,
-            ttl: h.ip.ttl,
-            pcp,
-            syndrome: 0,
-        },
-        lens: tot_len as u32 | (udp_len as u32) << 16,
+        key: h.key(p),
+        facts: h.facts(p),
+        lens: h.lens(),
     })
 }
 
-/// [`plain_v4`]'s checks of a frame [`plain_v4_fields`] read as `q`: `parse_roce`'s (the
-/// port is first_look's) on the lengths and the opcode, and that the frame holds the
-/// extended headers the parser reads. The syndrome when they pass: an acknowledgement
-/// opcode's (its AETH is there: `ext_end` covers it), 0 for any other opcode.
+/// [`plain_v4`]'s checks of a frame [`plain_v4_fields`] read, of `opcode` and `lens`
+/// ([`PlainV4::lens`]): `parse_roce`'s (the port is first_look's) on the lengths and the
+/// opcode, and that the frame holds the extended headers the parser reads. The syndrome
+/// when they pass: an acknowledgement opcode's (its AETH is there: `ext_end` covers it), 0
+/// for any other opcode.
 #[inline(always)]
-pub fn plain_v4_checks<P: Packet>(p: &P, q: &PlainV4) -> Option<u8> {
+pub fn plain_v4_checks<P: Packet>(p: &P, opcode: u8, lens: u32) -> Option<u8> {
     // first_look saw a total length that holds the header.
-    let l4_len = ((q.lens & 0xffff) as usize).wrapping_sub(Ipv4Hdr::LEN);
-    let udp_len = (q.lens >> 16) as usize;
-    let opcode = q.facts.opcode;
+    let l4_len = ((lens & 0xffff) as usize).wrapping_sub(Ipv4Hdr::LEN);
+    let udp_len = (lens >> 16) as usize;
     // The UDP length holds the BTH, the opcode's fixed extended bytes and the ICRC (and
     // so at least the BTH and the ICRC, parse_roce's first test), and fits the IP payload.
     let min_len = ext_layout(opcode).min_len as usize;

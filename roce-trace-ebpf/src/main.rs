@@ -65,8 +65,8 @@ use roce_trace_common::{
     account,
     datapath::*,
     parse::{
-        Facts, Look, PLAIN_V4_REQUEST_LEN, Packet, Parsed, PlainV4, first_look, load_icrc, parse_into,
-        parse_plain_v4_into, plain_v4_checks, plain_v4_fields,
+        Facts, Look, PLAIN_V4_REQUEST_LEN, Packet, Parsed, first_look, load_icrc, parse_into,
+        parse_plain_v4_into, plain_v4_checks, plain_v4_headers,
     },
     scratch::{Globals, Work},
 };
@@ -211,10 +211,10 @@ fn bump(counters: &mut Counters, counter: GlobalCounter, dir: u8) {
 fn fast<P: Packet + Span>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> bool {
     let cfg = CONFIG.get();
     let cpu = this_cpu();
-    let Some(q) = plain_v4_fields(pkt) else {
+    let Some(h) = plain_v4_headers(pkt) else {
         return false;
     };
-    let words = account::plain_v4_key_words(&q, ifindex, dir);
+    let words = account::plain_v4_key_words(&h.key(pkt), ifindex, dir);
     let Some(slot) = flow_slot(cpu, FlowKey::slot_of(&words, cfg.slot_bits), cfg.slot_bits) else {
         return false;
     };
@@ -234,14 +234,18 @@ fn fast<P: Packet + Span>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> boo
     let g = unsafe { &mut *g };
     let now = coarse_now(g);
     let c = &mut slot.counters;
-    let f = &q.facts;
+    // What accounting reads, read here, after the calls that find the slot and the
+    // globals (the verifier inlines them, but LLVM holds across a call what it read
+    // before, on the stack).
+    let f = &h.facts(pkt);
+    let lens = h.lens();
     // Nearly every packet: a request like the flow's last plain one (its TOS, opcode and
     // lengths), at the expected PSN, in a frame that holds any request's extended
     // headers. Two words and the PSN tell it, where the checks and the plain packet's
     // tests are a dozen facts; then its sampling, then straight-line stores. Both rare
     // sides break to one copy of the checked path.
     'checked: {
-        rare_if_ne!(account::repeats(&c.state, f, q.lens), 0, {
+        rare_if_ne!(account::repeats(&c.state, f, lens), 0, {
             break 'checked;
         });
         rare_if_short!(pkt, PLAIN_V4_REQUEST_LEN, {
@@ -249,13 +253,13 @@ fn fast<P: Packet + Span>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> boo
         });
         let sampled = account::sampled(f, cfg, c.state.sample_state);
         rare_if_ne!(sampled, 0, {
-            return fast_rest(pkt, cfg, g, c, &q, words, cpu, dir, frame_len, now, sampled);
+            return fast_rest(pkt, cfg, g, c, f, words, cpu, dir, frame_len, now, sampled);
         });
         bump(&mut g.counters, GlobalCounter::RoceV2, dir);
         account::count_repeat(c, f, frame_len, now);
         return true;
     }
-    fast_checked(pkt, cfg, g, c, &q, words, cpu, dir, frame_len, now)
+    fast_checked(pkt, cfg, g, c, f, lens, words, cpu, dir, frame_len, now)
 }
 
 /// [`fast`] of a packet that does not repeat its flow's last plain request (an
@@ -273,21 +277,19 @@ fn fast_checked<P: Packet>(
     cfg: &DatapathConfig,
     g: &mut Globals,
     c: &mut FlowCounters,
-    q: &PlainV4,
+    f: &Facts,
+    lens: u32,
     words: [u64; 6],
     cpu: u32,
     dir: u8,
     frame_len: u32,
     now: u64,
 ) -> bool {
-    let Some(syndrome) = plain_v4_checks(pkt, q) else {
+    let Some(syndrome) = plain_v4_checks(pkt, f.opcode, lens) else {
         return false;
     };
-    let q = &PlainV4 {
-        facts: Facts { syndrome, ..q.facts },
-        ..*q
-    };
-    fast_plain(pkt, cfg, g, c, q, words, cpu, dir, frame_len, now)
+    let f = &Facts { syndrome, ..*f };
+    fast_plain(pkt, cfg, g, c, f, lens, words, cpu, dir, frame_len, now)
 }
 
 /// [`fast_checked`] of a packet whose headers passed: plain (no news, nothing to report)
@@ -302,23 +304,23 @@ fn fast_plain<P: Packet>(
     cfg: &DatapathConfig,
     g: &mut Globals,
     c: &mut FlowCounters,
-    q: &PlainV4,
+    f: &Facts,
+    lens: u32,
     words: [u64; 6],
     cpu: u32,
     dir: u8,
     frame_len: u32,
     now: u64,
 ) -> bool {
-    let f = &q.facts;
     let reasons = account::reasons(f, cfg, c.state.sample_state);
     // The plain packet (no news, nothing to report): one test, both sides arithmetic,
     // then straight-line stores.
     rare_if_ne!(account::news(&c.state, f) | reasons as u64, 0, {
-        return fast_rest(pkt, cfg, g, c, q, words, cpu, dir, frame_len, now, reasons);
+        return fast_rest(pkt, cfg, g, c, f, words, cpu, dir, frame_len, now, reasons);
     });
     bump(&mut g.counters, GlobalCounter::RoceV2, dir);
     account::count_plain_but_ack(c, f, frame_len, now);
-    account::note_repeat(&mut c.state, f, q.lens);
+    account::note_repeat(&mut c.state, f, lens);
     // An acknowledgement's count is on the slot's third line: a jump out of line, so a
     // data packet, which counts none, leaves that line alone.
     rare_if_ne!(account::plain_ack(f), 0, {
@@ -339,7 +341,7 @@ fn fast_rest<P: Packet>(
     cfg: &DatapathConfig,
     g: &mut Globals,
     c: &mut FlowCounters,
-    q: &PlainV4,
+    f: &Facts,
     words: [u64; 6],
     cpu: u32,
     dir: u8,
@@ -347,7 +349,6 @@ fn fast_rest<P: Packet>(
     now: u64,
     reasons: u32,
 ) -> bool {
-    let f = &q.facts;
     let in_sequence = account::in_sequence(&c.state, f);
     if !in_sequence {
         roce_trace_common::cold_path();
