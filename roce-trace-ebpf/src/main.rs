@@ -197,9 +197,9 @@ fn bump(counters: &mut Counters, counter: GlobalCounter, dir: u8) {
 /// packet — counted from its headers read in place. A request that repeats its flow's
 /// last plain one (`account::repeats`) is told by two words and its PSN, without the
 /// headers' checks (its lengths and opcode are the last one's, which passed them); any
-/// other is checked ([`fast_checked`]) and, plain (in sequence, no news for its flow's
-/// state, nothing to report: `account::news`, `account::reasons`), told by one test
-/// ([`fast_plain`]). Both are counted in straight-line code; they touch the flow's slot
+/// other is checked and, plain (in sequence, no news for its flow's state, nothing to
+/// report: `account::news`, `account::reasons`), told by one test ([`fast_checked`]).
+/// Both are counted in straight-line code; they touch the flow's slot
 /// and the first line of this CPU's globals only: no working memory, no flow key written
 /// out. Any other goes to [`fast_rest`]: a packet out of sequence (a retransmission, a
 /// flow that moved here) is parsed whole for what `catch_up` needs, and a packet to
@@ -265,8 +265,8 @@ fn fast<P: Packet + Span>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> boo
 /// [`fast`] of a packet that does not repeat its flow's last plain request (an
 /// acknowledgement, another opcode, TOS or length, the flow's first request in its slot,
 /// a frame shorter than any request's extended headers): its headers checked as
-/// `parse::plain_v4` checks them; when they fail, nothing is counted (the full path takes
-/// the frame).
+/// `parse::plain_v4` checks them (when they fail, nothing is counted: the full path takes
+/// the frame), then plain (no news, nothing to report) or not.
 #[inline(always)]
 #[expect(
     clippy::too_many_arguments,
@@ -289,29 +289,6 @@ fn fast_checked<P: Packet>(
         return false;
     };
     let f = &Facts { syndrome, ..*f };
-    fast_plain(pkt, cfg, g, c, f, lens, words, cpu, dir, frame_len, now)
-}
-
-/// [`fast_checked`] of a packet whose headers passed: plain (no news, nothing to report)
-/// or not.
-#[inline(always)]
-#[expect(
-    clippy::too_many_arguments,
-    reason = "what fast has in registers, passed flat"
-)]
-fn fast_plain<P: Packet>(
-    pkt: &P,
-    cfg: &DatapathConfig,
-    g: &mut Globals,
-    c: &mut FlowCounters,
-    f: &Facts,
-    lens: u32,
-    words: [u64; 6],
-    cpu: u32,
-    dir: u8,
-    frame_len: u32,
-    now: u64,
-) -> bool {
     let reasons = account::reasons(f, cfg, c.state.sample_state);
     // The plain packet (no news, nothing to report): one test, both sides arithmetic,
     // then straight-line stores.
