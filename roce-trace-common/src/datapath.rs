@@ -90,9 +90,11 @@ pub const GLOBALS_PAD_WORDS: usize = (64 - (16 + 8 * GLOBAL_COUNTERS_LEN as usiz
 /// one chunk): CPU `cpu`'s chunk `c` is element `cpu << chunk_bits | c`.
 #[inline(always)]
 pub const fn flow_chunk_bits(slot_bits: u32) -> u32 {
-    // `slot_bits.saturating_sub(7)` in arithmetic: every packet computes it, and BPF has
-    // no conditional move (the select was two branches). 0 below 7, where the difference
-    // wraps to a negative i32 (`slot_bits` is at most 32).
+    // `slot_bits.saturating_sub(7)` in arithmetic: every packet computes it. LLVM makes
+    // this one select (BPF has no conditional move), which the verifier folds away with
+    // the frozen configuration's `slot_bits`; `saturating_sub` was two branches the JIT
+    // kept. 0 below 7, where the difference wraps to a negative i32 (`slot_bits` is at
+    // most 32).
     let d = slot_bits.wrapping_sub(SLOTS_PER_CHUNK.trailing_zeros());
     d & !(((d as i32) >> 31) as u32)
 }

@@ -592,7 +592,7 @@ pub fn plain_v4_headers<P: Packet>(p: &P) -> Option<&PlainV4Headers> {
 
 /// What [`plain_v4`] reads, behind one bounds test (the BTH's end) and none of its
 /// checks, the syndrome 0: the same as `plain_v4`'s when that is `Some`. The kernel's fast
-/// path reads this first ([`plain_v4_headers`]); a request like its flow's last plain one
+/// path reads the same from [`plain_v4_headers`] first; a request like its flow's last plain one
 /// (the same opcode and [`PlainV4::lens`]) in a frame that holds [`PLAIN_V4_REQUEST_LEN`]
 /// bytes passes the checks that one passed and has no syndrome, so it is counted without
 /// them (`account::repeats`); any other packet goes through [`plain_v4_checks`].
