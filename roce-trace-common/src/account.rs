@@ -166,8 +166,8 @@ pub fn news(st: &FlowState, f: &Facts) -> u64 {
     let request = ((facts >> roce::FACT_REQUEST_BIT) & 1).wrapping_neg();
     // A READ REQUEST leaves STATE_AFTER_READ (2) behind it.
     let after = (facts >> (roce::FACT_READ_REQUEST_BIT - 1)) & STATE_AFTER_READ as u64;
-    // STATE_REPEAT is what the fast path remembers, not what the flow is.
-    let flags = (st.flags & !STATE_REPEAT) as u64;
+    // STATE_REMEMBERED is what the fast path remembers, not what the flow is.
+    let flags = (st.flags & !STATE_REMEMBERED) as u64;
     const SEEN: u64 = STATE_INIT as u64;
     const EXPECTING: u64 = (STATE_INIT | STATE_PSN_VALID) as u64;
     let mut r = (flags & SEEN) ^ SEEN;
@@ -208,25 +208,79 @@ pub fn repeats(st: &FlowState, f: &Facts, lens: u32) -> u64 {
     u64::from((repeat_word(st) ^ repeat_word_of(f)) | (st.next_psn ^ f.psn) | (st.repeat_lens ^ lens))
 }
 
+/// Whether `f`, a response whose syndrome has been read (`parse::plain_v4_syndrome`),
+/// repeats its flow's last plain response (0: it does): the flow remembers one
+/// ([`STATE_REPEAT`] | [`STATE_REPEAT_RESPONSE`], set by [`note_repeat`]), `f` has its
+/// TOS, opcode and lengths, its DSCP is the flow's first, and it is not a NAK. Its PSN
+/// is not tested: a response's is not the sequence the flow follows ([`in_sequence`]). Such a
+/// packet is plain but for its sampling: no news (the flow has seen a packet, its first
+/// DSCP is this one's; a response leaves the flags as they are) and no reason to report
+/// but the hash (it is not a CNP, not a NAK, and this TOS was neither CE nor an
+/// unexpected DSCP in the packet before). Its frame, when it holds its opcode's extended
+/// headers (what `plain_v4_syndrome` tests), passes `parse::plain_v4_checks` as the
+/// remembered one did: the same lengths and opcode. A request never repeats a response:
+/// the kernel's acknowledgements and READ responses are told by this test and the
+/// syndrome's read, where the checks, [`news`] and [`reasons`] test a dozen facts.
+#[inline(always)]
+pub fn repeats_response(st: &FlowState, f: &Facts, lens: u32) -> u64 {
+    const REMEMBERED: u8 = STATE_INIT | STATE_REPEAT | STATE_REPEAT_RESPONSE;
+    const MASK: u32 = u32::from_ne_bytes([0xff, REMEMBERED, 0xff, 0xff]);
+    let request = (roce::facts(f.opcode) >> roce::FACT_REQUEST_BIT) & 1;
+    let tos = (f.dscp << 2) | (f.ecn & 3);
+    let want = u32::from_ne_bytes([f.dscp, REMEMBERED, tos, f.opcode]);
+    let nak = u32::from(f.syndrome & roce::SYNDROME_NAK_BITS);
+    u64::from(((repeat_word(st) & MASK) ^ want) | (st.repeat_lens ^ lens) | nak) | request
+}
+
 /// After a plain packet `f` of lengths `lens` (`PlainV4::lens` of a frame that passed
 /// `parse::plain_v4_checks`), counted ([`count_plain`]): a request other than a READ
 /// REQUEST is remembered ([`STATE_REPEAT`]: the flags were `STATE_INIT |
 /// STATE_PSN_VALID` and the first DSCP `f`'s, or it would not be plain), so that the
-/// next like it is told by [`repeats`]; after any other the state stays as it was (a
-/// response between requests keeps what they left). Branch-free.
+/// next like it is told by [`repeats`]; a response too ([`STATE_REPEAT`] |
+/// [`STATE_REPEAT_RESPONSE`] added to the flags, which a response leaves as they are),
+/// for [`repeats_response`]. After a READ REQUEST the state stays as it was.
+/// Branch-free.
 #[inline(always)]
 pub fn note_repeat(st: &mut FlowState, f: &Facts, lens: u32) {
     let facts = roce::facts(f.opcode);
-    let remembered = (facts >> roce::FACT_REQUEST_BIT) & !(facts >> roce::FACT_READ_REQUEST_BIT) & 1;
-    // All ones: keep the word (not a request, or a READ REQUEST). Opaque: LLVM would make
-    // the masks a select, a branch in BPF.
+    let request = (facts >> roce::FACT_REQUEST_BIT) & 1;
+    let remembered = !(facts >> roce::FACT_READ_REQUEST_BIT) & 1;
+    // All ones: keep the word (a READ REQUEST). Opaque: LLVM would make the masks a
+    // select, a branch in BPF.
     let keep = (crate::opaque(remembered) as u32).wrapping_sub(1);
-    let w = (repeat_word(st) & keep) | (repeat_word_of(f) & !keep);
+    // All ones for a request.
+    let req = (crate::opaque(request) as u32).wrapping_neg();
+    let tos = (f.dscp << 2) | (f.ecn & 3);
+    let response = u32::from_ne_bytes([
+        st.first_dscp,
+        st.flags | STATE_REPEAT | STATE_REPEAT_RESPONSE,
+        tos,
+        f.opcode,
+    ]);
+    let new = (repeat_word_of(f) & req) | (response & !req);
+    let w = (repeat_word(st) & keep) | (new & !keep);
     let [first_dscp, flags, tos, opcode] = w.to_ne_bytes();
     st.first_dscp = first_dscp;
     st.flags = flags;
     st.repeat = [tos, opcode];
     st.repeat_lens = (st.repeat_lens & keep) | (lens & !keep);
+}
+
+/// [`count_plain`] of a response that [`repeats_response`] its flow's last plain one:
+/// packets, bytes, the ECN codepoint, the last packet's time and class, and an ACK for
+/// an acknowledgement opcode ([`plain_ack`]: the kernel adds it out of line, as this
+/// does not). Straight-line code.
+#[inline(always)]
+pub fn count_response(fc: &mut FlowCounters, f: &Facts, frame_len: u32, now: u64) {
+    count_repeat_response(fc, f, frame_len, now);
+    fc.counts.ack += plain_ack(f);
+}
+
+/// [`count_response`] but for the ACK (the kernel adds [`plain_ack`] out of line, so a
+/// READ response leaves the slot's third line alone).
+#[inline(always)]
+pub fn count_repeat_response(fc: &mut FlowCounters, f: &Facts, frame_len: u32, now: u64) {
+    count_packet(fc, f, frame_len, now);
 }
 
 /// [`count_plain`] of a packet that [`repeats`] its flow's last plain request: the

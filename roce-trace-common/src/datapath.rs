@@ -461,13 +461,15 @@ pub struct FlowState {
     /// rounds over its addresses, ports and QP.
     pub sample_state: u32,
     pub first_dscp: u8,
-    /// [`STATE_INIT`] | [`STATE_PSN_VALID`] | [`STATE_AFTER_READ`] | [`STATE_REPEAT`].
+    /// [`STATE_INIT`] | [`STATE_PSN_VALID`] | [`STATE_AFTER_READ`] | [`STATE_REPEAT`] |
+    /// [`STATE_REPEAT_RESPONSE`].
     pub flags: u8,
     /// With [`STATE_REPEAT`]: the IPv4 TOS byte and the opcode of the flow's last plain
-    /// request (`account::repeats`).
+    /// request (`account::repeats`), or with [`STATE_REPEAT_RESPONSE`] too, of its last
+    /// plain response (`account::repeats_response`).
     pub repeat: [u8; 2],
-    /// With [`STATE_REPEAT`]: that request's IPv4 total length and UDP length
-    /// (`parse::PlainV4::lens`), so a request like it is known to pass the same length
+    /// With [`STATE_REPEAT`]: that packet's IPv4 total length and UDP length
+    /// (`parse::PlainV4::lens`), so a packet like it is known to pass the same length
     /// checks without making them.
     pub repeat_lens: u32,
 }
@@ -482,6 +484,16 @@ pub const STATE_INIT: u8 = 4;
 /// What the kernel's fast path remembers, not what the flow is: every test of the state
 /// but that one leaves it out, and a request it does not take clears it.
 pub const STATE_REPEAT: u8 = 8;
+/// With [`STATE_REPEAT`]: what `FlowState::repeat` holds is the flow's last plain
+/// *response* (an acknowledgement, a READ response), not a request: a response with the
+/// same TOS, opcode and lengths, and no NAK, is plain but for its sampling, whatever its
+/// PSN (`account::repeats_response`). A request it never matches. Cleared with
+/// [`STATE_REPEAT`] by a request; like it, what the fast path remembers, not what the
+/// flow is.
+pub const STATE_REPEAT_RESPONSE: u8 = 16;
+/// The flags that say what the fast path remembers ([`STATE_REPEAT`],
+/// [`STATE_REPEAT_RESPONSE`]): every test of what the flow is leaves them out.
+pub const STATE_REMEMBERED: u8 = STATE_REPEAT | STATE_REPEAT_RESPONSE;
 
 /// Which CPU last saw a flow (shared by all CPUs; touched only when a packet is not in
 /// sequence on its CPU: a new flow, a flow that moved CPU, a gap or a retransmission).

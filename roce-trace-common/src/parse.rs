@@ -622,8 +622,18 @@ pub fn plain_v4_checks<P: Packet>(p: &P, opcode: u8, lens: u32) -> Option<u8> {
     if UdpHdr::LEN + Bth::LEN + min_len + ICRC_LEN > udp_len || udp_len > l4_len {
         return None;
     }
-    // The extended headers the parser reads, in one test (none of them is read here but
-    // an acknowledgement's AETH).
+    plain_v4_syndrome(p, opcode)
+}
+
+/// The second half of [`plain_v4_checks`], the one that reads the frame: that it holds
+/// the extended headers the parser reads for `opcode` (none of them is read here but an
+/// acknowledgement's AETH), and the syndrome (an acknowledgement opcode's, 0 for any
+/// other). A frame whose lengths and opcode passed the first half before passes it
+/// again, so a response like its flow's last plain one is checked by this alone
+/// (`account::repeats_response`).
+#[inline(always)]
+pub fn plain_v4_syndrome<P: Packet>(p: &P, opcode: u8) -> Option<u8> {
+    // The extended headers the parser reads, in one test.
     if !p.holds(PLAIN_V4_EXT_OFF + roce::ext_end(opcode)) {
         return None;
     }

@@ -66,7 +66,7 @@ use roce_trace_common::{
     datapath::*,
     parse::{
         Facts, Look, PLAIN_V4_REQUEST_LEN, Packet, Parsed, first_look, load_icrc, parse_into,
-        parse_plain_v4_into, plain_v4_checks, plain_v4_headers,
+        parse_plain_v4_into, plain_v4_checks, plain_v4_headers, plain_v4_syndrome,
     },
     scratch::{Globals, Work},
 };
@@ -198,7 +198,9 @@ fn bump(counters: &mut Counters, counter: GlobalCounter, dir: u8) {
 /// last plain one (`account::repeats`) is told by two words and its PSN, without the
 /// headers' checks (its lengths and opcode are the last one's, which passed them); any
 /// other is checked and, plain (in sequence, no news for its flow's state, nothing to
-/// report: `account::news`, `account::reasons`), told by one test ([`fast_checked`]).
+/// report: `account::news`, `account::reasons`), told by one test ([`fast_checked`]);
+/// before it, a response (an acknowledgement, a READ response) like its flow's last plain
+/// one is told by its syndrome's read and two words (`account::repeats_response`).
 /// Both are counted in straight-line code; they touch the flow's slot
 /// and the first line of this CPU's globals only: no working memory, no flow key written
 /// out. Any other goes to [`fast_rest`]: a packet out of sequence (a retransmission, a
@@ -259,12 +261,37 @@ fn fast<P: Packet + Span>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> boo
         account::count_repeat(c, f, frame_len, now);
         return true;
     }
+    // An acknowledgement or READ response like the flow's last plain response (its TOS,
+    // opcode and lengths), in a frame that holds its opcode's extended headers, not a
+    // NAK: told by the syndrome's read and two words, whatever its PSN; then its
+    // sampling, then straight-line stores. Out of the request's way: its first test is
+    // the one a repeated request passed.
+    'checked_response: {
+        let Some(syndrome) = plain_v4_syndrome(pkt, f.opcode) else {
+            break 'checked_response;
+        };
+        let f = &Facts { syndrome, ..*f };
+        rare_if_ne!(account::repeats_response(&c.state, f, lens), 0, {
+            break 'checked_response;
+        });
+        // Sampled: the checked path, which reports it (one copy of the reporting code).
+        rare_if_ne!(account::sampled(f, cfg, c.state.sample_state), 0, {
+            break 'checked_response;
+        });
+        bump(&mut g.counters, GlobalCounter::RoceV2, dir);
+        account::count_repeat_response(c, f, frame_len, now);
+        // An acknowledgement's count is on the slot's third line, as in `fast_checked`.
+        rare_if_ne!(account::plain_ack(f), 0, {
+            c.counts.ack += 1;
+        });
+        return true;
+    }
     fast_checked(pkt, cfg, g, c, f, lens, words, cpu, dir, frame_len, now)
 }
 
-/// [`fast`] of a packet that does not repeat its flow's last plain request (an
-/// acknowledgement, another opcode, TOS or length, the flow's first request in its slot,
-/// a frame shorter than any request's extended headers): its headers checked as
+/// [`fast`] of a packet that does not repeat its flow's last plain request or response
+/// (another opcode, TOS or length, the flow's first packet in its slot, a frame shorter
+/// than any request's extended headers, a NAK, a sampled response): its headers checked as
 /// `parse::plain_v4` checks them (when they fail, nothing is counted: the full path takes
 /// the frame), then plain (no news, nothing to report) or not.
 #[inline(always)]

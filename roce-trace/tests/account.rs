@@ -7,7 +7,7 @@ use roce_trace_common::{
     account::{self, StateUpdate},
     datapath::{
         Counts, DatapathConfig, FlowCounters, FlowState, REASON_CE, REASON_CNP, REASON_HASH, REASON_NAK,
-        REASON_UNEXPECTED_DSCP, STATE_REPEAT,
+        REASON_UNEXPECTED_DSCP, STATE_REMEMBERED, STATE_REPEAT, STATE_REPEAT_RESPONSE,
     },
     parse::Facts,
     roce::{self, AckKind, OP_CNP, PSN_MASK, op},
@@ -91,11 +91,13 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
         DatapathConfig::with(7, threshold_for_rate(4).unwrap(), 1, 1 << 26 | 1 << 46),
     ];
     let (mut plain, mut others, mut sampled_out, mut repeats) = (0u64, 0u64, 0u64, 0u64);
+    let mut response_repeats = 0u64;
     let mut by_opcode = [false; 256];
     for (ci, cfg) in configs.iter().enumerate() {
         for opcode in 0..=255u8 {
-            // STATE_REPEAT with the packet's own TOS and opcode, another's, or none.
-            for (flags, remembered) in (0..16u8).flat_map(|fl| [(fl, 0u8), (fl, 1), (fl, 2)]) {
+            // STATE_REPEAT (and STATE_REPEAT_RESPONSE) with the packet's own TOS and
+            // opcode, another's, or none.
+            for (flags, remembered) in (0..32u8).flat_map(|fl| [(fl, 0u8), (fl, 1), (fl, 2)]) {
                 for next_psn in [5, PSN_MASK] {
                     for dpsn in [0u32, 1, 2, PSN_MASK] {
                         let psn = next_psn.wrapping_add(dpsn) & PSN_MASK;
@@ -108,11 +110,14 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                         sample_state: 0x9e37_79b9 ^ (psn << 3) ^ ci as u32,
                                         first_dscp: 26,
                                         flags,
-                                        // Only a request other than a READ REQUEST is
-                                        // ever remembered (`note_repeat`, checked below).
+                                        // Any packet but a READ REQUEST is remembered
+                                        // (`note_repeat`, checked below): a request
+                                        // without STATE_REPEAT_RESPONSE, a response
+                                        // with it (a request clears it: checked below).
                                         repeat: match remembered {
-                                            1 if roce::is_request(opcode)
-                                                && !roce::is_read_request(opcode) =>
+                                            1 if !roce::is_read_request(opcode)
+                                                && roce::is_request(opcode)
+                                                    == (flags & STATE_REPEAT_RESPONSE == 0) =>
                                             {
                                                 [tos, opcode]
                                             }
@@ -134,10 +139,15 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                     let mut st_full = st;
                                     let in_sequence = account::in_sequence(&st, &f);
                                     let update = account::update_state(&mut st_full, &f);
+                                    // A request leaves nothing remembered (the kernel's
+                                    // fast path remembers it again when it is plain).
+                                    if roce::is_request(opcode) {
+                                        assert_eq!(st_full.flags & STATE_REMEMBERED, 0, "{opcode:#x}");
+                                    }
                                     // The flags stay but for what the fast path remembers.
                                     let not_plain = !in_sequence
                                         || update != StateUpdate::default()
-                                        || st_full.flags & !STATE_REPEAT != st.flags & !STATE_REPEAT
+                                        || st_full.flags & !STATE_REMEMBERED != st.flags & !STATE_REMEMBERED
                                         || reasons != 0;
                                     // A packet that repeats the flow's last plain request
                                     // leaves its flow's state as a plain packet does, and is
@@ -152,12 +162,45 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                             0,
                                             "a repeat with lengths {lens:#x}: opcode {opcode:#x}"
                                         );
+                                        assert_ne!(
+                                            account::repeats_response(&st, &f, lens),
+                                            0,
+                                            "a response's repeat with lengths {lens:#x}: opcode {opcode:#x}"
+                                        );
+                                    }
+                                    // A packet that repeats the flow's last plain response
+                                    // is a response, not a NAK, and leaves its flow's state
+                                    // as a plain packet does, whatever its PSN; counted
+                                    // alike. (Its other reasons are the remembered packet's
+                                    // but for the hash: none.)
+                                    if account::repeats_response(&st, &f, LENS) == 0 {
+                                        assert!(
+                                            !roce::is_request(opcode)
+                                                && reasons & REASON_NAK == 0
+                                                && in_sequence
+                                                && update == StateUpdate::default()
+                                                && st_full.flags & !STATE_REMEMBERED
+                                                    == st.flags & !STATE_REMEMBERED
+                                                && account::repeats(&st, &f, LENS) != 0,
+                                            "repeats a response but is not plain: opcode {opcode:#x} \
+                                             flags {flags} psn {psn} syndrome {syndrome:#x} ecn {ecn} \
+                                             dscp {dscp} config {ci}: in sequence {in_sequence}, \
+                                             {update:?}, reasons {reasons:#x}"
+                                        );
+                                        let seed = u64::from(psn);
+                                        let mut a = counters(st, seed);
+                                        account::count_response(&mut a, &f, 1078, 9_000);
+                                        let mut b = counters(st, seed);
+                                        account::count_plain(&mut b, &f, 1078, 9_000);
+                                        assert_eq!(a, b, "response repeat: opcode {opcode:#x} psn {psn}");
+                                        response_repeats += 1;
                                     }
                                     if account::repeats(&st, &f, LENS) == 0 {
                                         assert!(
                                             in_sequence
                                                 && update == StateUpdate::default()
-                                                && st_full.flags & !STATE_REPEAT == st.flags & !STATE_REPEAT,
+                                                && st_full.flags & !STATE_REMEMBERED
+                                                    == st.flags & !STATE_REMEMBERED,
                                             "repeats but is not plain: opcode {opcode:#x} flags {flags} \
                                              psn {psn} (expected {next_psn}) ecn {ecn} dscp {dscp} config \
                                              {ci}: in sequence {in_sequence}, {update:?}, reasons {reasons:#x}"
@@ -191,11 +234,69 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                     let mut a = counters(st, seed);
                                     account::count_plain(&mut a, &f, 1078, 9_000);
                                     // The kernel's plain packet: counted, then remembered
-                                    // when it is a request other than a READ REQUEST.
-                                    let remembers =
-                                        roce::is_request(opcode) && !roce::is_read_request(opcode);
+                                    // when it is a request other than a READ REQUEST, or a
+                                    // response.
+                                    let request = roce::is_request(opcode);
+                                    let remembers = request && !roce::is_read_request(opcode);
                                     let lens = OTHER_LENS ^ u32::from(opcode);
                                     account::note_repeat(&mut a.state, &f, lens);
+                                    if !request {
+                                        assert_eq!(
+                                            (
+                                                a.state.first_dscp,
+                                                a.state.flags,
+                                                a.state.repeat,
+                                                a.state.repeat_lens
+                                            ),
+                                            (
+                                                dscp,
+                                                flags | STATE_REPEAT | STATE_REPEAT_RESPONSE,
+                                                [tos, opcode],
+                                                lens
+                                            ),
+                                            "a response remembered: opcode {opcode:#x}"
+                                        );
+                                        // The next like it repeats it at any PSN, unless a
+                                        // NAK or of other lengths, and is plain but for its
+                                        // sampling; a request's test never takes it.
+                                        for dp in [1, 7, PSN_MASK] {
+                                            let p2 = (psn + dp) & PSN_MASK;
+                                            let next = facts(opcode, p2, dscp, ecn, syndrome);
+                                            assert_eq!(
+                                                account::repeats_response(&a.state, &next, lens),
+                                                0,
+                                                "opcode {opcode:#x} psn {p2}"
+                                            );
+                                            let next_psn =
+                                                facts(opcode, a.state.next_psn, dscp, ecn, syndrome);
+                                            assert_ne!(
+                                                account::repeats(&a.state, &next_psn, lens),
+                                                0,
+                                                "opcode {opcode:#x}: a response as a request's repeat"
+                                            );
+                                            assert_ne!(
+                                                account::repeats_response(&a.state, &next, lens ^ 4 << 16),
+                                                0,
+                                                "opcode {opcode:#x}, another UDP length"
+                                            );
+                                            let r = account::reasons(&next, cfg, a.state.sample_state);
+                                            assert_eq!(
+                                                (account::news(&a.state, &next), r & !REASON_HASH),
+                                                (0, 0),
+                                                "the repeat of response {opcode:#x} is not plain"
+                                            );
+                                        }
+                                        if roce::is_ack_opcode(opcode) {
+                                            for nak in [0x20, 0x60, 0x61, 0x7f] {
+                                                let next = facts(opcode, psn, dscp, ecn, nak);
+                                                assert_ne!(
+                                                    account::repeats_response(&a.state, &next, lens),
+                                                    0,
+                                                    "opcode {opcode:#x}: NAK {nak:#x} as a repeat"
+                                                );
+                                            }
+                                        }
+                                    }
                                     if remembers {
                                         assert_eq!(
                                             (
@@ -204,7 +305,12 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                                 a.state.repeat,
                                                 a.state.repeat_lens
                                             ),
-                                            (dscp, flags | STATE_REPEAT, [tos, opcode], lens),
+                                            (
+                                                dscp,
+                                                flags & !STATE_REMEMBERED | STATE_REPEAT,
+                                                [tos, opcode],
+                                                lens
+                                            ),
                                             "remembered: opcode {opcode:#x}"
                                         );
                                         // The next like it repeats it, and is plain but for
@@ -226,7 +332,12 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                             (0, 0),
                                             "the repeat of opcode {opcode:#x} is not plain"
                                         );
-                                    } else {
+                                        assert_ne!(
+                                            account::repeats_response(&a.state, &next, lens),
+                                            0,
+                                            "opcode {opcode:#x}: a request as a response's repeat"
+                                        );
+                                    } else if request {
                                         assert_eq!(
                                             (
                                                 a.state.first_dscp,
@@ -243,7 +354,7 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                     // What the full accounting leaves of what the fast path
                                     // remembers: a request clears it, a response keeps it.
                                     for c in [&mut a, &mut b] {
-                                        c.state.flags &= !STATE_REPEAT;
+                                        c.state.flags &= !STATE_REMEMBERED;
                                         c.state.repeat = [0; 2];
                                         c.state.repeat_lens = 0;
                                     }
@@ -272,7 +383,7 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
     }
     assert!(!by_opcode[OP_CNP as usize], "a CNP was plain");
     assert!(
-        plain > 10_000 && others > 100_000 && sampled_out > 1000 && repeats > 1000,
-        "{plain} plain, {others} not, {repeats} repeats"
+        plain > 10_000 && others > 100_000 && sampled_out > 1000 && repeats > 1000 && response_repeats > 1000,
+        "{plain} plain, {others} not, {repeats} repeats, {response_repeats} response repeats"
     );
 }

@@ -455,7 +455,8 @@ fn the_first_test_lets_by_only_what_the_parser_calls_non_roce() {
         datapath::FlowKey,
         parse::{
             Facts, INNER_HEAD_LEN, Look, PLAIN_V4_REQUEST_LEN, Parsed, PlainV4, first_look, parse_into,
-            parse_plain_v4_into, plain_v4, plain_v4_checks, plain_v4_fields, surely_not_roce,
+            parse_plain_v4_into, plain_v4, plain_v4_checks, plain_v4_fields, plain_v4_syndrome,
+            surely_not_roce,
         },
         roce,
     };
@@ -463,6 +464,10 @@ fn the_first_test_lets_by_only_what_the_parser_calls_non_roce() {
     // checks, by its lengths and opcode (the kernel counts a repeat without them).
     let mut by_lens = std::collections::HashMap::new();
     let mut repeats_judged = 0;
+    // A response's frame that holds its opcode's extended headers
+    // (`plain_v4_syndrome`): whether it passes the checks, by its lengths and opcode.
+    let mut by_lens_resp = std::collections::HashMap::new();
+    let mut responses_judged = 0;
     let v6 = |mut s: RoceFrame| {
         s.src = "fd00::1".parse().unwrap();
         s.dst = "fd00::2".parse().unwrap();
@@ -611,6 +616,27 @@ fn the_first_test_lets_by_only_what_the_parser_calls_non_roce() {
                         );
                         repeats_judged += 1;
                     }
+                    if let Some(x) = fields
+                        && !roce::is_request(x.facts.opcode)
+                        && let Some(syndrome) = plain_v4_syndrome(&pkt, x.facts.opcode)
+                    {
+                        // A response's checks in a frame that holds its extended headers
+                        // are its lengths' and opcode's, and the syndrome is the one read:
+                        // what a response's repeat is counted by.
+                        let passes = plain_v4_checks(&pkt, x.facts.opcode, x.lens);
+                        assert!(passes.is_none_or(|p| p == syndrome), "{f:02x?}");
+                        let first = by_lens_resp
+                            .entry((x.lens, x.facts.opcode))
+                            .or_insert_with(|| (passes.is_some(), f.to_vec()));
+                        assert_eq!(
+                            passes.is_some(),
+                            first.0,
+                            "a response of the same lengths and opcode, checked otherwise: {f:02x?} \
+                             and {:02x?}",
+                            first.1
+                        );
+                        responses_judged += 1;
+                    }
                     if let Some(q) = q {
                         fast_read += 1;
                         assert_eq!(q.facts, Facts::of(&b), "{f:02x?}");
@@ -667,6 +693,12 @@ fn the_first_test_lets_by_only_what_the_parser_calls_non_roce() {
         repeats_judged > 1000 && by_lens.len() > 100 && passing > 10 && passing < by_lens.len(),
         "{repeats_judged} requests judged by {} lengths and opcodes, {passing} passing",
         by_lens.len()
+    );
+    let passing = by_lens_resp.values().filter(|v| v.0).count();
+    assert!(
+        responses_judged > 1000 && by_lens_resp.len() > 20 && passing > 5 && passing < by_lens_resp.len(),
+        "{responses_judged} responses judged by {} lengths and opcodes, {passing} passing",
+        by_lens_resp.len()
     );
 }
 

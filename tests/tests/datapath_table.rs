@@ -1735,6 +1735,189 @@ fn a_request_like_the_last_but_for_its_lengths_is_checked_again() {
     pin_to_cpu_any();
 }
 
+/// An acknowledgement like its flow's last plain one (its TOS, opcode and lengths) is
+/// counted without its headers' checks, at whatever PSN (`account::repeats_response`);
+/// one that is not like it in what matters is judged as the parser and the full
+/// accounting judge it. Through XDP, TC ingress and TC egress, an ACK flow and a READ
+/// RESPONSE ONLY flow: after a plain one is remembered, ACKs with other credit counts and
+/// PSNs (even one PSN twice) repeat; then a NAK (PSN sequence error) and an RNR NAK with the
+/// repeat's lengths are counted as NAKs and reported, not as ACKs; a frame cut inside its
+/// AETH with the repeat's lengths is refused (`truncated_ext_header`); a CE-marked one is
+/// counted and reported; and the flow repeats again after them. The flow's packets,
+/// bytes, ACKs, NAKs and CE marks are exact after every frame, and so are the reports.
+#[test]
+fn an_acknowledgement_like_the_last_is_counted_without_checks_and_a_nak_or_a_cut_one_is_not() {
+    if !can_run_on_cpu0() {
+        return;
+    }
+    #[derive(Clone, Copy, Default, PartialEq, Eq, Debug)]
+    struct Flow {
+        packets: u64,
+        bytes: u64,
+        ack: u64,
+        nak_psn_seq_err: u64,
+        nak_rnr: u64,
+        ce: u64,
+    }
+    /// A frame, what it adds to the flow, the failure it is counted as, the reasons it is
+    /// reported for, what it is.
+    struct Step {
+        frame: Vec<u8>,
+        add: Flow,
+        failure: Option<GlobalCounter>,
+        reasons: u32,
+        what: &'static str,
+    }
+    for opcode in [op::ACKNOWLEDGE, op::READ_RESPONSE_ONLY] {
+        let ack = opcode == op::ACKNOWLEDGE;
+        let frame = |psn: u32, syndrome: u8, ecn: u8| {
+            RoceFrame {
+                dest_qp: 0x62,
+                psn,
+                ecn,
+                ext: ext::aeth(syndrome, psn),
+                payload: if ack { Vec::new() } else { vec![0x3c; 128] },
+                ..f(opcode)
+            }
+            .build()
+        };
+        let plain = |f: &Vec<u8>| Flow {
+            packets: 1,
+            bytes: f.len() as u64,
+            ack: u64::from(ack),
+            ..Flow::default()
+        };
+        let step = |frame: Vec<u8>, add: Flow, failure, reasons, what| Step {
+            frame,
+            add,
+            failure,
+            reasons,
+            what,
+        };
+        let mut steps = Vec::new();
+        for (psn, syndrome, what) in [
+            (10, 0x1f, "the flow's first: the full path"),
+            (11, 0x1f, "plain: checked, remembered"),
+            (12, 0x00, "its repeat, another credit count"),
+            (12, 0x05, "its repeat at the same PSN"),
+            (9, 0x1f, "its repeat at an earlier PSN"),
+        ] {
+            let fr = frame(psn, syndrome, 2);
+            steps.push(step(fr.clone(), plain(&fr), None, 0, what));
+        }
+        if ack {
+            let nak = frame(13, 0x60, 2);
+            let add = Flow {
+                packets: 1,
+                bytes: nak.len() as u64,
+                nak_psn_seq_err: 1,
+                ..Flow::default()
+            };
+            steps.push(step(
+                nak,
+                add,
+                None,
+                REASON_NAK,
+                "a NAK with the repeat's lengths",
+            ));
+            let rnr = frame(13, 0x2e, 2);
+            let add = Flow {
+                packets: 1,
+                bytes: rnr.len() as u64,
+                nak_rnr: 1,
+                ..Flow::default()
+            };
+            steps.push(step(
+                rnr,
+                add,
+                None,
+                REASON_NAK,
+                "an RNR NAK with the repeat's lengths",
+            ));
+        }
+        let mut cut = frame(14, 0x1f, 2);
+        cut.truncate(EthHdr::LEN + Ipv4Hdr::LEN + UdpHdr::LEN + Bth::LEN + 2);
+        steps.push(step(
+            cut,
+            Flow::default(),
+            Some(GlobalCounter::TruncatedExtHeader),
+            0,
+            "cut inside the AETH, the lengths the repeat's",
+        ));
+        let ce = frame(15, 0x1f, 3);
+        let add = Flow { ce: 1, ..plain(&ce) };
+        steps.push(step(ce, add, None, REASON_CE, "CE-marked: checked, reported"));
+        let again = frame(16, 0x1f, 2);
+        steps.push(step(again.clone(), plain(&again), None, 0, "the repeat again"));
+        for hook in [Hook::Xdp, Hook::TcIngress, Hook::TcEgress] {
+            let mut t = ProgTest::new(&DatapathOptions {
+                sample_rate: 0,
+                ..Default::default()
+            });
+            let dir = if matches!(hook, Hook::TcEgress) {
+                DIR_EGRESS
+            } else {
+                DIR_INGRESS
+            };
+            let mut want = Flow::default();
+            for (
+                i,
+                Step {
+                    frame: fr,
+                    add,
+                    failure,
+                    reasons,
+                    what,
+                },
+            ) in steps.iter().enumerate()
+            {
+                let before = t.globals();
+                hook.run(&mut t, fr);
+                let after = t.globals();
+                want.packets += add.packets;
+                want.bytes += add.bytes;
+                want.ack += add.ack;
+                want.nak_psn_seq_err += add.nak_psn_seq_err;
+                want.nak_rnr += add.nak_rnr;
+                want.ce += add.ce;
+                let flow: Vec<Flow> = t
+                    .flows()
+                    .into_iter()
+                    .filter(|(k, _)| k.dest_qp == 0x62)
+                    .map(|(_, c)| Flow {
+                        packets: c.counts.packets,
+                        bytes: c.counts.bytes,
+                        ack: c.counts.ack,
+                        nak_psn_seq_err: c.counts.nak_psn_seq_err,
+                        nak_rnr: c.counts.nak_rnr,
+                        ce: c.counts.ecn[3],
+                    })
+                    .collect();
+                assert_eq!(flow, [want], "{hook:?} {opcode:#x} step {i}, {what}");
+                let got: Vec<u32> = t.samples().iter().map(|s| s.reasons).collect();
+                let want_reports = if *reasons == 0 { vec![] } else { vec![*reasons] };
+                assert_eq!(
+                    got, want_reports,
+                    "{hook:?} {opcode:#x} step {i}, {what}: reports"
+                );
+                for g in [GlobalCounter::RoceV2, GlobalCounter::TruncatedExtHeader] {
+                    let want = u64::from(if g == GlobalCounter::RoceV2 {
+                        add.packets == 1
+                    } else {
+                        *failure == Some(g)
+                    });
+                    assert_eq!(
+                        after.get(g, dir) - before.get(g, dir),
+                        want,
+                        "{hook:?} {opcode:#x} step {i}, {what}: {g:?}"
+                    );
+                }
+            }
+        }
+    }
+    pin_to_cpu_any();
+}
+
 /// The fast path and the first look judge by the loaded configuration, not the defaults:
 /// with a UDP port other than 4791, an expected DSCP and a sampling rate, a flow's packets
 /// after its first take the fast path on that port alone, and its reports (an unexpected
