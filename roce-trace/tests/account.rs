@@ -77,6 +77,31 @@ fn counters(st: FlowState, seed: u64) -> FlowCounters {
     c
 }
 
+/// After a plain packet of lengths `lens` is remembered in `st`, `next`, like it, is told
+/// by `repeats` (`account::repeats` or `account::repeats_response`), and is plain but for
+/// its sampling; of other lengths it is not told.
+fn the_next_like_it_repeats(
+    repeats: fn(&FlowState, &Facts, u32) -> u64,
+    st: &FlowState,
+    next: &Facts,
+    lens: u32,
+    cfg: &DatapathConfig,
+) {
+    let opcode = next.opcode;
+    assert_eq!(repeats(st, next, lens), 0, "opcode {opcode:#x} psn {}", next.psn);
+    assert_ne!(
+        repeats(st, next, lens ^ 4 << 16),
+        0,
+        "opcode {opcode:#x}, another UDP length"
+    );
+    let r = account::reasons(next, cfg, st.sample_state);
+    assert_eq!(
+        (account::news(st, next), r & !REASON_HASH),
+        (0, 0),
+        "the repeat of opcode {opcode:#x} is not plain"
+    );
+}
+
 /// Every opcode, every state flag combination, PSNs at, before and after the expected one
 /// (and across the wrap), each ECN codepoint, the first DSCP and another, ACK and NAK
 /// syndromes, under sampling off, on at 1 in 4 and on for every packet, with and without
@@ -240,14 +265,12 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                     let remembers = request && !roce::is_read_request(opcode);
                                     let lens = OTHER_LENS ^ u32::from(opcode);
                                     account::note_repeat(&mut a.state, &f, lens);
+                                    // What the fast path remembers of a state.
+                                    let memory =
+                                        |s: &FlowState| (s.first_dscp, s.flags, s.repeat, s.repeat_lens);
                                     if !request {
                                         assert_eq!(
-                                            (
-                                                a.state.first_dscp,
-                                                a.state.flags,
-                                                a.state.repeat,
-                                                a.state.repeat_lens
-                                            ),
+                                            memory(&a.state),
                                             (
                                                 dscp,
                                                 flags | STATE_REPEAT | STATE_REPEAT_RESPONSE,
@@ -262,10 +285,12 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                         for dp in [1, 7, PSN_MASK] {
                                             let p2 = (psn + dp) & PSN_MASK;
                                             let next = facts(opcode, p2, dscp, ecn, syndrome);
-                                            assert_eq!(
-                                                account::repeats_response(&a.state, &next, lens),
-                                                0,
-                                                "opcode {opcode:#x} psn {p2}"
+                                            the_next_like_it_repeats(
+                                                account::repeats_response,
+                                                &a.state,
+                                                &next,
+                                                lens,
+                                                cfg,
                                             );
                                             let next_psn =
                                                 facts(opcode, a.state.next_psn, dscp, ecn, syndrome);
@@ -273,17 +298,6 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                                 account::repeats(&a.state, &next_psn, lens),
                                                 0,
                                                 "opcode {opcode:#x}: a response as a request's repeat"
-                                            );
-                                            assert_ne!(
-                                                account::repeats_response(&a.state, &next, lens ^ 4 << 16),
-                                                0,
-                                                "opcode {opcode:#x}, another UDP length"
-                                            );
-                                            let r = account::reasons(&next, cfg, a.state.sample_state);
-                                            assert_eq!(
-                                                (account::news(&a.state, &next), r & !REASON_HASH),
-                                                (0, 0),
-                                                "the repeat of response {opcode:#x} is not plain"
                                             );
                                         }
                                         if roce::is_ack_opcode(opcode) {
@@ -299,12 +313,7 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                     }
                                     if remembers {
                                         assert_eq!(
-                                            (
-                                                a.state.first_dscp,
-                                                a.state.flags,
-                                                a.state.repeat,
-                                                a.state.repeat_lens
-                                            ),
+                                            memory(&a.state),
                                             (
                                                 dscp,
                                                 flags & !STATE_REMEMBERED | STATE_REPEAT,
@@ -316,21 +325,12 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                         // The next like it repeats it, and is plain but for
                                         // its sampling; of other lengths it does not.
                                         let next = facts(opcode, (psn + 1) & PSN_MASK, dscp, ecn, syndrome);
-                                        assert_eq!(
-                                            account::repeats(&a.state, &next, lens),
-                                            0,
-                                            "opcode {opcode:#x}"
-                                        );
-                                        assert_ne!(
-                                            account::repeats(&a.state, &next, lens ^ 4 << 16),
-                                            0,
-                                            "opcode {opcode:#x}, another UDP length"
-                                        );
-                                        let r = account::reasons(&next, cfg, a.state.sample_state);
-                                        assert_eq!(
-                                            (account::news(&a.state, &next), r & !REASON_HASH),
-                                            (0, 0),
-                                            "the repeat of opcode {opcode:#x} is not plain"
+                                        the_next_like_it_repeats(
+                                            account::repeats,
+                                            &a.state,
+                                            &next,
+                                            lens,
+                                            cfg,
                                         );
                                         assert_ne!(
                                             account::repeats_response(&a.state, &next, lens),
@@ -339,13 +339,8 @@ fn a_plain_packet_is_counted_as_the_full_accounting_counts_it_and_only_such_is_p
                                         );
                                     } else if request {
                                         assert_eq!(
-                                            (
-                                                a.state.first_dscp,
-                                                a.state.flags,
-                                                a.state.repeat,
-                                                a.state.repeat_lens
-                                            ),
-                                            (st.first_dscp, st.flags, st.repeat, st.repeat_lens),
+                                            memory(&a.state),
+                                            memory(&st),
                                             "not remembered: opcode {opcode:#x}"
                                         );
                                     }

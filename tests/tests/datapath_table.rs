@@ -5,7 +5,7 @@
 use std::net::IpAddr;
 
 use roce_trace_common::{datapath::*, roce::op, wire::*};
-use roce_trace_datapath::loader::DatapathOptions;
+use roce_trace_datapath::loader::{DatapathOptions, GlobalTotals};
 use roce_trace_gen::frame::{Mirror, RoceFrame, check_icrc, ethernet, ext, icrc};
 use roce_trace_tests::*;
 
@@ -1684,15 +1684,7 @@ fn a_request_like_the_last_but_for_its_lengths_is_checked_again() {
         set(&mut padded, TOT_LEN, l);
         steps.push((padded, true, None, "IP padding: checked"));
         for hook in [Hook::Xdp, Hook::TcIngress, Hook::TcEgress] {
-            let mut t = ProgTest::new(&DatapathOptions {
-                sample_rate: 0,
-                ..Default::default()
-            });
-            let dir = if matches!(hook, Hook::TcEgress) {
-                DIR_EGRESS
-            } else {
-                DIR_INGRESS
-            };
+            let (mut t, dir) = unsampled(hook);
             let (mut packets, mut bytes) = (0u64, 0u64);
             for (i, (f, counted, failure, what)) in steps.iter().enumerate() {
                 let before = t.globals();
@@ -1713,26 +1705,49 @@ fn a_request_like_the_last_but_for_its_lengths_is_checked_again() {
                     [(packets, bytes, 0)],
                     "{hook:?} {opcode:#x} step {i}, {what}"
                 );
-                for g in [
-                    GlobalCounter::RoceV2,
-                    GlobalCounter::BadUdpLength,
-                    GlobalCounter::TruncatedExtHeader,
-                ] {
-                    let want = u64::from(if g == GlobalCounter::RoceV2 {
-                        *counted
-                    } else {
-                        *failure == Some(g)
-                    });
-                    assert_eq!(
-                        after.get(g, dir) - before.get(g, dir),
-                        want,
-                        "{hook:?} {opcode:#x} step {i}, {what}: {g:?}"
-                    );
-                }
+                assert_counted_as(
+                    (&before, &after, dir),
+                    &[GlobalCounter::BadUdpLength, GlobalCounter::TruncatedExtHeader],
+                    *counted,
+                    *failure,
+                    &format!("{hook:?} {opcode:#x} step {i}, {what}"),
+                );
             }
         }
     }
     pin_to_cpu_any();
+}
+
+/// A datapath without hash sampling, to run frames through `hook`, and the hook's
+/// direction.
+fn unsampled(hook: Hook) -> (ProgTest, u8) {
+    let t = ProgTest::new(&DatapathOptions {
+        sample_rate: 0,
+        ..Default::default()
+    });
+    let dir = if matches!(hook, Hook::TcEgress) {
+        DIR_EGRESS
+    } else {
+        DIR_INGRESS
+    };
+    (t, dir)
+}
+
+/// What one frame moved among a hook's global counters (`before`, `after`, the hook's
+/// direction): `RoceV2` by one when it was `counted`, each of `failures` by one when it
+/// is the `failure` the frame was counted as, else not at all.
+fn assert_counted_as(
+    (before, after, dir): (&GlobalTotals, &GlobalTotals, u8),
+    failures: &[GlobalCounter],
+    counted: bool,
+    failure: Option<GlobalCounter>,
+    ctx: &str,
+) {
+    let moved = |g| after.get(g, dir) - before.get(g, dir);
+    assert_eq!(moved(GlobalCounter::RoceV2), u64::from(counted), "{ctx}: RoceV2");
+    for &g in failures {
+        assert_eq!(moved(g), u64::from(failure == Some(g)), "{ctx}: {g:?}");
+    }
 }
 
 /// An acknowledgement like its flow's last plain one (its TOS, opcode and lengths) is
@@ -1806,34 +1821,21 @@ fn an_acknowledgement_like_the_last_is_counted_without_checks_and_a_nak_or_a_cut
             steps.push(step(fr.clone(), plain(&fr), None, 0, what));
         }
         if ack {
-            let nak = frame(13, 0x60, 2);
-            let add = Flow {
-                packets: 1,
-                bytes: nak.len() as u64,
-                nak_psn_seq_err: 1,
-                ..Flow::default()
-            };
-            steps.push(step(
-                nak,
-                add,
-                None,
-                REASON_NAK,
-                "a NAK with the repeat's lengths",
-            ));
-            let rnr = frame(13, 0x2e, 2);
-            let add = Flow {
-                packets: 1,
-                bytes: rnr.len() as u64,
-                nak_rnr: 1,
-                ..Flow::default()
-            };
-            steps.push(step(
-                rnr,
-                add,
-                None,
-                REASON_NAK,
-                "an RNR NAK with the repeat's lengths",
-            ));
+            // A NAK (PSN sequence error) and an RNR NAK: what each adds.
+            for (syndrome, what) in [
+                (0x60, "a NAK with the repeat's lengths"),
+                (0x2e, "an RNR NAK with the repeat's lengths"),
+            ] {
+                let nak = frame(13, syndrome, 2);
+                let add = Flow {
+                    packets: 1,
+                    bytes: nak.len() as u64,
+                    nak_psn_seq_err: u64::from(syndrome == 0x60),
+                    nak_rnr: u64::from(syndrome == 0x2e),
+                    ..Flow::default()
+                };
+                steps.push(step(nak, add, None, REASON_NAK, what));
+            }
         }
         let mut cut = frame(14, 0x1f, 2);
         cut.truncate(EthHdr::LEN + Ipv4Hdr::LEN + UdpHdr::LEN + Bth::LEN + 2);
@@ -1850,15 +1852,7 @@ fn an_acknowledgement_like_the_last_is_counted_without_checks_and_a_nak_or_a_cut
         let again = frame(16, 0x1f, 2);
         steps.push(step(again.clone(), plain(&again), None, 0, "the repeat again"));
         for hook in [Hook::Xdp, Hook::TcIngress, Hook::TcEgress] {
-            let mut t = ProgTest::new(&DatapathOptions {
-                sample_rate: 0,
-                ..Default::default()
-            });
-            let dir = if matches!(hook, Hook::TcEgress) {
-                DIR_EGRESS
-            } else {
-                DIR_INGRESS
-            };
+            let (mut t, dir) = unsampled(hook);
             let mut want = Flow::default();
             for (
                 i,
@@ -1900,18 +1894,13 @@ fn an_acknowledgement_like_the_last_is_counted_without_checks_and_a_nak_or_a_cut
                     got, want_reports,
                     "{hook:?} {opcode:#x} step {i}, {what}: reports"
                 );
-                for g in [GlobalCounter::RoceV2, GlobalCounter::TruncatedExtHeader] {
-                    let want = u64::from(if g == GlobalCounter::RoceV2 {
-                        add.packets == 1
-                    } else {
-                        *failure == Some(g)
-                    });
-                    assert_eq!(
-                        after.get(g, dir) - before.get(g, dir),
-                        want,
-                        "{hook:?} {opcode:#x} step {i}, {what}: {g:?}"
-                    );
-                }
+                assert_counted_as(
+                    (&before, &after, dir),
+                    &[GlobalCounter::TruncatedExtHeader],
+                    add.packets == 1,
+                    *failure,
+                    &format!("{hook:?} {opcode:#x} step {i}, {what}"),
+                );
             }
         }
     }
