@@ -182,12 +182,19 @@ fn repeat_word(st: &FlowState) -> u32 {
     u32::from_ne_bytes([st.first_dscp, st.flags, st.repeat[0], st.repeat[1]])
 }
 
+/// [`repeat_word`] of a flow whose first DSCP and flags are these and that remembers `f`'s
+/// TOS and opcode.
+#[inline(always)]
+fn repeat_word_with(first_dscp: u8, flags: u8, f: &Facts) -> u32 {
+    let tos = (f.dscp << 2) | (f.ecn & 3);
+    u32::from_ne_bytes([first_dscp, flags, tos, f.opcode])
+}
+
 /// [`repeat_word`] of a flow whose last plain request was like `f` (its DSCP the flow's
 /// first).
 #[inline(always)]
 fn repeat_word_of(f: &Facts) -> u32 {
-    let tos = (f.dscp << 2) | (f.ecn & 3);
-    u32::from_ne_bytes([f.dscp, STATE_INIT | STATE_PSN_VALID | STATE_REPEAT, tos, f.opcode])
+    repeat_word_with(f.dscp, STATE_INIT | STATE_PSN_VALID | STATE_REPEAT, f)
 }
 
 /// Whether `f` repeats its flow's last plain request (0: it does): the flow remembers
@@ -226,8 +233,7 @@ pub fn repeats_response(st: &FlowState, f: &Facts, lens: u32) -> u64 {
     const REMEMBERED: u8 = STATE_INIT | STATE_REPEAT | STATE_REPEAT_RESPONSE;
     const MASK: u32 = u32::from_ne_bytes([0xff, REMEMBERED, 0xff, 0xff]);
     let request = (roce::facts(f.opcode) >> roce::FACT_REQUEST_BIT) & 1;
-    let tos = (f.dscp << 2) | (f.ecn & 3);
-    let want = u32::from_ne_bytes([f.dscp, REMEMBERED, tos, f.opcode]);
+    let want = repeat_word_with(f.dscp, REMEMBERED, f);
     let nak = u32::from(f.syndrome & roce::SYNDROME_NAK_BITS);
     u64::from(((repeat_word(st) & MASK) ^ want) | (st.repeat_lens ^ lens) | nak) | request
 }
@@ -250,13 +256,7 @@ pub fn note_repeat(st: &mut FlowState, f: &Facts, lens: u32) {
     let keep = (crate::opaque(remembered) as u32).wrapping_sub(1);
     // All ones for a request.
     let req = (crate::opaque(request) as u32).wrapping_neg();
-    let tos = (f.dscp << 2) | (f.ecn & 3);
-    let response = u32::from_ne_bytes([
-        st.first_dscp,
-        st.flags | STATE_REPEAT | STATE_REPEAT_RESPONSE,
-        tos,
-        f.opcode,
-    ]);
+    let response = repeat_word_with(st.first_dscp, st.flags | STATE_REPEAT | STATE_REPEAT_RESPONSE, f);
     let new = (repeat_word_of(f) & req) | (response & !req);
     let w = (repeat_word(st) & keep) | (new & !keep);
     let [first_dscp, flags, tos, opcode] = w.to_ne_bytes();
@@ -272,14 +272,15 @@ pub fn note_repeat(st: &mut FlowState, f: &Facts, lens: u32) {
 /// does not). Straight-line code.
 #[inline(always)]
 pub fn count_response(fc: &mut FlowCounters, f: &Facts, frame_len: u32, now: u64) {
-    count_repeat_response(fc, f, frame_len, now);
+    count_response_but_ack(fc, f, frame_len, now);
     fc.counts.ack += plain_ack(f);
 }
 
 /// [`count_response`] but for the ACK (the kernel adds [`plain_ack`] out of line, so a
-/// READ response leaves the slot's third line alone).
+/// READ response leaves the slot's third line alone), as [`count_plain_but_ack`] is to
+/// [`count_plain`].
 #[inline(always)]
-pub fn count_repeat_response(fc: &mut FlowCounters, f: &Facts, frame_len: u32, now: u64) {
+pub fn count_response_but_ack(fc: &mut FlowCounters, f: &Facts, frame_len: u32, now: u64) {
     count_packet(fc, f, frame_len, now);
 }
 

@@ -613,16 +613,23 @@ pub fn plain_v4_fields<P: Packet>(p: &P) -> Option<PlainV4> {
 /// for any other opcode.
 #[inline(always)]
 pub fn plain_v4_checks<P: Packet>(p: &P, opcode: u8, lens: u32) -> Option<u8> {
-    // first_look saw a total length that holds the header.
-    let l4_len = ((lens & 0xffff) as usize).wrapping_sub(Ipv4Hdr::LEN);
-    let udp_len = (lens >> 16) as usize;
-    // The UDP length holds the BTH, the opcode's fixed extended bytes and the ICRC (and
-    // so at least the BTH and the ICRC, parse_roce's first test), and fits the IP payload.
-    let min_len = ext_layout(opcode).min_len as usize;
-    if UdpHdr::LEN + Bth::LEN + min_len + ICRC_LEN > udp_len || udp_len > l4_len {
+    if !plain_v4_lengths(opcode, lens) {
         return None;
     }
     plain_v4_syndrome(p, opcode)
+}
+
+/// The first half of [`plain_v4_checks`], on the lengths and the opcode alone: the UDP
+/// length holds the BTH, the opcode's fixed extended bytes and the ICRC, and fits the IP
+/// payload.
+#[inline(always)]
+pub fn plain_v4_lengths(opcode: u8, lens: u32) -> bool {
+    // first_look saw a total length that holds the header.
+    let l4_len = ((lens & 0xffff) as usize).wrapping_sub(Ipv4Hdr::LEN);
+    let udp_len = (lens >> 16) as usize;
+    // (So at least the BTH and the ICRC: parse_roce's first test.)
+    let min_len = ext_layout(opcode).min_len as usize;
+    UdpHdr::LEN + Bth::LEN + min_len + ICRC_LEN <= udp_len && udp_len <= l4_len
 }
 
 /// The second half of [`plain_v4_checks`], the one that reads the frame: that it holds

@@ -66,7 +66,7 @@ use roce_trace_common::{
     datapath::*,
     parse::{
         Facts, Look, PLAIN_V4_REQUEST_LEN, Packet, Parsed, first_look, load_icrc, parse_into,
-        parse_plain_v4_into, plain_v4_checks, plain_v4_headers, plain_v4_syndrome,
+        parse_plain_v4_into, plain_v4_headers, plain_v4_lengths, plain_v4_syndrome,
     },
     scratch::{Globals, Work},
 };
@@ -266,11 +266,13 @@ fn fast<P: Packet + Span>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> boo
     // NAK: told by the syndrome's read and two words, whatever its PSN; then its
     // sampling, then straight-line stores. Out of the request's way: its first test is
     // the one a repeated request passed.
+    // The checks' half that reads the frame, made once for the response's test and the
+    // checked path (when it fails, nothing is counted: the full path takes the frame).
+    let Some(syndrome) = plain_v4_syndrome(pkt, f.opcode) else {
+        return false;
+    };
+    let f = &Facts { syndrome, ..*f };
     'checked_response: {
-        let Some(syndrome) = plain_v4_syndrome(pkt, f.opcode) else {
-            break 'checked_response;
-        };
-        let f = &Facts { syndrome, ..*f };
         rare_if_ne!(account::repeats_response(&c.state, f, lens), 0, {
             break 'checked_response;
         });
@@ -279,7 +281,7 @@ fn fast<P: Packet + Span>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> boo
             break 'checked_response;
         });
         bump(&mut g.counters, GlobalCounter::RoceV2, dir);
-        account::count_repeat_response(c, f, frame_len, now);
+        account::count_response_but_ack(c, f, frame_len, now);
         // An acknowledgement's count is on the slot's third line, as in `fast_checked`.
         rare_if_ne!(account::plain_ack(f), 0, {
             c.counts.ack += 1;
@@ -291,9 +293,11 @@ fn fast<P: Packet + Span>(pkt: &P, dir: u8, ifindex: u32, frame_len: u32) -> boo
 
 /// [`fast`] of a packet that does not repeat its flow's last plain request or response
 /// (another opcode, TOS or length, the flow's first packet in its slot, a frame shorter
-/// than any request's extended headers, a NAK, a sampled response): its headers checked as
-/// `parse::plain_v4` checks them (when they fail, nothing is counted: the full path takes
-/// the frame), then plain (no news, nothing to report) or not.
+/// than any request's extended headers, a NAK, a sampled response), whose frame [`fast`]
+/// has seen hold its extended headers and whose syndrome `f` holds
+/// (`parse::plain_v4_syndrome`): its lengths checked as `parse::plain_v4` checks them
+/// (when they fail, nothing is counted: the full path takes the frame), then plain (no
+/// news, nothing to report) or not.
 #[inline(always)]
 #[expect(
     clippy::too_many_arguments,
@@ -312,10 +316,9 @@ fn fast_checked<P: Packet>(
     frame_len: u32,
     now: u64,
 ) -> bool {
-    let Some(syndrome) = plain_v4_checks(pkt, f.opcode, lens) else {
+    if !plain_v4_lengths(f.opcode, lens) {
         return false;
-    };
-    let f = &Facts { syndrome, ..*f };
+    }
     let reasons = account::reasons(f, cfg, c.state.sample_state);
     // The plain packet (no news, nothing to report): one test, both sides arithmetic,
     // then straight-line stores.
